@@ -1,0 +1,29 @@
+// Argument checks shared by the CPU kernels; every message names the argument.
+#pragma once
+#include <ATen/ATen.h>
+
+#define SPECDEC_CHECK(cond, ...) TORCH_CHECK(cond, __VA_ARGS__)
+
+namespace specdec {
+
+inline void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
+}
+
+inline void check_dtype(const at::Tensor& t, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ", t.scalar_type());
+}
+
+inline void check_dim(const at::Tensor& t, int64_t dim, const char* name) {
+  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got shape ", t.sizes());
+}
+
+inline void check_size(const at::Tensor& t, int64_t dim, int64_t size, const char* name) {
+  TORCH_CHECK(t.size(dim) == size, name, ".size(", dim, ") must be ", size, ", got shape ", t.sizes());
+}
+
+inline void check_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+}  // namespace specdec

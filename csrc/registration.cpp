@@ -1,0 +1,52 @@
+// Every op schema of the `specdec` library, defined once. Kernels are registered per
+// backend: C++ CPU kernels in csrc/cpu/<area>.cpp (TORCH_LIBRARY_IMPL(specdec, CPU, m)),
+// Triton kernels for the CUDA key and fakes for the Meta key in Python
+// (specdec_kernels/triton/, specdec_kernels/ops.py).
+//
+// Conventions (DESIGN.md): index tensors int32, token ids int64, padding -1; outputs are
+// caller-given tensors marked (a!); no op synchronises with the host.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+// Importing specdec_kernels._C loads this shared object, which runs the static
+// initialisers below and registers the ops; the module itself is empty.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(specdec, m) {
+  // Rejection sampling (rejection_sampling.cpp).
+  m.def(
+      "chain_rejection_sample(Tensor draft_token_ids, Tensor num_draft_tokens, "
+      "Tensor target_logits, Tensor? draft_probs, Tensor temperature, Tensor seed, "
+      "Tensor offset, Tensor(a!) output_token_ids, Tensor(b!) num_accepted) -> ()");
+  m.def(
+      "tree_rejection_sample(Tensor parents, Tensor tree_token_ids, Tensor num_nodes, "
+      "Tensor target_logits, Tensor? draft_probs, Tensor temperature, Tensor seed, "
+      "Tensor offset, Tensor(a!) accepted_nodes, Tensor(b!) output_token_ids, "
+      "Tensor(c!) num_accepted) -> ()");
+  m.def("apply_top_k_top_p(Tensor(a!) logits, Tensor? top_k, Tensor? top_p, Tensor? min_p) -> ()");
+
+  // Tree attention (tree_attention.cpp).
+  m.def(
+      "tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+      "Tensor prefix_lens, Tensor qo_indptr, Tensor? tree_mask, float sm_scale, "
+      "Tensor(a!) out, Tensor(b!)? lse) -> ()");
+
+  // KV-cache compaction (kv_compaction.cpp).
+  m.def(
+      "compact_kv(Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor block_table, "
+      "Tensor prefix_lens, Tensor accepted_nodes, Tensor num_accepted) -> ()");
+
+  // Medusa heads and the skinny GEMM under them (medusa.cpp).
+  m.def(
+      "medusa_topk(Tensor hidden, Tensor res_weight, Tensor res_bias, Tensor lm_head, "
+      "int top_k, Tensor(a!) topk_ids, Tensor(b!) topk_logprobs) -> ()");
+  m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()");
+
+  // The counter-based generator, exposed so that tests can compare backends bit for bit.
+  m.def("philox_uniform(Tensor seed, Tensor offset, int position, int purpose, int num) -> Tensor");
+}

@@ -1,0 +1,1 @@
+"""Pure-Python references of every op: readable loops, obviously right, used by tests only."""

@@ -1,0 +1,33 @@
+"""Build of specdec_kernels._C: the op schemas and the C++ CPU kernels.
+
+Every file in csrc/ and csrc/cpu/ is compiled into one extension; adding a kernel file
+needs no change here.
+"""
+import glob
+import os
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+extra_compile_args = ["-O3", "-std=c++20", "-fopenmp", "-march=x86-64-v2", "-mavx2", "-mfma", "-mf16c"]
+if os.uname().machine != "x86_64":
+    extra_compile_args = ["-O3", "-std=c++20", "-fopenmp"]
+
+setup(
+    name="specdec_kernels",
+    version="0.1.0",
+    packages=find_packages(include=["specdec_kernels", "specdec_kernels.*"]),
+    ext_modules=[
+        CppExtension(
+            "specdec_kernels._C",
+            sources,
+            include_dirs=[os.path.abspath("csrc")],
+            extra_compile_args=extra_compile_args,
+            extra_link_args=["-fopenmp"],
+        )
+    ],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    entry_points={"console_scripts": ["specdec=specdec_kernels.cli:main"]},
+    package_data={"specdec_kernels": ["data/*"]},
+)

@@ -1,0 +1,1 @@
+"""Triton kernels for kv_compaction (to be written)."""

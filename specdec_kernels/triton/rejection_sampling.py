@@ -1,0 +1,1 @@
+"""Triton kernels for rejection_sampling (to be written)."""

@@ -1,0 +1,1 @@
+"""Triton kernels for tree_attention (to be written)."""

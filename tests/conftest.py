@@ -1,0 +1,22 @@
+"""Test setup: Triton kernels run on CPU tensors through the interpreter.
+
+TRITON_INTERPRET must be set before triton is first imported, so it is set here, before
+any test module imports specdec_kernels.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import specdec_kernels  # noqa: E402,F401
+
+requires_triton = pytest.mark.skipif(
+    not specdec_kernels.HAS_TRITON, reason="triton is not installed (pip install triton)"
+)
+
+
+@pytest.fixture(autouse=True)
+def _seed_torch():
+    torch.manual_seed(0)
