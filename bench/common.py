@@ -1,0 +1,85 @@
+"""Shared benchmark helpers: timing (median and spread of repeated runs), the machine's
+measured copy bandwidth and matmul throughput, and JSON results under bench/results/.
+
+This machine is noisy, so every number is a median of repeated runs, and every kernel's
+bandwidth is reported as a fraction of the copy bandwidth measured in the same run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def time_fn(fn, *, warmup: int = 3, reps: int = 20, min_time_s: float = 0.0) -> dict:
+    """Run ``fn()`` ``warmup`` times, then at least ``reps`` times (and at least
+    ``min_time_s`` seconds); return median, min, p25, p75 in microseconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    start = time.perf_counter()
+    while len(times) < reps or time.perf_counter() - start < min_time_s:
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    times.sort()
+    q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
+    return {"median_us": statistics.median(times), "min_us": times[0], "p25_us": q[0], "p75_us": q[2], "reps": len(times)}
+
+
+def copy_bandwidth_gbs(nbytes: int = 256 * 2**20, reps: int = 15) -> float:
+    """Measured copy bandwidth in GB/s (bytes read + bytes written, per second), median
+    over ``reps`` copies of a buffer much larger than the caches."""
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    t = time_fn(lambda: dst.copy_(src), warmup=2, reps=reps)
+    return 2 * nbytes / (t["median_us"] * 1e-6) / 1e9
+
+
+def matmul_gflops(n: int = 1024, reps: int = 10, dtype=torch.float32) -> float:
+    """Measured fp32 matmul throughput in GFLOP/s (median over ``reps``)."""
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    t = time_fn(lambda: torch.mm(a, b), warmup=2, reps=reps)
+    return 2 * n**3 / (t["median_us"] * 1e-6) / 1e9
+
+
+def machine_info() -> dict:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def write_results(name: str, payload: dict) -> Path:
+    """Write ``payload`` (plus machine info) to bench/results/<name>.json; return the path."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine_info(), **payload}, indent=2) + "\n")
+    return path
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    """Print ``rows`` as an aligned text table with the given columns."""
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
