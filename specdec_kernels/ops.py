@@ -16,6 +16,7 @@ __all__ = [
     "tree_rejection_sample",
     "apply_top_k_top_p",
     "tree_attention",
+    "compact_kv",
 ]
 
 
@@ -410,6 +411,74 @@ def _tree_attention_fake(q, k_cache, v_cache, block_table, prefix_lens, qo_indpt
 # ---------------------------------------------------------------------------------------
 # KV-cache compaction: compact_kv.
 # ---------------------------------------------------------------------------------------
+
+
+def _check_compact_kv_args(k_caches, v_caches, block_table, prefix_lens, accepted_nodes, num_accepted) -> None:
+    """Shape/dtype/device checks of compact_kv (ValueError naming the argument); the
+    data-dependent checks (node order, positions, block ids) are the kernels' job."""
+    for name, caches in (("k_caches", k_caches), ("v_caches", v_caches)):
+        if not isinstance(caches, (list, tuple)):
+            raise ValueError(f"{name} must be a list of tensors (one per layer), got {type(caches).__name__}")
+    if len(k_caches) == 0:
+        raise ValueError("k_caches must hold at least one layer tensor, got an empty list")
+    if len(k_caches) != len(v_caches):
+        raise ValueError(f"k_caches and v_caches must have the same length, got {len(k_caches)} and {len(v_caches)}")
+    first = k_caches[0]
+    check_tensor(first, "k_caches[0]", dims=4)
+    for name, caches in (("k_caches", k_caches), ("v_caches", v_caches)):
+        for layer, t in enumerate(caches):
+            check_tensor(t, f"{name}[{layer}]", dtype=first.dtype, shape=tuple(first.shape), device=first.device)
+            if t.stride() != first.stride():
+                raise ValueError(
+                    f"{name}[{layer}] must have the strides of k_caches[0] {first.stride()}, got {t.stride()}"
+                )
+    if first.stride(3) != 1:
+        raise ValueError(f"k_caches/v_caches must be contiguous in head_dim (stride 1), got strides {first.stride()}")
+    device = first.device
+    check_tensor(block_table, "block_table", dtype=torch.int32, dims=2, device=device)
+    batch = block_table.shape[0]
+    check_tensor(prefix_lens, "prefix_lens", dtype=torch.int32, shape=(batch,), device=device)
+    check_tensor(accepted_nodes, "accepted_nodes", dtype=torch.int32, shape=(batch, None), device=device)
+    check_tensor(num_accepted, "num_accepted", dtype=torch.int32, shape=(batch,), device=device)
+
+
+def compact_kv(
+    k_caches: list[torch.Tensor],
+    v_caches: list[torch.Tensor],
+    block_table: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    accepted_nodes: torch.Tensor,
+    num_accepted: torch.Tensor,
+) -> None:
+    """Move the accepted tree nodes' K/V next to the root, in place, for every layer.
+
+    k_caches, v_caches: one tensor per layer, each [num_blocks, block_size, num_kv_heads,
+        head_dim], all of one shape, dtype (any, uint8 included) and device, contiguous in
+        head_dim; a contiguous cache is block_size = max_len with one block per request.
+    block_table: int32 [B, max_blocks] (cache position p of request b is in block
+        block_table[b, p // block_size] at offset p % block_size; -1 padded).
+    prefix_lens: int32 [B], cache position of tree node 0 (the root).
+    accepted_nodes: int32 [B, D], accepted node indices, strictly increasing, >= 1,
+        -1 padded (``tree_rejection_sample``'s output).
+    num_accepted: int32 [B]; a negative count (a NaN row) moves nothing.
+
+    For i < num_accepted[b]: position prefix_lens[b] + 1 + i <- position prefix_lens[b] +
+    accepted_nodes[b, i] (K and V, every layer and head). Sources are read before
+    destinations are written; identity moves (a chain) are skipped. Entries at other
+    positions are unchanged. Data-dependent faults (node order, positions outside the block
+    table, block ids out of range) raise on CPU; the Triton kernel skips such moves.
+
+    The op only mutates the caches, so this wrapper returns None (a functional form that
+    copied every layer's cache would defeat the purpose).
+    """
+    _check_compact_kv_args(k_caches, v_caches, block_table, prefix_lens, accepted_nodes, num_accepted)
+    torch.ops.specdec.compact_kv(list(k_caches), list(v_caches), block_table, prefix_lens, accepted_nodes, num_accepted)
+
+
+@torch.library.register_fake("specdec::compact_kv")
+def _compact_kv_fake(k_caches, v_caches, block_table, prefix_lens, accepted_nodes, num_accepted):
+    return None
+
 
 
 # ---------------------------------------------------------------------------------------
