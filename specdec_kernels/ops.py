@@ -17,6 +17,7 @@ __all__ = [
     "apply_top_k_top_p",
     "tree_attention",
     "compact_kv",
+    "medusa_topk", "skinny_linear", "linear",
 ]
 
 
@@ -484,3 +485,133 @@ def _compact_kv_fake(k_caches, v_caches, block_table, prefix_lens, accepted_node
 # ---------------------------------------------------------------------------------------
 # Medusa heads and the skinny GEMM: medusa_topk, skinny_linear.
 # ---------------------------------------------------------------------------------------
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Largest number of rows for which `linear` uses skinny_linear instead of F.linear on CPU.
+# Measured with `python bench/bench_medusa.py` (skinny_linear vs F.linear over the SmolLM2
+# layer shapes [1536|576|192|49152, 576] and [576, 1536], M = 1..64, fp32, 2 threads):
+# skinny_linear is faster at every M <= 32 on every shape; see bench/results/medusa.json.
+SKINNY_LINEAR_MAX_ROWS = 32
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, out=None) -> torch.Tensor:
+    """``x @ weight.T + bias`` streaming the weight once for all rows (CPU, few rows).
+
+    x: [M, H] fp32/bf16/fp16; weight: [N, H] fp32/bf16/fp16, contiguous (bf16/fp16 weights
+    are widened on the fly, so they stream half the bytes); bias: [N] or None; out: [M, N]
+    of x's dtype (allocated when None). Accumulates in fp32. Designed for M <= 64; any M is
+    correct (the CPU kernel just stops beating MKL). Returns out.
+    """
+    check_tensor(x, "x", dtype=_FLOAT_DTYPES, dims=2)
+    check_tensor(weight, "weight", dtype=_FLOAT_DTYPES, dims=2, device=x.device)
+    M, H = x.shape
+    N = weight.shape[0]
+    if weight.shape[1] != H:
+        raise ValueError(f"weight must have shape [N, {H}] (x is [{M}, {H}]), got {list(weight.shape)}")
+    if not weight.is_contiguous():
+        raise ValueError("weight must be contiguous")
+    if bias is not None:
+        check_tensor(bias, "bias", dtype=_FLOAT_DTYPES, shape=(N,), device=x.device)
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    else:
+        check_tensor(out, "out", dtype=x.dtype, shape=(M, N), device=x.device)
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+    torch.ops.specdec.skinny_linear(x, weight, bias, out)
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` that uses ``skinny_linear`` where it was measured to be faster.
+
+    x: [..., H]; weight: [N, H]; bias: [N] or None. skinny_linear is used on CPU when the
+    flattened row count is <= SKINNY_LINEAR_MAX_ROWS, x and weight are fp32/bf16,
+    the weight is contiguous and no gradient is needed (skinny_linear has no autograd
+    formula); otherwise this is exactly ``F.linear``.
+    """
+    rows = x.numel() // x.shape[-1] if x.dim() > 0 and x.shape[-1] > 0 else 0
+    use_skinny = (
+        x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and 0 < rows <= SKINNY_LINEAR_MAX_ROWS
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and (bias is None or (bias.dim() == 1 and bias.device.type == "cpu" and bias.dtype in _FLOAT_DTYPES))
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                              or (bias is not None and bias.requires_grad)))
+    )
+    if not use_skinny:
+        return torch.nn.functional.linear(x, weight, bias)
+    out = skinny_linear(x.reshape(rows, x.shape[-1]), weight, bias)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def medusa_topk(
+    hidden: torch.Tensor,
+    res_weight: torch.Tensor,
+    res_bias: torch.Tensor,
+    lm_head: torch.Tensor,
+    top_k: int,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k candidates of K Medusa heads, fused: the [M, K, V] logits are never written.
+
+    hidden: [M, H]; res_weight: [K, L, H, H] and res_bias: [K, L, H] (L ResBlocks per head,
+    x <- x + SiLU(x W^T + b); L may be 0); lm_head: [V, H] shared by all heads or [K, V, H]
+    per head; all fp32/bf16/fp16 (arithmetic in fp32), weights contiguous; 1 <= top_k <= V.
+    Returns (topk_ids int64 [M, K, top_k], topk_logprobs fp32 [M, K, top_k]): per row and
+    head, the top_k vocabulary ids by descending logit (ties to the lower id) and their
+    log-softmax values. ``out`` = (topk_ids, topk_logprobs) to write into.
+    Non-finite logits raise on CPU (RuntimeError); on GPU they give NaN log-probs.
+    """
+    check_tensor(hidden, "hidden", dtype=_FLOAT_DTYPES, dims=2)
+    M, H = hidden.shape
+    dev = hidden.device
+    check_tensor(res_weight, "res_weight", dtype=_FLOAT_DTYPES, dims=4, device=dev)
+    K, L = res_weight.shape[0], res_weight.shape[1]
+    if K < 1:
+        raise ValueError(f"res_weight must have at least one head (K >= 1), got shape {list(res_weight.shape)}")
+    check_tensor(res_weight, "res_weight", shape=(K, L, H, H))
+    check_tensor(res_bias, "res_bias", dtype=_FLOAT_DTYPES, shape=(K, L, H), device=dev)
+    check_tensor(lm_head, "lm_head", dtype=_FLOAT_DTYPES, device=dev)
+    if lm_head.dim() == 2 and lm_head.shape[1] == H:
+        V = lm_head.shape[0]
+    elif lm_head.dim() == 3 and lm_head.shape[0] == K and lm_head.shape[2] == H:
+        V = lm_head.shape[1]
+    else:
+        raise ValueError(
+            f"lm_head must have shape [V, {H}] (shared) or [{K}, V, {H}] (per head), got {list(lm_head.shape)}"
+        )
+    if V < 1:
+        raise ValueError(f"lm_head must have at least one vocabulary row, got shape {list(lm_head.shape)}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= V:
+        raise ValueError(f"top_k must be an int in [1, V = {V}], got {top_k!r}")
+    for t, name in ((res_weight, "res_weight"), (res_bias, "res_bias"), (lm_head, "lm_head")):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if out is None:
+        topk_ids = torch.empty((M, K, top_k), dtype=torch.int64, device=dev)
+        topk_logprobs = torch.empty((M, K, top_k), dtype=torch.float32, device=dev)
+    else:
+        topk_ids, topk_logprobs = out
+        check_tensor(topk_ids, "topk_ids", dtype=torch.int64, shape=(M, K, top_k), device=dev)
+        check_tensor(topk_logprobs, "topk_logprobs", dtype=torch.float32, shape=(M, K, top_k), device=dev)
+        if not (topk_ids.is_contiguous() and topk_logprobs.is_contiguous()):
+            raise ValueError("topk_ids and topk_logprobs must be contiguous")
+    torch.ops.specdec.medusa_topk(hidden.contiguous(), res_weight, res_bias, lm_head, top_k, topk_ids, topk_logprobs)
+    return topk_ids, topk_logprobs
+
+
+@torch.library.register_fake("specdec::medusa_topk")
+def _medusa_topk_fake(hidden, res_weight, res_bias, lm_head, top_k, topk_ids, topk_logprobs):
+    return None
+
+
+@torch.library.register_fake("specdec::skinny_linear")
+def _skinny_linear_fake(x, weight, bias, out):
+    return None
