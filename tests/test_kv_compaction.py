@@ -378,3 +378,20 @@ def test_kv_cache_class_round_trip_uses_op():
     cache.compact([slot], torch.tensor([[2, 4, -1, -1]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32))
     flat_k = cache.k_caches[0].view(-1, 4)[positions.slot_mapping, 0]
     assert flat_k.tolist() == [0.0, 2.0, 4.0, 3.0, 4.0] and cache.length(slot) == 3
+
+
+def test_wrapper_remembers_checked_lists_only_while_tensors_live():
+    import gc
+
+    from specdec_kernels import ops
+
+    k, v, *rest = good_args()
+    specdec_kernels.compact_kv(k, v, *rest)
+    key = (tuple(map(id, k)), tuple(map(id, v)))
+    assert key in ops._CHECKED_CACHE_LISTS
+    # A list with one layer swapped for a bad tensor is checked afresh.
+    with pytest.raises(ValueError, match=r"v_caches\[1\] must have dtype"):
+        specdec_kernels.compact_kv(k, [v[0], v[1].half()], *rest)
+    del k, v
+    gc.collect()
+    assert key not in ops._CHECKED_CACHE_LISTS
