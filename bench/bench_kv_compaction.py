@@ -136,7 +136,7 @@ def main() -> None:
     shapes = [(16, 1, False), (16, 4, False), (64, 4, False), (64, 8, False), (8, 7, True)]
     batches = [1, 8]
     cases = [(m, b, *s) for m in MODELS for b in batches for s in shapes]
-    reps, min_time = 30, 0.4
+    reps, min_time = 50, 0.8
     if args.quick:
         cases = [("smollm2-135m", 8, 16, 4, False), ("smollm2-135m", 8, 8, 7, True), ("llama3-8b", 1, 64, 8, False)]
         reps, min_time = 10, 0.05

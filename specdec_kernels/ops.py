@@ -100,7 +100,7 @@ class _CacheLists:
 _CHECKED_CACHE_LISTS: dict[tuple, _CacheLists] = {}
 
 
-def _check_cache_lists(k_caches, v_caches) -> _CacheLists:
+def _check_cache_lists(k_caches, v_caches) -> _CacheLists | None:
     """Raise a ValueError unless k_caches/v_caches are equal-length, non-empty lists of
     4-d tensors of one shape, dtype, device and strides, contiguous in the last dim.
     (Resizing a layer tensor in place between calls is not noticed on a remembered list;
@@ -108,8 +108,9 @@ def _check_cache_lists(k_caches, v_caches) -> _CacheLists:
     for name, caches in (("k_caches", k_caches), ("v_caches", v_caches)):
         if not isinstance(caches, (list, tuple)):
             raise ValueError(f"{name} must be a list of tensors (one per layer), got {type(caches).__name__}")
-    key = (tuple(map(id, k_caches)), tuple(map(id, v_caches)))
-    entry = _CHECKED_CACHE_LISTS.get(key)
+    compiling = torch.compiler.is_compiling()  # under torch.compile: plain checks, no memo
+    key = None if compiling else (tuple(map(id, k_caches)), tuple(map(id, v_caches)))
+    entry = None if compiling else _CHECKED_CACHE_LISTS.get(key)
     if entry is not None:
         first = k_caches[0]
         if (first.shape, first.dtype, first.device, first.stride()) == entry.signature:
@@ -130,6 +131,9 @@ def _check_cache_lists(k_caches, v_caches) -> _CacheLists:
     if first.stride(3) != 1:
         raise ValueError(f"k_caches/v_caches must be contiguous in head_dim (stride 1), got strides {first.stride()}")
 
+    if compiling:
+        return None
+
     def forget(_ref, key=key):
         _CHECKED_CACHE_LISTS.pop(key, None)
 
@@ -139,7 +143,7 @@ def _check_cache_lists(k_caches, v_caches) -> _CacheLists:
     return entry
 
 
-def _check_compact_kv_args(k_caches, v_caches, block_table, prefix_lens, accepted_nodes, num_accepted) -> _CacheLists:
+def _check_compact_kv_args(k_caches, v_caches, block_table, prefix_lens, accepted_nodes, num_accepted):
     """Shape/dtype/device checks of compact_kv (ValueError naming the argument); the
     data-dependent checks (node order, positions, block ids) are the kernels' job."""
     entry = _check_cache_lists(k_caches, v_caches)

@@ -395,3 +395,33 @@ def test_wrapper_remembers_checked_lists_only_while_tensors_live():
     del k, v
     gc.collect()
     assert key not in ops._CHECKED_CACHE_LISTS
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch_and_zero_width(backend):
+    k = [torch.randn(2, 4, 1, 8)]
+    v = [torch.randn(2, 4, 1, 8)]
+    before = clone_caches(k + v)
+    i32 = torch.int32
+    backend(k, v, torch.zeros(0, 2, dtype=i32), torch.zeros(0, dtype=i32), torch.zeros(0, 3, dtype=i32),
+            torch.zeros(0, dtype=i32))
+    backend(k, v, torch.tensor([[0, 1]], dtype=i32), torch.tensor([2], dtype=i32), torch.zeros(1, 0, dtype=i32),
+            torch.zeros(1, dtype=i32))
+    assert all(torch.equal(a, b) for a, b in zip(k + v, before))
+
+
+def test_wrapper_traces_with_torch_compile_fullgraph():
+    # backend="eager": Dynamo tracing of the wrapper and the fake without Inductor's
+    # code generation (the op is opaque to Inductor anyway).
+    case = make_case([2, 3], [[1, 3], [2]], tree_sizes=[5, 4], block_size=3)
+    k, v, *rest = case
+    ek, ev = clone_caches(k), clone_caches(v)
+    compact_kv_ref(ek, ev, *rest)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def step(k_caches, v_caches, block_table, prefix_lens, accepted_nodes, num_accepted):
+        specdec_kernels.compact_kv(k_caches, v_caches, block_table, prefix_lens, accepted_nodes, num_accepted)
+        return k_caches[0].sum()
+
+    step(k, v, *rest)
+    assert all(torch.equal(a, b) for a, b in zip(k + v, ek + ev))

@@ -117,14 +117,17 @@ def _pointer_tables(entry, k_caches, v_caches) -> tuple[torch.Tensor, torch.Tens
     """int64 tensors of the layers' data pointers, on the caches' device; kept with the
     checked cache lists (``ops._CacheLists``) and rebuilt if a pointer changed."""
     pointers = (tuple(t.data_ptr() for t in k_caches), tuple(t.data_ptr() for t in v_caches))
-    if entry.pointer_tables is None or entry.pointer_tables[0] != pointers:
-        device = k_caches[0].device
-        entry.pointer_tables = (
-            pointers,
-            torch.tensor(pointers[0], dtype=torch.int64, device=device),
-            torch.tensor(pointers[1], dtype=torch.int64, device=device),
-        )
-    return entry.pointer_tables[1], entry.pointer_tables[2]
+    if entry is not None and entry.pointer_tables is not None and entry.pointer_tables[0] == pointers:
+        return entry.pointer_tables[1], entry.pointer_tables[2]
+    device = k_caches[0].device
+    tables = (
+        pointers,
+        torch.tensor(pointers[0], dtype=torch.int64, device=device),
+        torch.tensor(pointers[1], dtype=torch.int64, device=device),
+    )
+    if entry is not None:  # None: checked without the memo (inside torch.compile tracing)
+        entry.pointer_tables = tables
+    return tables[1], tables[2]
 
 
 def compact_kv_triton(k_caches, v_caches, block_table, prefix_lens, accepted_nodes, num_accepted) -> None:
