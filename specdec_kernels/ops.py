@@ -414,12 +414,42 @@ def _tree_attention_fake(q, k_cache, v_cache, block_table, prefix_lens, qo_indpt
 # ---------------------------------------------------------------------------------------
 
 
-def _check_compact_kv_args(k_caches, v_caches, block_table, prefix_lens, accepted_nodes, num_accepted) -> None:
-    """Shape/dtype/device checks of compact_kv (ValueError naming the argument); the
-    data-dependent checks (node order, positions, block ids) are the kernels' job."""
+import weakref  # noqa: E402  (kept inside this section: it is only used here)
+
+
+class _CacheLists:
+    """K/V cache lists that passed the layer checks, remembered while all their tensors
+    live (a weakref callback forgets the entry when any of them is freed, so a remembered
+    id always names the tensor that was checked). With 30-60 layers the full check costs
+    ~0.1-0.4 ms of Python per call, more than the kernel itself; a hit costs one tuple of
+    ids. ``pointer_tables`` is where the Triton launcher keeps the layers' data pointers."""
+
+    __slots__ = ("refs", "signature", "pointer_tables")
+
+    def __init__(self, refs, signature):
+        self.refs = refs
+        self.signature = signature
+        self.pointer_tables = None
+
+
+_CHECKED_CACHE_LISTS: dict[tuple, _CacheLists] = {}
+
+
+def _check_cache_lists(k_caches, v_caches) -> _CacheLists | None:
+    """Raise a ValueError unless k_caches/v_caches are equal-length, non-empty lists of
+    4-d tensors of one shape, dtype, device and strides, contiguous in the last dim.
+    (Resizing a layer tensor in place between calls is not noticed on a remembered list;
+    the C++ kernel checks every layer on each call anyway.)"""
     for name, caches in (("k_caches", k_caches), ("v_caches", v_caches)):
         if not isinstance(caches, (list, tuple)):
             raise ValueError(f"{name} must be a list of tensors (one per layer), got {type(caches).__name__}")
+    compiling = torch.compiler.is_compiling()  # under torch.compile: plain checks, no memo
+    key = None if compiling else (tuple(map(id, k_caches)), tuple(map(id, v_caches)))
+    entry = None if compiling else _CHECKED_CACHE_LISTS.get(key)
+    if entry is not None:
+        first = k_caches[0]
+        if (first.shape, first.dtype, first.device, first.stride()) == entry.signature:
+            return entry
     if len(k_caches) == 0:
         raise ValueError("k_caches must hold at least one layer tensor, got an empty list")
     if len(k_caches) != len(v_caches):
@@ -435,12 +465,30 @@ def _check_compact_kv_args(k_caches, v_caches, block_table, prefix_lens, accepte
                 )
     if first.stride(3) != 1:
         raise ValueError(f"k_caches/v_caches must be contiguous in head_dim (stride 1), got strides {first.stride()}")
-    device = first.device
+
+    if compiling:
+        return None
+
+    def forget(_ref, key=key):
+        _CHECKED_CACHE_LISTS.pop(key, None)
+
+    refs = tuple(weakref.ref(t, forget) for t in (*k_caches, *v_caches))
+    entry = _CacheLists(refs, (first.shape, first.dtype, first.device, first.stride()))
+    _CHECKED_CACHE_LISTS[key] = entry
+    return entry
+
+
+def _check_compact_kv_args(k_caches, v_caches, block_table, prefix_lens, accepted_nodes, num_accepted):
+    """Shape/dtype/device checks of compact_kv (ValueError naming the argument); the
+    data-dependent checks (node order, positions, block ids) are the kernels' job."""
+    entry = _check_cache_lists(k_caches, v_caches)
+    device = k_caches[0].device
     check_tensor(block_table, "block_table", dtype=torch.int32, dims=2, device=device)
     batch = block_table.shape[0]
     check_tensor(prefix_lens, "prefix_lens", dtype=torch.int32, shape=(batch,), device=device)
     check_tensor(accepted_nodes, "accepted_nodes", dtype=torch.int32, shape=(batch, None), device=device)
     check_tensor(num_accepted, "num_accepted", dtype=torch.int32, shape=(batch,), device=device)
+    return entry
 
 
 def compact_kv(
