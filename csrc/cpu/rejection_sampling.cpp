@@ -50,6 +50,13 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kChunk = 1024;        // elements converted / scored at a time (fits L1)
 constexpr int64_t kRaceTile = 16384;    // vocabulary entries per race task
+// Below this many elements per task group a thread hand-off costs more than it saves
+// (and much more on an oversubscribed machine), so tasks are grouped to at least this.
+constexpr int64_t kMinParallelElements = 1 << 16;
+
+inline int64_t grain_for(int64_t elements_per_task) {
+  return std::max<int64_t>(1, kMinParallelElements / std::max<int64_t>(1, elements_per_task));
+}
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 #define SPECDEC_DISPATCH_LOGITS(TYPE, NAME, ...)                                                   \
@@ -224,6 +231,16 @@ inline void philox_uniform8(const PhiloxKey& key, uint32_t index0, float* out) {
 #endif
 }
 
+inline bool any_positive(const float* w) {
+#if defined(CPU_CAPABILITY_AVX2)
+  return _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(w), _mm256_setzero_ps(), _CMP_GT_OQ)) != 0;
+#else
+  for (int l = 0; l < 8; ++l)
+    if (w[l] > 0.0f) return true;
+  return false;
+#endif
+}
+
 // ---------------------------------------------------------------------------------------
 // Phase 3: the exponential race.
 // ---------------------------------------------------------------------------------------
@@ -254,6 +271,7 @@ RaceResult race_tile(const scalar_t* logits, int64_t vocab, const RaceSpec& spec
   const float* q = ignore_q ? nullptr : spec.q;
   const bool use_excluded = !ignore_q;
   float buf[kChunk], w[kChunk], u[kChunk];
+  static_assert(Vec::size() == 8, "the race processes 8 lanes (one philox_uniform8) per vector");
   RaceResult res;
   const Vec s(spec.inv_t), vm(spec.max), zero(0.0f), minus_one(-1.0f), coef(spec.coef);
   for (int64_t c0 = begin; c0 < end; c0 += kChunk) {
@@ -271,21 +289,24 @@ RaceResult race_tile(const scalar_t* logits, int64_t vocab, const RaceSpec& spec
       for (int64_t t : spec.excluded)
         if (t >= c0 && t < c0 + n) w[t - c0] = 0.0f;
     // Uniforms only for groups of 8 with a positive weight: zero weights never win.
+    Vec vmax(-1.0f);
     for (i = 0; i < n; i += 8) {
-      bool any = false;
-      for (int l = 0; l < 8 && i + l < n; ++l) any |= w[i + l] > 0.0f;
-      if (any) philox_uniform8(key, static_cast<uint32_t>(c0 + i), u + i);
-    }
-    float cmax = -1.0f;
-    for (i = 0; i < n; i += Vec::size()) {
-      const int64_t cnt = std::min<int64_t>(Vec::size(), n - i);
-      const Vec wv = Vec::loadu(w + i, cnt);
-      const Vec uv = Vec::loadu(u + i, cnt);
+      const Vec wv = Vec::loadu(w + i);  // lanes beyond n hold 0
+      if (!any_positive(w + i)) {
+        minus_one.store(u + i);
+        continue;
+      }
+      float ub[8];
+      philox_uniform8(key, static_cast<uint32_t>(c0 + i), ub);
       // 0 - log(u) (not -log(u)): u = 1 gives +0 and w / +0 = +inf, the winner.
-      const Vec score = Vec::blendv(minus_one, wv / (zero - uv.log()), wv > zero);
-      score.store(u + i);  // reuse u as the score buffer
+      const Vec score = Vec::blendv(minus_one, wv / (zero - Vec::loadu(ub).log()), wv > zero);
+      score.store(u + i);  // u is the score buffer
+      vmax = at::vec::maximum(vmax, score);
     }
-    for (i = 0; i < n; ++i) cmax = std::max(cmax, u[i]);
+    float lanes[Vec::size()];
+    vmax.store(lanes);
+    float cmax = -1.0f;
+    for (int l = 0; l < Vec::size(); ++l) cmax = std::max(cmax, lanes[l]);
     if (cmax > res.score) {
       res.score = cmax;
       for (i = 0; i < n; ++i)
@@ -305,7 +326,7 @@ std::vector<int64_t> run_races(const scalar_t* logits, int64_t vocab, const std:
   const int64_t tiles = (vocab + kRaceTile - 1) / kRaceTile;
   std::vector<RaceResult> partial(batch * tiles);
   auto run = [&](bool ignore_q, const std::vector<char>& todo) {
-    at::parallel_for(0, batch * tiles, 1, [&](int64_t lo, int64_t hi) {
+    at::parallel_for(0, batch * tiles, grain_for(kRaceTile), [&](int64_t lo, int64_t hi) {
       for (int64_t t = lo; t < hi; ++t) {
         const int64_t b = t / tiles, tile = t % tiles;
         if (!todo[b]) continue;
@@ -490,7 +511,7 @@ void sample_requests(const std::vector<Request>& reqs, const at::Tensor& logits,
   const scalar_t* data = logits.data_ptr<scalar_t>();
   // Phase 1.
   std::vector<RowStats> stats(batch * rows_per_request);
-  at::parallel_for(0, batch * rows_per_request, 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, batch * rows_per_request, grain_for(vocab), [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {
       const int64_t b = r / rows_per_request, k = r % rows_per_request;
       if (k >= reqs[b].num_rows) continue;
@@ -500,7 +521,9 @@ void sample_requests(const std::vector<Request>& reqs, const at::Tensor& logits,
   // Phase 2.
   walks.assign(batch, WalkResult());
   valid.assign(batch, 0);
-  at::parallel_for(0, batch, 1, [&](int64_t lo, int64_t hi) {
+  // A chain walk reads a few scalars per request; a tree walk may pass over rows.
+  const bool is_chain = batch > 0 && reqs[0].tree.chain;
+  at::parallel_for(0, batch, is_chain ? std::max<int64_t>(batch, 1) : grain_for(vocab), [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b) {
       const RowStats* st = stats.data() + b * rows_per_request;
       if (reqs[b].num_rows == 0) continue;
@@ -798,7 +821,7 @@ void apply_top_k_top_p_cpu(at::Tensor& logits, const std::optional<at::Tensor>& 
   const float* mpp = mp_c ? mp_c->data_ptr<float>() : nullptr;
   SPECDEC_DISPATCH_LOGITS(logits.scalar_type(), "apply_top_k_top_p", [&] {
     scalar_t* data = logits.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 1, [&](int64_t lo, int64_t hi) {
+    at::parallel_for(0, rows, grain_for(vocab), [&](int64_t lo, int64_t hi) {
       std::vector<float> vals, work;
       for (int64_t r = lo; r < hi; ++r) {
         const int64_t k = kp ? kp[r] : 0;
