@@ -186,10 +186,10 @@ inline PhiloxKey make_key(int64_t seed, int64_t offset, int64_t position, uint32
           static_cast<uint32_t>(c >> 32)};
 }
 
-// out[l] = philox_uniform(index0 + l) for l < 8.
-inline void philox_uniform8(const PhiloxKey& key, uint32_t index0, float* out) {
+// out[l] = philox_uniform(indices[l]) for l < 8.
+inline void philox_uniform8(const PhiloxKey& key, const uint32_t* indices, float* out) {
 #if defined(CPU_CAPABILITY_AVX2)
-  __m256i x0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(index0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(indices));
   __m256i x1 = _mm256_set1_epi32(static_cast<int>(key.c1));
   __m256i x2 = _mm256_set1_epi32(static_cast<int>(key.c2));
   __m256i x3 = _mm256_set1_epi32(static_cast<int>(key.c3));
@@ -225,19 +225,20 @@ inline void philox_uniform8(const PhiloxKey& key, uint32_t index0, float* out) {
   _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(bits), _mm256_set1_ps(1.0f / 16777216.0f)));
 #else
   for (uint32_t l = 0; l < 8; ++l) {
-    Philox4x32 r = philox4x32_10(index0 + l, key.c1, key.c2, key.c3, key.k0, key.k1);
+    Philox4x32 r = philox4x32_10(indices[l], key.c1, key.c2, key.c3, key.k0, key.k1);
     out[l] = uniform_from_bits(r.v[0]);
   }
 #endif
 }
 
-inline bool any_positive(const float* w) {
+// Number of positive entries among w[0..8).
+inline int count_positive8(const float* w) {
 #if defined(CPU_CAPABILITY_AVX2)
-  return _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(w), _mm256_setzero_ps(), _CMP_GT_OQ)) != 0;
+  return __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(w), _mm256_setzero_ps(), _CMP_GT_OQ)));
 #else
-  for (int l = 0; l < 8; ++l)
-    if (w[l] > 0.0f) return true;
-  return false;
+  int c = 0;
+  for (int l = 0; l < 8; ++l) c += w[l] > 0.0f;
+  return c;
 #endif
 }
 
@@ -270,7 +271,8 @@ RaceResult race_tile(const scalar_t* logits, int64_t vocab, const RaceSpec& spec
   const scalar_t* row = logits + spec.row * vocab;
   const float* q = ignore_q ? nullptr : spec.q;
   const bool use_excluded = !ignore_q;
-  float buf[kChunk], w[kChunk], u[kChunk];
+  float buf[kChunk], w[kChunk], u[kChunk], wc[kChunk + 8];
+  uint32_t pos[kChunk + 8];
   static_assert(Vec::size() == 8, "the race processes 8 lanes (one philox_uniform8) per vector");
   RaceResult res;
   const Vec s(spec.inv_t), vm(spec.max), zero(0.0f), minus_one(-1.0f), coef(spec.coef);
@@ -288,19 +290,36 @@ RaceResult race_tile(const scalar_t* logits, int64_t vocab, const RaceSpec& spec
     if (use_excluded)
       for (int64_t t : spec.excluded)
         if (t >= c0 && t < c0 + n) w[t - c0] = 0.0f;
-    // Uniforms only for groups of 8 with a positive weight: zero weights never win.
-    Vec vmax(-1.0f);
-    for (i = 0; i < n; i += 8) {
-      const Vec wv = Vec::loadu(w + i);  // lanes beyond n hold 0
-      if (!any_positive(w + i)) {
-        minus_one.store(u + i);
-        continue;
+    // Zero weights never win, so uniforms are only drawn for positive ones. A residual
+    // max(p - q, 0) or a top-k-masked row is mostly zeros: then the positive entries are
+    // compacted first and Philox runs on them alone.
+    const int64_t padded = (n + 7) / 8 * 8;  // lanes beyond n hold 0
+    int64_t num_pos = 0;
+    for (i = 0; i < padded; i += 8) num_pos += count_positive8(w + i);
+    const bool compact = num_pos * 4 < padded * 3;
+    int64_t m = padded;
+    if (compact) {
+      m = 0;
+      for (i = 0; i < n; ++i) {  // branch-free append of the positive entries
+        pos[m] = static_cast<uint32_t>(i);
+        wc[m] = w[i];
+        m += w[i] > 0.0f;
       }
+      for (int64_t j = m; j < (m + 7) / 8 * 8; ++j) pos[j] = 0, wc[j] = 0.0f;
+      m = (m + 7) / 8 * 8;
+    } else {
+      for (i = 0; i < padded; ++i) pos[i] = static_cast<uint32_t>(i), wc[i] = w[i];
+    }
+    Vec vmax(-1.0f);
+    for (i = 0; i < m; i += 8) {
+      const Vec wv = Vec::loadu(wc + i);
+      uint32_t idx[8];
+      for (int l = 0; l < 8; ++l) idx[l] = static_cast<uint32_t>(c0) + pos[i + l];
       float ub[8];
-      philox_uniform8(key, static_cast<uint32_t>(c0 + i), ub);
+      philox_uniform8(key, idx, ub);
       // 0 - log(u) (not -log(u)): u = 1 gives +0 and w / +0 = +inf, the winner.
       const Vec score = Vec::blendv(minus_one, wv / (zero - Vec::loadu(ub).log()), wv > zero);
-      score.store(u + i);  // u is the score buffer
+      score.store(u + i);  // u is the score buffer (in compacted order)
       vmax = at::vec::maximum(vmax, score);
     }
     float lanes[Vec::size()];
@@ -309,9 +328,9 @@ RaceResult race_tile(const scalar_t* logits, int64_t vocab, const RaceSpec& spec
     for (int l = 0; l < Vec::size(); ++l) cmax = std::max(cmax, lanes[l]);
     if (cmax > res.score) {
       res.score = cmax;
-      for (i = 0; i < n; ++i)
+      for (i = 0; i < m; ++i)  // compaction keeps the order: the first is the lowest index
         if (u[i] == cmax) break;
-      res.index = c0 + i;
+      res.index = c0 + pos[i];
     }
   }
   return res;
