@@ -76,9 +76,8 @@ def _philox_uniform_fake(seed, offset, position, purpose, num):
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _check_sampling_common(target_logits, draft_probs, temperature, seed, offset, batch, rows, q_rows):
-    check_tensor(target_logits, "target_logits", dtype=_LOGIT_DTYPES, dims=3)
-    device = target_logits.device
+def _check_sampling_common(target_logits, draft_probs, temperature, seed, offset, batch, rows, q_rows, device):
+    check_tensor(target_logits, "target_logits", dtype=_LOGIT_DTYPES, dims=3, device=device)
     vocab = target_logits.shape[2]
     check_tensor(target_logits, "target_logits", shape=(batch, rows, None))
     if vocab == 0:
@@ -139,8 +138,8 @@ def chain_rejection_sample(
     batch, max_drafts = draft_token_ids.shape
     device = draft_token_ids.device
     check_tensor(num_draft_tokens, "num_draft_tokens", dtype=torch.int32, shape=(batch,), device=device)
-    _check_sampling_common(target_logits, draft_probs, temperature, seed, offset, batch, max_drafts + 1, max_drafts)
-    check_tensor(target_logits, "target_logits", device=device)
+    _check_sampling_common(target_logits, draft_probs, temperature, seed, offset, batch, max_drafts + 1, max_drafts,
+                           device)
     if output_token_ids is None:
         output_token_ids = torch.empty((batch, max_drafts + 1), dtype=torch.int64, device=device)
     else:
@@ -211,8 +210,7 @@ def tree_rejection_sample(
     device = parents.device
     check_tensor(tree_token_ids, "tree_token_ids", dtype=torch.int64, shape=(batch, max_nodes), device=device)
     check_tensor(num_nodes, "num_nodes", dtype=torch.int32, shape=(batch,), device=device)
-    _check_sampling_common(target_logits, draft_probs, temperature, seed, offset, batch, max_nodes, max_nodes)
-    check_tensor(target_logits, "target_logits", device=device)
+    _check_sampling_common(target_logits, draft_probs, temperature, seed, offset, batch, max_nodes, max_nodes, device)
     if accepted_nodes is None:
         accepted_nodes = torch.empty((batch, max_nodes - 1), dtype=torch.int32, device=device)
     else:
