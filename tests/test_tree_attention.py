@@ -394,4 +394,8 @@ def test_triton_out_of_range_blocks_are_skipped_not_read():
 
 @requires_triton
 def test_triton_kernel_is_registered_for_cuda():
+    # Imported explicitly: specdec_kernels/__init__.py's `from . import triton` currently
+    # returns the top-level triton package bound by its `import triton` (reported).
+    import specdec_kernels.triton.tree_attention  # noqa: F401
+
     assert torch._C._dispatch_has_kernel_for_dispatch_key("specdec::tree_attention", "CUDA")
