@@ -4,11 +4,14 @@
 // Work is split over (request, KV head). One work item holds the queries of all n tree
 // nodes of its request times the G = Hq / Hkv query heads of its GQA group as one
 // [n * G, D] fp32 matrix (row r = node r / G, head h * G + r % G), so every K/V row of
-// the prefix is read from memory once for all of them. Keys are visited in tiles of
-// kTile positions: the prefix first (no mask: every node sees the whole prefix), then the
-// tree part (positions prefix_len + j, j < n), the only place the bit mask is read. Each
-// tile does scores = Q K^T (a small GEMM, register-blocked, vectorised with at::vec),
-// the online-softmax update and acc = acc * alpha + P V, all in fp32.
+// the prefix is read from memory once for all of them. Keys are visited in tiles: the
+// prefix first (no mask: every node sees the whole prefix), then the tree part (positions
+// prefix_len + j, j < n), the only place the bit mask is read. Each tile gathers its K/V
+// rows through the block table (converted to fp32 once), computes scores = Q K^T, the
+// online-softmax update and acc = acc * alpha + P V, all in fp32. With few query rows
+// (plain decoding) the products are at::vec dot products / FMAs over the tile (the op is
+// bandwidth-bound there); with many rows (tree verification) they are two GEMMs per tile
+// through ATen (MKL/oneDNN), i.e. the small GEMM the whole GQA group shares.
 //
 // Rows of q owned by no request (before qo_indptr[0] or from qo_indptr[B] on) and rows
 // that see no key at all get out = 0 and lse = -inf: never NaN.
@@ -40,9 +43,12 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kVec = Vec::size();
-// Keys per tile: a multiple of the vector width (the score kernel vectorises over keys).
+// Keys per tile: kTile on the few-rows path (own vectorised dot products), kGemmTile when
+// there are at least kGemmRows query rows and the tile's two products go to ATen's GEMM
+// (MKL / oneDNN: AVX-512 where the machine has it, which this file's AVX2 build cannot use).
 constexpr int64_t kTile = 32;
-static_assert(kTile % (2 * 8) == 0, "kTile must be a multiple of two vectors");
+constexpr int64_t kGemmTile = 128;
+constexpr int64_t kGemmRows = 16;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 template <typename scalar_t>
@@ -65,33 +71,10 @@ inline void row_to_float(const scalar_t* src, float* dst, int64_t d, int64_t d_p
   for (; i < d_pad; ++i) dst[i] = 0.f;
 }
 
-// scores[r, 0:kTile] = sum_d q[r, d] * kt[d, 0:kTile] for rows r0..r0+RB-1.
-// kt is the key tile transposed to [d_pad, kTile], so the inner loop is a broadcast of one
-// query element times two key vectors: 2 * RB independent FMAs and no horizontal sums.
-template <int RB>
-inline void scores_block(const float* q, int64_t d_pad, const float* kt, float* scores, int64_t r0) {
-  for (int64_t j = 0; j < kTile; j += 2 * kVec) {
-    Vec acc0[RB], acc1[RB];
-    for (int i = 0; i < RB; ++i) acc0[i] = acc1[i] = Vec(0.f);
-    for (int64_t d = 0; d < d_pad; ++d) {
-      const Vec k0 = Vec::loadu(kt + d * kTile + j);
-      const Vec k1 = Vec::loadu(kt + d * kTile + j + kVec);
-      for (int i = 0; i < RB; ++i) {
-        const Vec qv(q[(r0 + i) * d_pad + d]);
-        acc0[i] = at::vec::fmadd(qv, k0, acc0[i]);
-        acc1[i] = at::vec::fmadd(qv, k1, acc1[i]);
-      }
-    }
-    for (int i = 0; i < RB; ++i) {
-      acc0[i].store(scores + (r0 + i) * kTile + j);
-      acc1[i].store(scores + (r0 + i) * kTile + j + kVec);
-    }
-  }
-}
-
-// Few query rows (plain decoding: n = 1): dot products straight from the converted key
-// rows kf [kTile, d_pad], four keys at a time, avoiding the transpose.
-inline void scores_dot(const float* q, int64_t rows, int64_t d_pad, const float* kf, int64_t keys, float* scores) {
+// Few query rows (plain decoding: n = 1): dot products with the converted key rows
+// kf [keys, d_pad], four keys at a time. scores has row stride ld.
+inline void scores_dot(const float* q, int64_t rows, int64_t d_pad, const float* kf, int64_t keys, float* scores,
+                       int64_t ld) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* qr = q + r * d_pad;
     int64_t j = 0;
@@ -105,20 +88,21 @@ inline void scores_dot(const float* q, int64_t rows, int64_t d_pad, const float*
         a3 = at::vec::fmadd(qv, Vec::loadu(kf + (j + 3) * d_pad + d), a3);
       }
       auto sum = [](const Vec& v) { return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v); };
-      scores[r * kTile + j + 0] = sum(a0);
-      scores[r * kTile + j + 1] = sum(a1);
-      scores[r * kTile + j + 2] = sum(a2);
-      scores[r * kTile + j + 3] = sum(a3);
+      scores[r * ld + j + 0] = sum(a0);
+      scores[r * ld + j + 1] = sum(a1);
+      scores[r * ld + j + 2] = sum(a2);
+      scores[r * ld + j + 3] = sum(a3);
     }
     for (; j < keys; ++j) {
       Vec a(0.f);
       for (int64_t d = 0; d < d_pad; d += kVec) a = at::vec::fmadd(Vec::loadu(qr + d), Vec::loadu(kf + j * d_pad + d), a);
-      scores[r * kTile + j] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, a);
+      scores[r * ld + j] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, a);
     }
   }
 }
 
-// acc[r, :] = acc[r, :] * alpha[r] + sum_j p[r, j] * vf[j, :] for rows r0..r0+RB-1.
+// acc[r, :] = acc[r, :] * alpha[r] + sum_j p[r, j] * vf[j, :] for rows r0..r0+RB-1
+// (p has row stride kTile).
 template <int RB>
 inline void pv_block(const float* p, const float* alpha, const float* vf, int64_t keys, int64_t d_pad, float* acc,
                      int64_t r0) {
@@ -153,17 +137,16 @@ inline void pv_block(const float* p, const float* alpha, const float* vf, int64_
 
 // Per-thread scratch of one work item.
 struct Scratch {
-  std::vector<float> q, acc, scores, row_max, row_sum, alpha, kf, kt, vf;
-  void resize(int64_t rows, int64_t d_pad) {
+  std::vector<float> q, acc, scores, row_max, row_sum, alpha, kf, vf;
+  void resize(int64_t rows, int64_t d_pad, int64_t tile) {
     q.resize(rows * d_pad);
     acc.assign(rows * d_pad, 0.f);
-    scores.resize(rows * kTile);
+    scores.resize(rows * tile);
     row_max.assign(rows, kNegInf);
     row_sum.assign(rows, 0.f);
     alpha.resize(rows);
-    kf.resize(kTile * d_pad);
-    kt.resize(d_pad * kTile);
-    vf.resize(kTile * d_pad);
+    kf.resize(tile * d_pad);
+    vf.resize(tile * d_pad);
   }
 };
 
@@ -187,7 +170,9 @@ void attend_one(const Problem& pb, const scalar_t* q, const scalar_t* k_cache, c
   const int64_t prefix = pb.prefix_lens[b];
   const int64_t G = pb.group, D = pb.head_dim, Dp = pb.d_pad;
   const int64_t rows = n * G;
-  s.resize(rows, Dp);
+  const bool use_gemm = rows >= kGemmRows;
+  const int64_t tile = use_gemm ? kGemmTile : kTile;
+  s.resize(rows, Dp, tile);
   const int32_t* blocks = pb.block_table + b * pb.max_blocks;
 
   // Queries of the group, pre-scaled so that scores come out scaled.
@@ -198,12 +183,18 @@ void attend_one(const Problem& pb, const scalar_t* q, const scalar_t* k_cache, c
     for (int64_t d = 0; d < D; ++d) dst[d] *= pb.sm_scale;
   }
 
-  const bool use_dot = rows < 8;
+  // GEMM path: ATen views of the scratch buffers (row stride d_pad / tile).
+  at::Tensor q_mat, acc_mat;
+  if (use_gemm) {
+    const auto opts = at::TensorOptions().dtype(at::kFloat);
+    q_mat = at::from_blob(s.q.data(), {rows, D}, {Dp, 1}, opts);
+    acc_mat = at::from_blob(s.acc.data(), {rows, D}, {Dp, 1}, opts);
+  }
   const int64_t total = prefix + n;
   for (int64_t t0 = 0; t0 < total;) {
     // Tiles never straddle the prefix / tree boundary, so prefix tiles skip the mask.
     const bool tree_tile = t0 >= prefix;
-    const int64_t t1 = std::min(t0 + kTile, tree_tile ? total : prefix);
+    const int64_t t1 = std::min(t0 + tile, tree_tile ? total : prefix);
     const int64_t keys = t1 - t0;
 
     // Gather and convert the tile's K and V rows (each read once for all rows).
@@ -216,24 +207,21 @@ void attend_one(const Problem& pb, const scalar_t* q, const scalar_t* k_cache, c
       row_to_float(vrow, s.vf.data() + j * Dp, D, Dp);
     }
     float* scores = s.scores.data();
-    if (use_dot) {
-      scores_dot(s.q.data(), rows, Dp, s.kf.data(), keys, scores);
+    const auto opts = at::TensorOptions().dtype(at::kFloat);
+    at::Tensor scores_mat, v_mat;
+    if (use_gemm) {
+      scores_mat = at::from_blob(scores, {rows, keys}, {tile, 1}, opts);
+      v_mat = at::from_blob(s.vf.data(), {keys, D}, {Dp, 1}, opts);
+      at::mm_out(scores_mat, q_mat, at::from_blob(s.kf.data(), {keys, D}, {Dp, 1}, opts).t());
     } else {
-      for (int64_t d = 0; d < Dp; ++d) {
-        float* ktd = s.kt.data() + d * kTile;
-        for (int64_t j = 0; j < keys; ++j) ktd[j] = s.kf[j * Dp + d];
-        for (int64_t j = keys; j < kTile; ++j) ktd[j] = 0.f;
-      }
-      int64_t r = 0;
-      for (; r + 4 <= rows; r += 4) scores_block<4>(s.q.data(), Dp, s.kt.data(), scores, r);
-      for (; r < rows; ++r) scores_block<1>(s.q.data(), Dp, s.kt.data(), scores, r);
+      scores_dot(s.q.data(), rows, Dp, s.kf.data(), keys, scores, tile);
     }
 
     if (tree_tile) {
       const int64_t j0 = t0 - prefix;  // node index of the tile's first key
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = r / G;
-        float* sr = scores + r * kTile;
+        float* sr = scores + r * tile;
         if (pb.tree_mask == nullptr) {
           for (int64_t j = 0; j < keys; ++j)
             if (j0 + j > i) sr[j] = kNegInf;
@@ -249,9 +237,15 @@ void attend_one(const Problem& pb, const scalar_t* q, const scalar_t* k_cache, c
 
     // Online softmax: new running max, rescale factor, probabilities in place.
     for (int64_t r = 0; r < rows; ++r) {
-      float* sr = scores + r * kTile;
+      float* sr = scores + r * tile;
       float tile_max = kNegInf;
-      for (int64_t j = 0; j < keys; ++j) tile_max = std::max(tile_max, sr[j]);
+      int64_t jm = 0;
+      if (keys >= kVec) {
+        Vec vmax = Vec::loadu(sr);
+        for (jm = kVec; jm + kVec <= keys; jm += kVec) vmax = at::vec::maximum(vmax, Vec::loadu(sr + jm));
+        tile_max = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmax);
+      }
+      for (; jm < keys; ++jm) tile_max = std::max(tile_max, sr[jm]);
       const float old_max = s.row_max[r];
       const float new_max = std::max(old_max, tile_max);
       if (new_max == kNegInf) {  // nothing visible yet: keep the row empty
@@ -264,7 +258,7 @@ void attend_one(const Problem& pb, const scalar_t* q, const scalar_t* k_cache, c
       Vec sum(0.f);
       int64_t j = 0;
       for (; j + kVec <= keys; j += kVec) {
-        const Vec p = (Vec::loadu(sr + j) - m).exp();
+        const Vec p = (Vec::loadu(sr + j) - m).exp_u20();  // ~1e-6 relative error, fine in fp32
         p.store(sr + j);
         sum = sum + p;
       }
@@ -278,9 +272,19 @@ void attend_one(const Problem& pb, const scalar_t* q, const scalar_t* k_cache, c
       s.row_max[r] = new_max;
     }
 
-    int64_t r = 0;
-    for (; r + 2 <= rows; r += 2) pv_block<2>(scores, s.alpha.data(), s.vf.data(), keys, Dp, s.acc.data(), r);
-    for (; r < rows; ++r) pv_block<1>(scores, s.alpha.data(), s.vf.data(), keys, Dp, s.acc.data(), r);
+    if (use_gemm) {
+      // acc = acc * alpha (per row), then acc += P V in one GEMM with beta = 1.
+      for (int64_t r = 0; r < rows; ++r) {
+        float* a = s.acc.data() + r * Dp;
+        const Vec al(s.alpha[r]);
+        for (int64_t d = 0; d < Dp; d += kVec) (Vec::loadu(a + d) * al).store(a + d);
+      }
+      acc_mat.addmm_(scores_mat, v_mat);
+    } else {
+      int64_t r = 0;
+      for (; r + 2 <= rows; r += 2) pv_block<2>(scores, s.alpha.data(), s.vf.data(), keys, Dp, s.acc.data(), r);
+      for (; r < rows; ++r) pv_block<1>(scores, s.alpha.data(), s.vf.data(), keys, Dp, s.acc.data(), r);
+    }
     t0 = t1;
   }
 
