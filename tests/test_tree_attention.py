@@ -218,8 +218,9 @@ def test_sm_scale_and_out_argument():
     assert_close(out, ref_out, torch.float32, "sm_scale")
 
 
-def test_opcheck():
-    case = make_case([star(5), chain(3)], [6, 0], Hq=4, Hkv=2, D=64, block_size=4)
+@pytest.mark.parametrize("nodes", [5, 12])  # 5 * 2 rows: at::vec path; 12 * 2: GEMM path
+def test_opcheck(nodes):
+    case = make_case([star(nodes), chain(3)], [6, 0], Hq=4, Hkv=2, D=64, block_size=4)
     q = case["q"]
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2])
@@ -399,3 +400,17 @@ def test_triton_kernel_is_registered_for_cuda():
     import specdec_kernels.triton.tree_attention  # noqa: F401
 
     assert torch._C._dispatch_has_kernel_for_dispatch_key("specdec::tree_attention", "CUDA")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_prefix_split_kv(dtype):
+    # Few (request, KV head) items and a long prefix: the CPU kernel splits the key range
+    # over work items and merges the partials (any thread count >= 1 takes this path).
+    gen = torch.Generator().manual_seed(11)
+    trees = [random_tree(20, gen), chain(2)]
+    case = make_case(trees, [1500, 1037], Hq=4, Hkv=1, D=64, block_size=16, dtype=dtype)
+    out, lse = ops.tree_attention(*op_args(case), return_lse=True)
+    ref_out, ref_lse = ref.tree_attention(*op_args(case))
+    assert_close(out, ref_out, dtype, "split-KV vs python_ref")
+    assert_close(out, root_path_sdpa(case), dtype, "split-KV vs root-path SDPA")
+    torch.testing.assert_close(lse.double(), ref_lse, atol=LSE_TOL[dtype], rtol=0)

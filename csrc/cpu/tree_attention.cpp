@@ -159,11 +159,20 @@ struct Problem {
   int64_t q_strides[3], k_strides[4], v_strides[4], out_strides[3];
   float sm_scale;
   float* lse;  // nullptr when not requested; contiguous [T, Hq]
+  int64_t num_tokens;
+  // Split-KV partials (only when the key range of a request is split over work items):
+  // unnormalised acc [S, T, Hq, D], running max and sum [S, T, Hq].
+  float* part_acc;
+  float* part_max;
+  float* part_sum;
 };
 
 template <typename scalar_t>
+// Attention of request b's nodes x the query heads of KV head h over the cache positions
+// [split * split_len, (split + 1) * split_len) of its prefix + n positions (all of them
+// when split_len <= 0). Writes out/lse directly, or the split's partials.
 void attend_one(const Problem& pb, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, scalar_t* out,
-                int64_t b, int64_t h, Scratch& s) {
+                int64_t b, int64_t h, int64_t split, int64_t split_len, Scratch& s) {
   const int64_t q_begin = pb.qo_indptr[b];
   const int64_t n = pb.qo_indptr[b + 1] - q_begin;
   if (n <= 0) return;
@@ -190,11 +199,11 @@ void attend_one(const Problem& pb, const scalar_t* q, const scalar_t* k_cache, c
     q_mat = at::from_blob(s.q.data(), {rows, D}, {Dp, 1}, opts);
     acc_mat = at::from_blob(s.acc.data(), {rows, D}, {Dp, 1}, opts);
   }
-  const int64_t total = prefix + n;
-  for (int64_t t0 = 0; t0 < total;) {
+  const int64_t total = split_len > 0 ? std::min(prefix + n, (split + 1) * split_len) : prefix + n;
+  for (int64_t t0 = split_len > 0 ? split * split_len : 0; t0 < total;) {
     // Tiles never straddle the prefix / tree boundary, so prefix tiles skip the mask.
     const bool tree_tile = t0 >= prefix;
-    const int64_t t1 = std::min(t0 + tile, tree_tile ? total : prefix);
+    const int64_t t1 = std::min(t0 + tile, tree_tile ? total : std::min(prefix, total));
     const int64_t keys = t1 - t0;
 
     // Gather and convert the tile's K and V rows (each read once for all rows).
@@ -288,6 +297,16 @@ void attend_one(const Problem& pb, const scalar_t* q, const scalar_t* k_cache, c
     t0 = t1;
   }
 
+  if (split_len > 0) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t token = q_begin + r / G, head = h * G + r % G;
+      const int64_t row = (split * pb.num_tokens + token) * pb.num_q_heads + head;
+      std::copy(s.acc.data() + r * Dp, s.acc.data() + r * Dp + D, pb.part_acc + row * D);
+      pb.part_max[row] = s.row_max[r];
+      pb.part_sum[row] = s.row_sum[r];
+    }
+    return;
+  }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t token = q_begin + r / G, head = h * G + r % G;
     const float l = s.row_sum[r];
@@ -411,6 +430,30 @@ void tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at
   for (int i = 0; i < 4; ++i) pb.k_strides[i] = k_cache.stride(i), pb.v_strides[i] = v_cache.stride(i);
   pb.sm_scale = static_cast<float>(sm_scale);
   pb.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+  pb.num_tokens = T;
+
+  // Split the key ranges when (request, KV head) items are too few for the threads; each
+  // split keeps at least kMinSplitKeys positions so that partials stay cheap.
+  constexpr int64_t kMinSplitKeys = 512;
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    if (qi_p[b + 1] > qi_p[b]) max_len = std::max(max_len, static_cast<int64_t>(pl_p[b]) + qi_p[b + 1] - qi_p[b]);
+  }
+  const int64_t threads = at::get_num_threads(), items = B * Hkv;
+  int64_t num_splits = 1, split_len = 0;
+  if (items > 0 && items < 2 * threads && max_len >= 2 * kMinSplitKeys) {
+    num_splits = std::min((2 * threads + items - 1) / items, max_len / kMinSplitKeys);
+    split_len = (max_len + num_splits - 1) / num_splits;
+    split_len = (split_len + kGemmTile - 1) / kGemmTile * kGemmTile;
+    num_splits = (max_len + split_len - 1) / split_len;
+  }
+  at::Tensor partials;
+  if (num_splits > 1) {
+    partials = at::empty({num_splits * T * Hq * (D + 2)}, q.options().dtype(at::kFloat));
+    pb.part_acc = partials.data_ptr<float>();
+    pb.part_max = pb.part_acc + num_splits * T * Hq * D;
+    pb.part_sum = pb.part_max + num_splits * T * Hq;
+  }
 
   auto run = [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -429,10 +472,46 @@ void tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at
     };
     clear_rows(0, qi_p[0]);
     clear_rows(qi_p[B], T);
-    at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    if (num_splits == 1) {
+      at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+        Scratch scratch;
+        for (int64_t item = begin; item < end; ++item) {
+          attend_one<scalar_t>(pb, q_p, k_p, v_p, out_p, item / Hkv, item % Hkv, 0, 0, scratch);
+        }
+      });
+      return;
+    }
+    // Split-KV: too few (request, KV head) items to keep every thread busy, so each
+    // request's key range is cut in num_splits pieces; the partials are merged per row.
+    at::parallel_for(0, B * Hkv * num_splits, 1, [&](int64_t begin, int64_t end) {
       Scratch scratch;
       for (int64_t item = begin; item < end; ++item) {
-        attend_one<scalar_t>(pb, q_p, k_p, v_p, out_p, item / Hkv, item % Hkv, scratch);
+        const int64_t split = item % num_splits, bh = item / num_splits;
+        attend_one<scalar_t>(pb, q_p, k_p, v_p, out_p, bh / Hkv, bh % Hkv, split, split_len, scratch);
+      }
+    });
+    at::parallel_for(qi_p[0], qi_p[B], 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t hq = 0; hq < Hq; ++hq) {
+          float m = kNegInf;
+          for (int64_t sp = 0; sp < num_splits; ++sp) m = std::max(m, pb.part_max[(sp * T + t) * Hq + hq]);
+          float l = 0.f;
+          std::vector<float> acc(D, 0.f);
+          if (m != kNegInf) {
+            for (int64_t sp = 0; sp < num_splits; ++sp) {
+              const int64_t row = (sp * T + t) * Hq + hq;
+              if (pb.part_max[row] == kNegInf) continue;
+              const float w = std::exp(pb.part_max[row] - m);
+              l += pb.part_sum[row] * w;
+              const float* a = pb.part_acc + row * D;
+              for (int64_t d = 0; d < D; ++d) acc[d] += a[d] * w;
+            }
+          }
+          const float inv = l > 0.f ? 1.f / l : 0.f;
+          scalar_t* dst = out_p + t * pb.out_strides[0] + hq * pb.out_strides[1];
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv);
+          if (pb.lse != nullptr) pb.lse[t * Hq + hq] = l > 0.f ? m + std::log(l) : kNegInf;
+        }
       }
     });
   };
