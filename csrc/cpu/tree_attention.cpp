@@ -167,10 +167,10 @@ struct Problem {
   float* part_sum;
 };
 
-template <typename scalar_t>
 // Attention of request b's nodes x the query heads of KV head h over the cache positions
 // [split * split_len, (split + 1) * split_len) of its prefix + n positions (all of them
 // when split_len <= 0). Writes out/lse directly, or the split's partials.
+template <typename scalar_t>
 void attend_one(const Problem& pb, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, scalar_t* out,
                 int64_t b, int64_t h, int64_t split, int64_t split_len, Scratch& s) {
   const int64_t q_begin = pb.qo_indptr[b];
