@@ -153,14 +153,16 @@ def trees_strategy(draw):
 @given(
     data=trees_strategy(),
     group=st.sampled_from([1, 3, 4, 8]),
+    num_kv_heads=st.sampled_from([1, 2]),
     D=st.sampled_from([64, 128]),
     block_size=st.sampled_from([1, 5, 16]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
     seed=st.integers(0, 2**16),
 )
-def test_random_trees(data, group, D, block_size, dtype, seed):
+def test_random_trees(data, group, num_kv_heads, D, block_size, dtype, seed):
     trees, prefixes = data
-    case = make_case(trees, prefixes, Hq=group, Hkv=1, D=D, block_size=block_size, dtype=dtype, seed=seed)
+    case = make_case(trees, prefixes, Hq=group * num_kv_heads, Hkv=num_kv_heads, D=D, block_size=block_size,
+                     dtype=dtype, seed=seed)
     out, lse = ops.tree_attention(*op_args(case), return_lse=True)
     ref_out, ref_lse = ref.tree_attention(*op_args(case))
     assert_close(out, ref_out, dtype, "vs python_ref")
@@ -402,13 +404,16 @@ def test_triton_kernel_is_registered_for_cuda():
     assert torch._C._dispatch_has_kernel_for_dispatch_key("specdec::tree_attention", "CUDA")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_long_prefix_split_kv(dtype):
-    # Few (request, KV head) items and a long prefix: the CPU kernel splits the key range
-    # over work items and merges the partials (any thread count >= 1 takes this path).
+@pytest.mark.parametrize(
+    "dtype,nodes,Hkv", [(torch.float32, 20, 1), (torch.bfloat16, 20, 1), (torch.float32, 1, 2), (torch.float16, 3, 2)]
+)
+def test_long_prefix_split_kv(dtype, nodes, Hkv):
+    # Few work items and a long prefix: the CPU kernel splits the key range over work items
+    # and merges the partials (any thread count >= 1 takes this path). With 1 or 3 nodes
+    # (decoding) one work item covers all KV heads of a request.
     gen = torch.Generator().manual_seed(11)
-    trees = [random_tree(20, gen), chain(2)]
-    case = make_case(trees, [1300, 1037], Hq=4, Hkv=1, D=64, block_size=16, dtype=dtype)
+    trees = [random_tree(nodes, gen), chain(2)]
+    case = make_case(trees, [1300, 1037], Hq=4 * Hkv, Hkv=Hkv, D=64, block_size=16, dtype=dtype)
     out, lse = ops.tree_attention(*op_args(case), return_lse=True)
     ref_out, ref_lse = ref.tree_attention(*op_args(case))
     assert_close(out, ref_out, dtype, "split-KV vs python_ref")

@@ -1,7 +1,12 @@
 // CPU kernel of specdec::tree_attention: verification attention for all tree nodes of a
 // batch in one call (DESIGN.md, "Tree attention").
 //
-// Work is split over (request, KV head). One work item holds the queries of all n tree
+// Work is split over (request, KV head), and over the key range too when those items are
+// fewer than twice the threads (flash-decoding style; partials merged by log-sum-exp). When
+// every request has fewer than kGemmRows rows per KV head (plain decoding), one work item
+// takes all KV heads of a request instead, so that each position's [Hkv, D] rows are read
+// contiguously (a single head's rows are D elements every Hkv * D, which defeats the
+// hardware prefetcher). One work item holds the queries of all n tree
 // nodes of its request times the G = Hq / Hkv query heads of its GQA group as one
 // [n * G, D] fp32 matrix (row r = node r / G, head h * G + r % G), so every K/V row of
 // the prefix is read from memory once for all of them. Keys are visited in tiles: the
@@ -72,9 +77,9 @@ inline void row_to_float(const scalar_t* src, float* dst, int64_t d, int64_t d_p
 }
 
 // Few query rows (plain decoding: n = 1): dot products with the converted key rows
-// kf [keys, d_pad], four keys at a time. scores has row stride ld.
-inline void scores_dot(const float* q, int64_t rows, int64_t d_pad, const float* kf, int64_t keys, float* scores,
-                       int64_t ld) {
+// (row j at kf + j * ks), four keys at a time. scores has row stride ld.
+inline void scores_dot(const float* q, int64_t rows, int64_t d_pad, const float* kf, int64_t ks, int64_t keys,
+                       float* scores, int64_t ld) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* qr = q + r * d_pad;
     int64_t j = 0;
@@ -82,10 +87,10 @@ inline void scores_dot(const float* q, int64_t rows, int64_t d_pad, const float*
       Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
       for (int64_t d = 0; d < d_pad; d += kVec) {
         const Vec qv = Vec::loadu(qr + d);
-        a0 = at::vec::fmadd(qv, Vec::loadu(kf + (j + 0) * d_pad + d), a0);
-        a1 = at::vec::fmadd(qv, Vec::loadu(kf + (j + 1) * d_pad + d), a1);
-        a2 = at::vec::fmadd(qv, Vec::loadu(kf + (j + 2) * d_pad + d), a2);
-        a3 = at::vec::fmadd(qv, Vec::loadu(kf + (j + 3) * d_pad + d), a3);
+        a0 = at::vec::fmadd(qv, Vec::loadu(kf + (j + 0) * ks + d), a0);
+        a1 = at::vec::fmadd(qv, Vec::loadu(kf + (j + 1) * ks + d), a1);
+        a2 = at::vec::fmadd(qv, Vec::loadu(kf + (j + 2) * ks + d), a2);
+        a3 = at::vec::fmadd(qv, Vec::loadu(kf + (j + 3) * ks + d), a3);
       }
       auto sum = [](const Vec& v) { return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v); };
       scores[r * ld + j + 0] = sum(a0);
@@ -95,17 +100,17 @@ inline void scores_dot(const float* q, int64_t rows, int64_t d_pad, const float*
     }
     for (; j < keys; ++j) {
       Vec a(0.f);
-      for (int64_t d = 0; d < d_pad; d += kVec) a = at::vec::fmadd(Vec::loadu(qr + d), Vec::loadu(kf + j * d_pad + d), a);
+      for (int64_t d = 0; d < d_pad; d += kVec) a = at::vec::fmadd(Vec::loadu(qr + d), Vec::loadu(kf + j * ks + d), a);
       scores[r * ld + j] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, a);
     }
   }
 }
 
 // acc[r, :] = acc[r, :] * alpha[r] + sum_j p[r, j] * vf[j, :] for rows r0..r0+RB-1
-// (p has row stride kTile).
+// (p has row stride kTile; value row j at vf + j * vs).
 template <int RB>
-inline void pv_block(const float* p, const float* alpha, const float* vf, int64_t keys, int64_t d_pad, float* acc,
-                     int64_t r0) {
+inline void pv_block(const float* p, const float* alpha, const float* vf, int64_t vs, int64_t keys, int64_t d_pad,
+                     float* acc, int64_t r0) {
   int64_t d = 0;
   for (; d + 4 * kVec <= d_pad; d += 4 * kVec) {
     Vec a[RB][4];
@@ -115,7 +120,7 @@ inline void pv_block(const float* p, const float* alpha, const float* vf, int64_
     }
     for (int64_t j = 0; j < keys; ++j) {
       Vec v[4];
-      for (int c = 0; c < 4; ++c) v[c] = Vec::loadu(vf + j * d_pad + d + c * kVec);
+      for (int c = 0; c < 4; ++c) v[c] = Vec::loadu(vf + j * vs + d + c * kVec);
       for (int i = 0; i < RB; ++i) {
         const Vec pv(p[(r0 + i) * kTile + j]);
         for (int c = 0; c < 4; ++c) a[i][c] = at::vec::fmadd(pv, v[c], a[i][c]);
@@ -128,7 +133,7 @@ inline void pv_block(const float* p, const float* alpha, const float* vf, int64_
     Vec a[RB];
     for (int i = 0; i < RB; ++i) a[i] = Vec::loadu(acc + (r0 + i) * d_pad + d) * Vec(alpha[r0 + i]);
     for (int64_t j = 0; j < keys; ++j) {
-      const Vec v = Vec::loadu(vf + j * d_pad + d);
+      const Vec v = Vec::loadu(vf + j * vs + d);
       for (int i = 0; i < RB; ++i) a[i] = at::vec::fmadd(Vec(p[(r0 + i) * kTile + j]), v, a[i]);
     }
     for (int i = 0; i < RB; ++i) a[i].store(acc + (r0 + i) * d_pad + d);
@@ -138,15 +143,15 @@ inline void pv_block(const float* p, const float* alpha, const float* vf, int64_
 // Per-thread scratch of one work item.
 struct Scratch {
   std::vector<float> q, acc, scores, row_max, row_sum, alpha, kf, vf;
-  void resize(int64_t rows, int64_t d_pad, int64_t tile) {
+  void resize(int64_t rows, int64_t d_pad, int64_t tile, int64_t heads) {
     q.resize(rows * d_pad);
     acc.assign(rows * d_pad, 0.f);
     scores.resize(rows * tile);
     row_max.assign(rows, kNegInf);
     row_sum.assign(rows, 0.f);
     alpha.resize(rows);
-    kf.resize(tile * d_pad);
-    vf.resize(tile * d_pad);
+    kf.resize(tile * heads * d_pad);
+    vf.resize(tile * heads * d_pad);
   }
 };
 
@@ -167,26 +172,35 @@ struct Problem {
   float* part_sum;
 };
 
-// Attention of request b's nodes x the query heads of KV head h over the cache positions
-// [split * split_len, (split + 1) * split_len) of its prefix + n positions (all of them
-// when split_len <= 0). Writes out/lse directly, or the split's partials.
+// Attention of request b's nodes x the query heads of KV heads h0..h0+num_heads-1 over the
+// cache positions [split * split_len, (split + 1) * split_len) of its prefix + n positions
+// (all of them when split_len <= 0). Writes out/lse directly, or the split's partials.
+// Rows are ordered (KV head, node, query head of the group). num_heads > 1 only on the
+// few-rows path: reading every KV head of a position at once keeps the reads contiguous
+// ([Hkv, D] per position) where one head alone would read D elements every Hkv * D.
 template <typename scalar_t>
 void attend_one(const Problem& pb, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, scalar_t* out,
-                int64_t b, int64_t h, int64_t split, int64_t split_len, Scratch& s) {
+                int64_t b, int64_t h0, int64_t num_heads, int64_t split, int64_t split_len, Scratch& s) {
   const int64_t q_begin = pb.qo_indptr[b];
   const int64_t n = pb.qo_indptr[b + 1] - q_begin;
   if (n <= 0) return;
   const int64_t prefix = pb.prefix_lens[b];
   const int64_t G = pb.group, D = pb.head_dim, Dp = pb.d_pad;
-  const int64_t rows = n * G;
-  const bool use_gemm = rows >= kGemmRows;
+  const int64_t rows_per_head = n * G, Hh = num_heads;
+  const int64_t rows = rows_per_head * Hh;
+  const bool use_gemm = rows_per_head >= kGemmRows;
+  TORCH_INTERNAL_ASSERT(!use_gemm || Hh == 1);
   const int64_t tile = use_gemm ? kGemmTile : kTile;
-  s.resize(rows, Dp, tile);
+  const int64_t kv_stride = Hh * Dp;  // floats between consecutive positions in kf / vf
+  s.resize(rows, Dp, tile, Hh);
+  // Row r -> (token, query head).
+  auto row_token = [&](int64_t r) { return q_begin + (r % rows_per_head) / G; };
+  auto row_head = [&](int64_t r) { return (h0 + r / rows_per_head) * G + r % G; };
   const int32_t* blocks = pb.block_table + b * pb.max_blocks;
 
   // Queries of the group, pre-scaled so that scores come out scaled.
   for (int64_t r = 0; r < rows; ++r) {
-    const scalar_t* src = q + (q_begin + r / G) * pb.q_strides[0] + (h * G + r % G) * pb.q_strides[1];
+    const scalar_t* src = q + row_token(r) * pb.q_strides[0] + row_head(r) * pb.q_strides[1];
     float* dst = s.q.data() + r * Dp;
     row_to_float(src, dst, D, Dp);
     for (int64_t d = 0; d < D; ++d) dst[d] *= pb.sm_scale;
@@ -210,10 +224,12 @@ void attend_one(const Problem& pb, const scalar_t* q, const scalar_t* k_cache, c
     for (int64_t j = 0; j < keys; ++j) {
       const int64_t pos = t0 + j;
       const int64_t blk = blocks[pos / pb.block_size], off = pos % pb.block_size;
-      const scalar_t* krow = k_cache + blk * pb.k_strides[0] + off * pb.k_strides[1] + h * pb.k_strides[2];
-      const scalar_t* vrow = v_cache + blk * pb.v_strides[0] + off * pb.v_strides[1] + h * pb.v_strides[2];
-      row_to_float(krow, s.kf.data() + j * Dp, D, Dp);
-      row_to_float(vrow, s.vf.data() + j * Dp, D, Dp);
+      const scalar_t* krow = k_cache + blk * pb.k_strides[0] + off * pb.k_strides[1];
+      const scalar_t* vrow = v_cache + blk * pb.v_strides[0] + off * pb.v_strides[1];
+      for (int64_t hh = 0; hh < Hh; ++hh) {
+        row_to_float(krow + (h0 + hh) * pb.k_strides[2], s.kf.data() + j * kv_stride + hh * Dp, D, Dp);
+        row_to_float(vrow + (h0 + hh) * pb.v_strides[2], s.vf.data() + j * kv_stride + hh * Dp, D, Dp);
+      }
     }
     float* scores = s.scores.data();
     const auto opts = at::TensorOptions().dtype(at::kFloat);
@@ -223,13 +239,16 @@ void attend_one(const Problem& pb, const scalar_t* q, const scalar_t* k_cache, c
       v_mat = at::from_blob(s.vf.data(), {keys, D}, {Dp, 1}, opts);
       at::mm_out(scores_mat, q_mat, at::from_blob(s.kf.data(), {keys, D}, {Dp, 1}, opts).t());
     } else {
-      scores_dot(s.q.data(), rows, Dp, s.kf.data(), keys, scores, tile);
+      for (int64_t hh = 0; hh < Hh; ++hh) {
+        scores_dot(s.q.data() + hh * rows_per_head * Dp, rows_per_head, Dp, s.kf.data() + hh * Dp, kv_stride, keys,
+                   scores + hh * rows_per_head * tile, tile);
+      }
     }
 
     if (tree_tile) {
       const int64_t j0 = t0 - prefix;  // node index of the tile's first key
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t i = r / G;
+        const int64_t i = (r % rows_per_head) / G;
         float* sr = scores + r * tile;
         if (pb.tree_mask == nullptr) {
           for (int64_t j = 0; j < keys; ++j)
@@ -290,16 +309,20 @@ void attend_one(const Problem& pb, const scalar_t* q, const scalar_t* k_cache, c
       }
       acc_mat.addmm_(scores_mat, v_mat);
     } else {
-      int64_t r = 0;
-      for (; r + 2 <= rows; r += 2) pv_block<2>(scores, s.alpha.data(), s.vf.data(), keys, Dp, s.acc.data(), r);
-      for (; r < rows; ++r) pv_block<1>(scores, s.alpha.data(), s.vf.data(), keys, Dp, s.acc.data(), r);
+      for (int64_t hh = 0; hh < Hh; ++hh) {
+        const float* vf = s.vf.data() + hh * Dp;
+        const int64_t r_end = (hh + 1) * rows_per_head;
+        int64_t r = hh * rows_per_head;
+        for (; r + 2 <= r_end; r += 2) pv_block<2>(scores, s.alpha.data(), vf, kv_stride, keys, Dp, s.acc.data(), r);
+        for (; r < r_end; ++r) pv_block<1>(scores, s.alpha.data(), vf, kv_stride, keys, Dp, s.acc.data(), r);
+      }
     }
     t0 = t1;
   }
 
   if (split_len > 0) {
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t token = q_begin + r / G, head = h * G + r % G;
+      const int64_t token = row_token(r), head = row_head(r);
       const int64_t row = (split * pb.num_tokens + token) * pb.num_q_heads + head;
       std::copy(s.acc.data() + r * Dp, s.acc.data() + r * Dp + D, pb.part_acc + row * D);
       pb.part_max[row] = s.row_max[r];
@@ -308,7 +331,7 @@ void attend_one(const Problem& pb, const scalar_t* q, const scalar_t* k_cache, c
     return;
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t token = q_begin + r / G, head = h * G + r % G;
+    const int64_t token = row_token(r), head = row_head(r);
     const float l = s.row_sum[r];
     const float inv = l > 0.f ? 1.f / l : 0.f;
     scalar_t* dst = out + token * pb.out_strides[0] + head * pb.out_strides[1];
@@ -439,7 +462,13 @@ void tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at
   for (int64_t b = 0; b < B; ++b) {
     if (qi_p[b + 1] > qi_p[b]) max_len = std::max(max_len, static_cast<int64_t>(pl_p[b]) + qi_p[b + 1] - qi_p[b]);
   }
-  const int64_t threads = at::get_num_threads(), items = B * Hkv;
+  // Few rows per KV head everywhere (decoding): one work item takes all KV heads of a
+  // request, so that each position's [Hkv, D] K/V rows are read contiguously.
+  int64_t max_nodes = 0;
+  for (int64_t b = 0; b < B; ++b) max_nodes = std::max(max_nodes, static_cast<int64_t>(qi_p[b + 1] - qi_p[b]));
+  const bool all_heads = max_nodes * (Hq / Hkv) < kGemmRows;
+  const int64_t heads_per_item = all_heads ? Hkv : 1;
+  const int64_t threads = at::get_num_threads(), items = B * (Hkv / heads_per_item);
   int64_t num_splits = 1, split_len = 0;
   if (items > 0 && items < 2 * threads && max_len >= 2 * kMinSplitKeys) {
     num_splits = std::min((2 * threads + items - 1) / items, max_len / kMinSplitKeys);
@@ -472,22 +501,25 @@ void tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at
     };
     clear_rows(0, qi_p[0]);
     clear_rows(qi_p[B], T);
+    const int64_t groups = Hkv / heads_per_item;  // work items per request and split
     if (num_splits == 1) {
-      at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
         Scratch scratch;
         for (int64_t item = begin; item < end; ++item) {
-          attend_one<scalar_t>(pb, q_p, k_p, v_p, out_p, item / Hkv, item % Hkv, 0, 0, scratch);
+          attend_one<scalar_t>(pb, q_p, k_p, v_p, out_p, item / groups, (item % groups) * heads_per_item,
+                               heads_per_item, 0, 0, scratch);
         }
       });
       return;
     }
     // Split-KV: too few (request, KV head) items to keep every thread busy, so each
     // request's key range is cut in num_splits pieces; the partials are merged per row.
-    at::parallel_for(0, B * Hkv * num_splits, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, B * groups * num_splits, 1, [&](int64_t begin, int64_t end) {
       Scratch scratch;
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t split = item % num_splits, bh = item / num_splits;
-        attend_one<scalar_t>(pb, q_p, k_p, v_p, out_p, bh / Hkv, bh % Hkv, split, split_len, scratch);
+        const int64_t split = item % num_splits, bg = item / num_splits;
+        attend_one<scalar_t>(pb, q_p, k_p, v_p, out_p, bg / groups, (bg % groups) * heads_per_item, heads_per_item,
+                             split, split_len, scratch);
       }
     });
     at::parallel_for(qi_p[0], qi_p[B], 1, [&](int64_t begin, int64_t end) {
