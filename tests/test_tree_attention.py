@@ -149,7 +149,7 @@ def trees_strategy(draw):
     return trees, prefixes
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     data=trees_strategy(),
     group=st.sampled_from([1, 3, 4, 8]),
