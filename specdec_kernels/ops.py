@@ -387,6 +387,10 @@ def tree_attention(
     Data-dependent faults: on CPU, block ids out of range, a non-monotone qo_indptr, a
     prefix_lens + n beyond the block table, or more nodes than 64 * W raise RuntimeError;
     the Triton kernel skips the keys whose block id or table slot is out of range.
+
+    The checks here cost some microseconds of Python per call; a hot loop on CPU may call
+    ``torch.ops.specdec.tree_attention(..., sm_scale, out, lse)`` directly, whose C++
+    kernel checks every argument too (RuntimeError).
     """
     _check_tree_attention(q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tree_mask, out, lse)
     if sm_scale is None:
