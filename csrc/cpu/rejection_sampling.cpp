@@ -17,14 +17,6 @@
 // Tree residuals after an i.i.d. rejection need the residual's mass; it is computed by one
 // extra pass over the row per rejected sibling (never for the last one).
 
-// ATen's Vectorized<float> is only SIMD when a CPU_CAPABILITY is defined; setup.py builds
-// with -mavx2 -mfma on x86, so use the AVX2 implementation (own inline namespace, so no
-// clash with translation units that use the default one).
-#if defined(__AVX2__) && defined(__FMA__) && !defined(CPU_CAPABILITY)
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#endif
-
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>

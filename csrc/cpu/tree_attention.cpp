@@ -21,14 +21,6 @@
 // Rows of q owned by no request (before qo_indptr[0] or from qo_indptr[B] on) and rows
 // that see no key at all get out = 0 and lse = -inf: never NaN.
 
-// This translation unit is compiled with -mavx2 -mfma (setup.py); let at::vec use its
-// AVX2 specialisations here. The distinct CPU_CAPABILITY namespace keeps these inline
-// functions apart from those of translation units compiled without it.
-#if defined(__AVX2__) && defined(__FMA__) && !defined(CPU_CAPABILITY)
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#endif
-
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
