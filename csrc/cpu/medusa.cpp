@@ -43,17 +43,45 @@ constexpr int64_t kRowsW = 4;       // weight rows per micro-tile
 constexpr int64_t kRowsX = 3;       // activation rows per micro-tile (3 x 4 accumulators)
 constexpr int64_t kVocabTile = 32;  // vocabulary rows per top-k / log-sum-exp epilogue
 
+// Horizontal sums of four vectors: out[j] = sum of the lanes of a_j, in one fixed order
+// (used by every code path, so that equal inputs give bit-identical dot products).
+inline void hsum4(const Vec& a0, const Vec& a1, const Vec& a2, const Vec& a3, float* out) {
+#if defined(CPU_CAPABILITY_AVX2)
+  const __m256 t0 = _mm256_hadd_ps(a0, a1);
+  const __m256 t1 = _mm256_hadd_ps(a2, a3);
+  const __m256 t = _mm256_hadd_ps(t0, t1);  // lanes: 4 low-half sums, then 4 high-half sums
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+#else
+  const Vec* a[4] = {&a0, &a1, &a2, &a3};
+  for (int j = 0; j < 4; ++j) {
+    float lanes[Vec::size()];
+    a[j]->store(lanes);
+    float s = 0.f;
+    for (int l = 0; l < Vec::size(); ++l) s += lanes[l];
+    out[j] = s;
+  }
+#endif
+}
+
 // ---------------------------------------------------------------------------------------
 // Micro-kernel: acc[i][j] = dot(x[i], w[j]) for i < MB activation rows (stride ldx) and
-// the 4 fp32 weight rows w[0..3], all of length H.
+// the 4 fp32 weight rows w[0..3], all of length H. When pf is not null, it also
+// prefetches pf_step bytes from pf onwards per 8 columns: the next weight-row group, so
+// that its memory latency overlaps this group's arithmetic (the hardware prefetcher alone
+// leaves the kernel stalled once M makes it compute-heavy).
 // ---------------------------------------------------------------------------------------
 template <int MB>
-inline void micro_kernel(const float* x, int64_t ldx, const float* const* w, int64_t H, float (*acc)[kRowsW]) {
+inline void micro_kernel(const float* x, int64_t ldx, const float* const* w, int64_t H, float (*acc)[kRowsW],
+                         const char* pf, int64_t pf_step) {
   Vec a[MB][kRowsW];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < kRowsW; ++j) a[i][j] = Vec(0.f);
   int64_t k = 0;
   for (; k + Vec::size() <= H; k += Vec::size()) {
+    if (pf != nullptr) {
+      const char* p = pf + (k / Vec::size()) * pf_step;
+      for (int64_t b = 0; b < pf_step; b += 64) __builtin_prefetch(p + b, 0, 3);
+    }
     const Vec w0 = Vec::loadu(w[0] + k);
     const Vec w1 = Vec::loadu(w[1] + k);
     const Vec w2 = Vec::loadu(w[2] + k);
@@ -67,13 +95,13 @@ inline void micro_kernel(const float* x, int64_t ldx, const float* const* w, int
     }
   }
   for (int i = 0; i < MB; ++i) {
-    for (int j = 0; j < kRowsW; ++j) {
-      float lanes[Vec::size()];
-      a[i][j].store(lanes);
-      float s = 0.f;
-      for (int l = 0; l < Vec::size(); ++l) s += lanes[l];
-      for (int64_t t = k; t < H; ++t) s += x[i * ldx + t] * w[j][t];
-      acc[i][j] = s;
+    hsum4(a[i][0], a[i][1], a[i][2], a[i][3], acc[i]);
+    if (k < H) {
+      for (int j = 0; j < kRowsW; ++j) {
+        float s = 0.f;
+        for (int64_t t = k; t < H; ++t) s += x[i * ldx + t] * w[j][t];
+        acc[i][j] += s;
+      }
     }
   }
 }
@@ -125,20 +153,25 @@ inline void skinny_rows(const float* x, int64_t M, int64_t H, const W* w, int64_
                         Epi&& epi) {
   float acc[kRowsX][kRowsW];
   const float* rows[kRowsW];
+  // Bytes of the next group to prefetch per 8 columns: 4 rows x 8 weights.
+  constexpr int64_t pf_step = kRowsW * Vec::size() * sizeof(W);
   for (int64_t n = n0; n < n1; n += kRowsW) {
     const int64_t nr = std::min<int64_t>(kRowsW, n1 - n);
     prepare_rows<W>(w + n * H, nr, H, scratch, rows);
+    // The first micro-kernel call of the group prefetches the next group.
+    const char* pf = n + 2 * kRowsW <= n1 ? reinterpret_cast<const char*>(w + (n + kRowsW) * H) : nullptr;
     int64_t m = 0;
     for (; m + kRowsX <= M; m += kRowsX) {
-      micro_kernel<kRowsX>(x + m * H, H, rows, H, acc);
+      micro_kernel<kRowsX>(x + m * H, H, rows, H, acc, pf, pf_step);
+      pf = nullptr;
       for (int64_t i = 0; i < kRowsX; ++i)
         for (int64_t j = 0; j < nr; ++j) epi(m + i, n + j, acc[i][j]);
     }
     const int64_t rest = M - m;
     if (rest == 2) {
-      micro_kernel<2>(x + m * H, H, rows, H, acc);
+      micro_kernel<2>(x + m * H, H, rows, H, acc, pf, pf_step);
     } else if (rest == 1) {
-      micro_kernel<1>(x + m * H, H, rows, H, acc);
+      micro_kernel<1>(x + m * H, H, rows, H, acc, pf, pf_step);
     }
     for (int64_t i = 0; i < rest; ++i)
       for (int64_t j = 0; j < nr; ++j) epi(m + i, n + j, acc[i][j]);
