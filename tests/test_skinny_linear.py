@@ -124,7 +124,6 @@ def test_linear_dispatcher_matches_f_linear():
 
 
 @requires_triton
-@pytest.mark.skip(reason='Triton kernels land in the next commit')
 @pytest.mark.parametrize("M,N,H", [(1, 5, 7), (6, 33, 40), (17, 16, 64)])
 def test_triton_matches_f_linear(M, N, H):
     from specdec_kernels.triton import medusa as tm
