@@ -73,30 +73,53 @@ inline void hsum4(const Vec& a0, const Vec& a1, const Vec& a2, const Vec& a3, fl
 template <int MB>
 inline void micro_kernel(const float* x, int64_t ldx, const float* const* w, int64_t H, float (*acc)[kRowsW],
                          const char* pf, int64_t pf_step) {
-  Vec a[MB][kRowsW];
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < kRowsW; ++j) a[i][j] = Vec(0.f);
+  static_assert(MB >= 1 && MB <= 3, "micro_kernel handles 1 to 3 activation rows");
+  // Named accumulators (not an array) so that the compiler keeps all 12 in registers.
+  Vec a00(0.f), a01(0.f), a02(0.f), a03(0.f);
+  Vec a10(0.f), a11(0.f), a12(0.f), a13(0.f);
+  Vec a20(0.f), a21(0.f), a22(0.f), a23(0.f);
+  const float* w0p = w[0];
+  const float* w1p = w[1];
+  const float* w2p = w[2];
+  const float* w3p = w[3];
+  const float* x0 = x;
+  const float* x1 = x + ldx;
+  const float* x2 = x + 2 * ldx;
   int64_t k = 0;
   for (; k + Vec::size() <= H; k += Vec::size()) {
     if (pf != nullptr) {
       const char* p = pf + (k / Vec::size()) * pf_step;
       for (int64_t b = 0; b < pf_step; b += 64) __builtin_prefetch(p + b, 0, 3);
     }
-    const Vec w0 = Vec::loadu(w[0] + k);
-    const Vec w1 = Vec::loadu(w[1] + k);
-    const Vec w2 = Vec::loadu(w[2] + k);
-    const Vec w3 = Vec::loadu(w[3] + k);
-    for (int i = 0; i < MB; ++i) {
-      const Vec xv = Vec::loadu(x + i * ldx + k);
-      a[i][0] = at::vec::fmadd(xv, w0, a[i][0]);
-      a[i][1] = at::vec::fmadd(xv, w1, a[i][1]);
-      a[i][2] = at::vec::fmadd(xv, w2, a[i][2]);
-      a[i][3] = at::vec::fmadd(xv, w3, a[i][3]);
+    const Vec w0 = Vec::loadu(w0p + k);
+    const Vec w1 = Vec::loadu(w1p + k);
+    const Vec w2 = Vec::loadu(w2p + k);
+    const Vec w3 = Vec::loadu(w3p + k);
+    const Vec xv0 = Vec::loadu(x0 + k);
+    a00 = at::vec::fmadd(xv0, w0, a00);
+    a01 = at::vec::fmadd(xv0, w1, a01);
+    a02 = at::vec::fmadd(xv0, w2, a02);
+    a03 = at::vec::fmadd(xv0, w3, a03);
+    if constexpr (MB >= 2) {
+      const Vec xv1 = Vec::loadu(x1 + k);
+      a10 = at::vec::fmadd(xv1, w0, a10);
+      a11 = at::vec::fmadd(xv1, w1, a11);
+      a12 = at::vec::fmadd(xv1, w2, a12);
+      a13 = at::vec::fmadd(xv1, w3, a13);
+    }
+    if constexpr (MB >= 3) {
+      const Vec xv2 = Vec::loadu(x2 + k);
+      a20 = at::vec::fmadd(xv2, w0, a20);
+      a21 = at::vec::fmadd(xv2, w1, a21);
+      a22 = at::vec::fmadd(xv2, w2, a22);
+      a23 = at::vec::fmadd(xv2, w3, a23);
     }
   }
-  for (int i = 0; i < MB; ++i) {
-    hsum4(a[i][0], a[i][1], a[i][2], a[i][3], acc[i]);
-    if (k < H) {
+  hsum4(a00, a01, a02, a03, acc[0]);
+  if constexpr (MB >= 2) hsum4(a10, a11, a12, a13, acc[1]);
+  if constexpr (MB >= 3) hsum4(a20, a21, a22, a23, acc[2]);
+  if (k < H) {
+    for (int i = 0; i < MB; ++i) {
       for (int j = 0; j < kRowsW; ++j) {
         float s = 0.f;
         for (int64_t t = k; t < H; ++t) s += x[i * ldx + t] * w[j][t];
