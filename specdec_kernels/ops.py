@@ -86,10 +86,14 @@ def _philox_uniform_fake(seed, offset, position, purpose, num):
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Largest number of rows for which `linear` uses skinny_linear instead of F.linear on CPU.
-# Measured with `python bench/bench_medusa.py` (skinny_linear vs F.linear over the SmolLM2
-# layer shapes [1536|576|192|49152, 576] and [576, 1536], M = 1..64, fp32, 2 threads):
-# skinny_linear is faster at every M <= 32 on every shape; see bench/results/medusa.json.
-SKINNY_LINEAR_MAX_ROWS = 32
+# Measured on the 2-core AVX2/AVX-512 dev machine (torch 2.13, MKL), fp32, SmolLM2 layer
+# shapes [1536, 576], [576, 1536], [576, 576], [192, 576], [49152, 576], weights "cold"
+# (each call takes the next of a pool of copies larger than the 300 MB L3, as in a decode
+# step), 1 thread, median thread CPU time (the shared machine's wall-clock medians were
+# dominated by preemption): F.linear time / skinny_linear time was >= 0.99 on every shape
+# for M = 1..12 (1.1-3.1x at M = 4..12) and < 1 on [576, 1536] from M = 16. bench/bench_medusa.py
+# records the hot and cold thresholds of a full 2-thread run (targets.linear_threshold_*).
+SKINNY_LINEAR_MAX_ROWS = 12
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, out=None) -> torch.Tensor:
@@ -124,9 +128,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear`` that uses ``skinny_linear`` where it was measured to be faster.
 
     x: [..., H]; weight: [N, H]; bias: [N] or None. skinny_linear is used on CPU when the
-    flattened row count is <= SKINNY_LINEAR_MAX_ROWS, x and weight are fp32/bf16,
-    the weight is contiguous and no gradient is needed (skinny_linear has no autograd
-    formula); otherwise this is exactly ``F.linear``.
+    flattened row count is <= SKINNY_LINEAR_MAX_ROWS, x, weight (and bias) are all fp32 or
+    all bf16, the weight is contiguous and no gradient is needed (skinny_linear has no
+    autograd formula); otherwise this is exactly ``F.linear``. (skinny_linear accumulates
+    in fp32 and rounds once, so bf16 results can differ from F.linear's in the last bit.)
     """
     rows = x.numel() // x.shape[-1] if x.dim() > 0 and x.shape[-1] > 0 else 0
     use_skinny = (
@@ -134,10 +139,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and weight.device.type == "cpu"
         and 0 < rows <= SKINNY_LINEAR_MAX_ROWS
         and x.dtype in (torch.float32, torch.bfloat16)
-        and weight.dtype in (torch.float32, torch.bfloat16)
+        and weight.dtype == x.dtype
         and weight.dim() == 2
         and weight.is_contiguous()
-        and (bias is None or (bias.dim() == 1 and bias.device.type == "cpu" and bias.dtype in _FLOAT_DTYPES))
+        and (bias is None or (bias.dim() == 1 and bias.device.type == "cpu" and bias.dtype == x.dtype))
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                               or (bias is not None and bias.requires_grad)))
     )

@@ -99,8 +99,8 @@ def test_bad_inputs_raise(x, w, b, out, message):
 @pytest.mark.parametrize(
     "x,w,b,out,message",
     [
-        (torch.randn(2, 4), torch.randn(5, 3), None, torch.empty(2, 5), r"weight \(x is \[M, H\]\).size\(1\) must be 4"),
-        (torch.randn(2, 4), torch.randn(5, 4), torch.randn(3), torch.empty(2, 5), r"bias \(weight is \[N, H\]\).size\(0\) must be 5"),
+        (torch.randn(2, 4), torch.randn(5, 3), None, torch.empty(2, 5), r"weight must have shape \[N, 4\] \(x is \[2, 4\]\), got \[5, 3\]"),
+        (torch.randn(2, 4), torch.randn(5, 4), torch.randn(3), torch.empty(2, 5), r"bias must have shape \[5\] \(weight is \[5, 4\]\), got \[3\]"),
         (torch.randn(2, 4), torch.randn(5, 4), None, torch.empty(5, 2), r"out must have shape \[2, 5\]"),
         (torch.randn(2, 4), torch.randn(5, 4), None, torch.empty(2, 5).double(), "out must have dtype Float"),
         (torch.randn(2, 4), torch.randn(4, 5).T, None, torch.empty(2, 5), "weight must be contiguous"),

@@ -337,7 +337,8 @@ void skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std:
               "skinny_linear: weight must be float32, bfloat16 or float16, got ", weight.scalar_type());
   check_dtype(out, x.scalar_type(), "skinny_linear: out");
   const int64_t M = x.size(0), H = x.size(1), N = weight.size(0);
-  check_size(weight, 1, H, "skinny_linear: weight (x is [M, H])");
+  TORCH_CHECK(weight.size(1) == H, "skinny_linear: weight must have shape [N, ", H, "] (x is [", M, ", ", H,
+              "]), got ", weight.sizes());
   TORCH_CHECK(out.size(0) == M && out.size(1) == N, "skinny_linear: out must have shape [", M, ", ", N,
               "], got ", out.sizes());
   check_contiguous(weight, "skinny_linear: weight");
@@ -346,7 +347,8 @@ void skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std:
   if (bias.has_value()) {
     check_cpu(*bias, "skinny_linear: bias");
     check_dim(*bias, 1, "skinny_linear: bias");
-    check_size(*bias, 0, N, "skinny_linear: bias (weight is [N, H])");
+    TORCH_CHECK(bias->size(0) == N, "skinny_linear: bias must have shape [", N, "] (weight is [", N, ", ", H,
+                "]), got ", bias->sizes());
     TORCH_CHECK(is_float_dtype(bias->scalar_type()),
                 "skinny_linear: bias must be float32, bfloat16 or float16, got ", bias->scalar_type());
     bias_f = bias->to(at::kFloat).contiguous();
