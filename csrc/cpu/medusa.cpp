@@ -2,9 +2,11 @@
 //
 // Both are weight-streaming kernels for few activation rows (M <= 64): every weight row is
 // read from memory once and multiplied, while it sits in L1/L2, with all M activation rows.
-// F.linear (MKL) is tuned for large GEMMs and re-reads or packs the weight, so at M = 1..16
-// it costs several times the time of streaming the weight once; here M = 16 costs about
-// what M = 1 costs as long as the kernel stays memory bound.
+// F.linear (MKL) is tuned for large GEMMs and re-reads or packs the weight, so at M = 2..16
+// it costs up to several times the time of streaming the weight once. Here, with the weight
+// coming from DRAM, M = 4 costs about what M = 1 costs and M = 8 about 1.5x (measured); from
+// M ~ 16 on the AVX2 arithmetic (~50-60 GFLOP/s per core here) is the limit and MKL, which
+// uses AVX-512, wins; `ops.linear` switches to F.linear above the measured threshold.
 //
 // Arithmetic is fp32 whatever the input dtypes (bf16/fp16 weights are widened on the fly,
 // which halves the bytes streamed); every dot product is reduced in the same order
@@ -28,6 +30,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
