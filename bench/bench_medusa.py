@@ -167,7 +167,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a ~30 s smoke run (no cold-weight timings)")
     parser.add_argument("--no-vicuna", action="store_true", help="skip the Vicuna-7B shapes (0.9 GB of weights)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads (default: torch's default); 1 gives stable numbers on a busy machine")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     smol = dict(K=4, L=1, H=576, V=49152)
     vic = dict(K=5, L=1, H=4096, V=32000)
@@ -232,7 +236,7 @@ def main():
     }
     print("\ntargets:", targets)
     path = write_results("medusa", {
-        "command": "python bench/bench_medusa.py" + (" --quick" if args.quick else ""),
+        "command": " ".join(["python", "bench/bench_medusa.py"] + sys.argv[1:]),
         "copy_bandwidth_gbs": copy_bw, "top_k": TOP_K,
         "medusa_topk": medusa_rows, "skinny_linear": skinny_rows, "targets": targets,
     })
