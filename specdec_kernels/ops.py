@@ -86,14 +86,16 @@ def _philox_uniform_fake(seed, offset, position, purpose, num):
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Largest number of rows for which `linear` uses skinny_linear instead of F.linear on CPU.
-# Measured on the 2-core AVX2/AVX-512 dev machine (torch 2.13, MKL), fp32, SmolLM2 layer
-# shapes [1536, 576], [576, 1536], [576, 576], [192, 576], [49152, 576], weights "cold"
-# (each call takes the next of a pool of copies larger than the 300 MB L3, as in a decode
-# step), 1 thread, median thread CPU time (the shared machine's wall-clock medians were
-# dominated by preemption): F.linear time / skinny_linear time was >= 0.99 on every shape
-# for M = 1..12 (1.1-3.1x at M = 4..12) and < 1 on [576, 1536] from M = 16. bench/bench_medusa.py
-# records the hot and cold thresholds of a full 2-thread run (targets.linear_threshold_*).
-SKINNY_LINEAR_MAX_ROWS = 12
+# Measured with `python bench/bench_medusa.py --threads 1` on the 2-core dev machine (torch
+# 2.13, MKL/oneDNN, a CPU with AVX-512 and AMX) over the SmolLM2 layer shapes [1536, 576],
+# [576, 1536], [576, 576], [192, 576], [49152, 576], with "cold" weights (each call takes
+# the next of a pool of copies larger than the 300 MB L3, as in a decode step; see
+# bench/results/medusa.json). fp32: F.linear / skinny_linear = 1.0-2.7x at M = 4..8 on
+# every shape (0.9x at M = 1-2 on [576, 1536], a tie within noise), mixed from M = 16.
+# bf16: oneDNN's bf16 GEMM (AMX) wins from M = 4, so skinny_linear only for M <= 2.
+# (2-thread wall-clock medians on the shared machine were dominated by preemption.)
+SKINNY_LINEAR_MAX_ROWS = 8
+SKINNY_LINEAR_MAX_ROWS_BF16 = 2
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, out=None) -> torch.Tensor:
@@ -128,8 +130,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear`` that uses ``skinny_linear`` where it was measured to be faster.
 
     x: [..., H]; weight: [N, H]; bias: [N] or None. skinny_linear is used on CPU when the
-    flattened row count is <= SKINNY_LINEAR_MAX_ROWS, x, weight (and bias) are all fp32 or
-    all bf16, the weight is contiguous and no gradient is needed (skinny_linear has no
+    flattened row count is <= SKINNY_LINEAR_MAX_ROWS (fp32) or SKINNY_LINEAR_MAX_ROWS_BF16
+    (bf16), x, weight (and bias) are all fp32 or all bf16, the weight is contiguous and no gradient is needed (skinny_linear has no
     autograd formula); otherwise this is exactly ``F.linear``. (skinny_linear accumulates
     in fp32 and rounds once, so bf16 results can differ from F.linear's in the last bit.)
     """
@@ -137,7 +139,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     use_skinny = (
         x.device.type == "cpu"
         and weight.device.type == "cpu"
-        and 0 < rows <= SKINNY_LINEAR_MAX_ROWS
+        and 0 < rows <= (SKINNY_LINEAR_MAX_ROWS if x.dtype == torch.float32 else SKINNY_LINEAR_MAX_ROWS_BF16)
         and x.dtype in (torch.float32, torch.bfloat16)
         and weight.dtype == x.dtype
         and weight.dim() == 2

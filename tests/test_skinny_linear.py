@@ -117,6 +117,10 @@ def test_linear_dispatcher_matches_f_linear():
     for shape in [(1, 20), (4, 20), (2, 3, 20), (ops.SKINNY_LINEAR_MAX_ROWS + 1, 20), (0, 20)]:
         x = torch.randn(*shape)
         torch.testing.assert_close(ops.linear(x, w, b), F.linear(x, w, b), **tol(20))
+    wb, bb = w.bfloat16(), b.bfloat16()
+    for rows in (1, ops.SKINNY_LINEAR_MAX_ROWS_BF16 + 1):
+        x = torch.randn(rows, 20).bfloat16()
+        torch.testing.assert_close(ops.linear(x, wb, bb).float(), F.linear(x, wb, bb).float(), atol=2e-2, rtol=2e-2)
     # With gradients it must be F.linear (skinny_linear has no autograd formula).
     x = torch.randn(2, 20, requires_grad=True)
     ops.linear(x, w, b).sum().backward()
