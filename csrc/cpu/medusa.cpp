@@ -69,13 +69,14 @@ inline void hsum4(const Vec& a0, const Vec& a1, const Vec& a2, const Vec& a3, fl
 // ---------------------------------------------------------------------------------------
 // Micro-kernel: acc[i][j] = dot(x[i], w[j]) for i < MB activation rows (stride ldx) and
 // the 4 fp32 weight rows w[0..3], all of length H. When pf is not null, it also
-// prefetches pf_step bytes from pf onwards per 8 columns: the next weight-row group, so
-// that its memory latency overlaps this group's arithmetic (the hardware prefetcher alone
-// leaves the kernel stalled once M makes it compute-heavy).
+// prefetches pf_lines cache lines from pf on, spread evenly over the loop: this call's
+// share of the next weight-row group, so that its memory latency overlaps this group's
+// arithmetic (the hardware prefetcher alone leaves the kernel stalled once M makes it
+// compute-heavy, and the memory idle while a group is re-read from cache for more rows).
 // ---------------------------------------------------------------------------------------
 template <int MB>
 inline void micro_kernel(const float* x, int64_t ldx, const float* const* w, int64_t H, float (*acc)[kRowsW],
-                         const char* pf, int64_t pf_step) {
+                         const char* pf, int64_t pf_lines) {
   static_assert(MB >= 1 && MB <= 3, "micro_kernel handles 1 to 3 activation rows");
   // Named accumulators (not an array) so that the compiler keeps all 12 in registers.
   Vec a00(0.f), a01(0.f), a02(0.f), a03(0.f);
@@ -89,10 +90,12 @@ inline void micro_kernel(const float* x, int64_t ldx, const float* const* w, int
   const float* x1 = x + ldx;
   const float* x2 = x + 2 * ldx;
   int64_t k = 0;
+  const int64_t steps = H / Vec::size();
+  int64_t pf_done = 0;  // cache lines of pf[0, pf_lines) prefetched so far, spread evenly
   for (; k + Vec::size() <= H; k += Vec::size()) {
     if (pf != nullptr) {
-      const char* p = pf + (k / Vec::size()) * pf_step;
-      for (int64_t b = 0; b < pf_step; b += 64) __builtin_prefetch(p + b, 0, 3);
+      const int64_t want = (k / Vec::size() + 1) * pf_lines / steps;
+      for (; pf_done < want; ++pf_done) __builtin_prefetch(pf + pf_done * 64, 0, 3);
     }
     const Vec w0 = Vec::loadu(w0p + k);
     const Vec w1 = Vec::loadu(w1p + k);
@@ -179,25 +182,31 @@ inline void skinny_rows(const float* x, int64_t M, int64_t H, const W* w, int64_
                         Epi&& epi) {
   float acc[kRowsX][kRowsW];
   const float* rows[kRowsW];
-  // Bytes of the next group to prefetch per 8 columns: 4 rows x 8 weights.
-  constexpr int64_t pf_step = kRowsW * Vec::size() * sizeof(W);
+  // Every micro-kernel call of a group prefetches an equal share of the next group.
+  const int64_t calls = (M + kRowsX - 1) / kRowsX;
+  const int64_t group_lines = (kRowsW * H * static_cast<int64_t>(sizeof(W)) + 63) / 64;
+  const int64_t share = calls > 0 ? (group_lines + calls - 1) / calls : 0;
   for (int64_t n = n0; n < n1; n += kRowsW) {
     const int64_t nr = std::min<int64_t>(kRowsW, n1 - n);
     prepare_rows<W>(w + n * H, nr, H, scratch, rows);
-    // The first micro-kernel call of the group prefetches the next group.
-    const char* pf = n + 2 * kRowsW <= n1 ? reinterpret_cast<const char*>(w + (n + kRowsW) * H) : nullptr;
+    const char* next = n + 2 * kRowsW <= n1 ? reinterpret_cast<const char*>(w + (n + kRowsW) * H) : nullptr;
+    int64_t call = 0;
+    auto pf_for = [&](int64_t c) -> const char* {
+      if (next == nullptr || c * share >= group_lines) return nullptr;
+      return next + c * share * 64;
+    };
+    auto lines_for = [&](int64_t c) { return std::min(share, group_lines - c * share); };
     int64_t m = 0;
-    for (; m + kRowsX <= M; m += kRowsX) {
-      micro_kernel<kRowsX>(x + m * H, H, rows, H, acc, pf, pf_step);
-      pf = nullptr;
+    for (; m + kRowsX <= M; m += kRowsX, ++call) {
+      micro_kernel<kRowsX>(x + m * H, H, rows, H, acc, pf_for(call), lines_for(call));
       for (int64_t i = 0; i < kRowsX; ++i)
         for (int64_t j = 0; j < nr; ++j) epi(m + i, n + j, acc[i][j]);
     }
     const int64_t rest = M - m;
     if (rest == 2) {
-      micro_kernel<2>(x + m * H, H, rows, H, acc, pf, pf_step);
+      micro_kernel<2>(x + m * H, H, rows, H, acc, pf_for(call), lines_for(call));
     } else if (rest == 1) {
-      micro_kernel<1>(x + m * H, H, rows, H, acc, pf, pf_step);
+      micro_kernel<1>(x + m * H, H, rows, H, acc, pf_for(call), lines_for(call));
     }
     for (int64_t i = 0; i < rest; ++i)
       for (int64_t j = 0; j < nr; ++j) epi(m + i, n + j, acc[i][j]);
