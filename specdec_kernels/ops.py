@@ -134,8 +134,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     x: [..., H]; weight: [N, H]; bias: [N] or None. skinny_linear is used on CPU when the
     flattened row count is <= SKINNY_LINEAR_MAX_ROWS (fp32) or SKINNY_LINEAR_MAX_ROWS_BF16
-    (bf16), x, weight (and bias) are all fp32 or all bf16, the weight is contiguous and no gradient is needed (skinny_linear has no
-    autograd formula); otherwise this is exactly ``F.linear``. (skinny_linear accumulates
+    (bf16), x, weight (and bias) are all fp32 or all bf16, the weight is contiguous and no
+    gradient is needed (skinny_linear has no autograd formula); otherwise this is exactly
+    ``F.linear``. (skinny_linear accumulates
     in fp32 and rounds once, so bf16 results can differ from F.linear's in the last bit.)
     """
     rows = x.numel() // x.shape[-1] if x.dim() > 0 and x.shape[-1] > 0 else 0
