@@ -539,10 +539,19 @@ def _compact_kv_fake(k_caches, v_caches, block_table, prefix_lens, accepted_node
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Largest number of rows for which `linear` uses skinny_linear instead of F.linear on CPU.
-# Measured with `python bench/bench_medusa.py` (skinny_linear vs F.linear over the SmolLM2
-# layer shapes [1536|576|192|49152, 576] and [576, 1536], M = 1..64, fp32, 2 threads):
-# skinny_linear is faster at every M <= 32 on every shape; see bench/results/medusa.json.
-SKINNY_LINEAR_MAX_ROWS = 32
+# Measured with `python bench/bench_medusa.py --threads 1` on the 2-core dev machine (torch
+# 2.13, MKL/oneDNN, a CPU with AVX-512 and AMX) over the SmolLM2 layer shapes [1536, 576],
+# [576, 1536], [576, 576], [192, 576], [49152, 576], with "cold" weights (each call takes
+# the next of a pool of copies larger than the 300 MB L3, as in a decode step where the
+# other layers evicted this one; bench/results/medusa.json). fp32: F.linear time /
+# skinny_linear time = 1.1-1.8x at M = 4 and 8 on every shape, 0.84-1.03x at M = 1-2 on
+# the small shapes but 1.0-1.7x on the LM head, mixed from M = 16 (MKL's AVX-512 GEMM
+# wins once the kernel is compute bound). bf16: oneDNN's bf16 GEMM (AMX) wins from M = 4
+# (skinny_linear 1.1-1.5x faster at M = 1-2). With the weight hot in L2 (a microbenchmark
+# calling one small layer in a loop) F.linear wins on [576, 576] and [192, 576] at every M.
+# (2-thread wall-clock medians on the shared machine were dominated by preemption.)
+SKINNY_LINEAR_MAX_ROWS = 8
+SKINNY_LINEAR_MAX_ROWS_BF16 = 2
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, out=None) -> torch.Tensor:
@@ -577,20 +586,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear`` that uses ``skinny_linear`` where it was measured to be faster.
 
     x: [..., H]; weight: [N, H]; bias: [N] or None. skinny_linear is used on CPU when the
-    flattened row count is <= SKINNY_LINEAR_MAX_ROWS, x and weight are fp32/bf16,
-    the weight is contiguous and no gradient is needed (skinny_linear has no autograd
-    formula); otherwise this is exactly ``F.linear``.
+    flattened row count is <= SKINNY_LINEAR_MAX_ROWS (fp32) or SKINNY_LINEAR_MAX_ROWS_BF16
+    (bf16), x, weight (and bias) are all fp32 or all bf16, the weight is contiguous and no
+    gradient is needed (skinny_linear has no autograd formula); otherwise this is exactly
+    ``F.linear``. (skinny_linear accumulates
+    in fp32 and rounds once, so bf16 results can differ from F.linear's in the last bit.)
     """
     rows = x.numel() // x.shape[-1] if x.dim() > 0 and x.shape[-1] > 0 else 0
     use_skinny = (
         x.device.type == "cpu"
         and weight.device.type == "cpu"
-        and 0 < rows <= SKINNY_LINEAR_MAX_ROWS
+        and 0 < rows <= (SKINNY_LINEAR_MAX_ROWS if x.dtype == torch.float32 else SKINNY_LINEAR_MAX_ROWS_BF16)
         and x.dtype in (torch.float32, torch.bfloat16)
-        and weight.dtype in (torch.float32, torch.bfloat16)
+        and weight.dtype == x.dtype
         and weight.dim() == 2
         and weight.is_contiguous()
-        and (bias is None or (bias.dim() == 1 and bias.device.type == "cpu" and bias.dtype in _FLOAT_DTYPES))
+        and (bias is None or (bias.dim() == 1 and bias.device.type == "cpu" and bias.dtype == x.dtype))
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                               or (bias is not None and bias.requires_grad)))
     )

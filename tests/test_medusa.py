@@ -227,7 +227,6 @@ TRITON_CASES = [
 
 
 @requires_triton
-@pytest.mark.skip(reason='Triton kernels land in the next commit')
 @pytest.mark.parametrize("M,K,L,V,H,top_k,shared", TRITON_CASES)
 def test_triton_matches_reference(M, K, L, V, H, top_k, shared):
     from specdec_kernels.triton import medusa as tm
@@ -240,14 +239,26 @@ def test_triton_matches_reference(M, K, L, V, H, top_k, shared):
 
 
 @requires_triton
-@pytest.mark.skip(reason='Triton kernels land in the next commit')
+@pytest.mark.parametrize("top_k", [1, 7, 70])
+def test_triton_multi_tile_merge_and_large_top_k(top_k):
+    """Many vocabulary tiles, merged over several steps; top_k > 64 takes the fallback."""
+    from specdec_kernels.triton import medusa as tm
+
+    inputs = make_inputs(3, 2, 1, 150, 16, False, seed=3)
+    ids = torch.empty(3, 2, top_k, dtype=torch.int64)
+    logprobs = torch.empty(3, 2, top_k)
+    tm.medusa_topk(*inputs, top_k, ids, logprobs, block_v=16, block_t=4, block_c=16)
+    check_against_ref(ids, logprobs, inputs, top_k, TOL[torch.float32])
+
+
+@requires_triton
 def test_triton_exact_ties():
     from specdec_kernels.triton import medusa as tm
 
     inputs = integer_inputs(2, 2, 90, 4, False, duplicate_every=11)
     ids = torch.empty(2, 2, 9, dtype=torch.int64)
     logprobs = torch.empty(2, 2, 9)
-    tm.medusa_topk(*inputs, 9, ids, logprobs)
+    tm.medusa_topk(*inputs, 9, ids, logprobs, block_v=16, block_c=16)
     ref_ids, ref_lp = ref.medusa_topk(*inputs, 9)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(logprobs.double(), ref_lp, atol=1e-5, rtol=1e-6)

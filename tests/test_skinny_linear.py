@@ -99,8 +99,8 @@ def test_bad_inputs_raise(x, w, b, out, message):
 @pytest.mark.parametrize(
     "x,w,b,out,message",
     [
-        (torch.randn(2, 4), torch.randn(5, 3), None, torch.empty(2, 5), r"weight \(x is \[M, H\]\).size\(1\) must be 4"),
-        (torch.randn(2, 4), torch.randn(5, 4), torch.randn(3), torch.empty(2, 5), r"bias \(weight is \[N, H\]\).size\(0\) must be 5"),
+        (torch.randn(2, 4), torch.randn(5, 3), None, torch.empty(2, 5), r"weight must have shape \[N, 4\] \(x is \[2, 4\]\), got \[5, 3\]"),
+        (torch.randn(2, 4), torch.randn(5, 4), torch.randn(3), torch.empty(2, 5), r"bias must have shape \[5\] \(weight is \[5, 4\]\), got \[3\]"),
         (torch.randn(2, 4), torch.randn(5, 4), None, torch.empty(5, 2), r"out must have shape \[2, 5\]"),
         (torch.randn(2, 4), torch.randn(5, 4), None, torch.empty(2, 5).double(), "out must have dtype Float"),
         (torch.randn(2, 4), torch.randn(4, 5).T, None, torch.empty(2, 5), "weight must be contiguous"),
@@ -117,6 +117,10 @@ def test_linear_dispatcher_matches_f_linear():
     for shape in [(1, 20), (4, 20), (2, 3, 20), (ops.SKINNY_LINEAR_MAX_ROWS + 1, 20), (0, 20)]:
         x = torch.randn(*shape)
         torch.testing.assert_close(ops.linear(x, w, b), F.linear(x, w, b), **tol(20))
+    wb, bb = w.bfloat16(), b.bfloat16()
+    for rows in (1, ops.SKINNY_LINEAR_MAX_ROWS_BF16 + 1):
+        x = torch.randn(rows, 20).bfloat16()
+        torch.testing.assert_close(ops.linear(x, wb, bb).float(), F.linear(x, wb, bb).float(), atol=2e-2, rtol=2e-2)
     # With gradients it must be F.linear (skinny_linear has no autograd formula).
     x = torch.randn(2, 20, requires_grad=True)
     ops.linear(x, w, b).sum().backward()
@@ -124,7 +128,6 @@ def test_linear_dispatcher_matches_f_linear():
 
 
 @requires_triton
-@pytest.mark.skip(reason='Triton kernels land in the next commit')
 @pytest.mark.parametrize("M,N,H", [(1, 5, 7), (6, 33, 40), (17, 16, 64)])
 def test_triton_matches_f_linear(M, N, H):
     from specdec_kernels.triton import medusa as tm

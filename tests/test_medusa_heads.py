@@ -1,0 +1,165 @@
+"""MedusaHeads: checkpoint key names, loading, fused forward vs the logits path, training."""
+import pytest
+import torch
+
+from python_ref import medusa as ref
+from specdec_kernels.medusa import MedusaHeads, load_medusa_heads, medusa_loss, train_step
+
+
+def randomize(heads: MedusaHeads, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    return heads
+
+
+def medusa_checkpoint(K, L, H, V, per_head=True, prefix="", seed=0):
+    """A state dict laid out like the published Medusa files (medusa_lm_head.pt)."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for k in range(K):
+        for j in range(L):
+            sd[f"{prefix}{k}.{j}.linear.weight"] = torch.randn(H, H, generator=g) / H**0.5
+            sd[f"{prefix}{k}.{j}.linear.bias"] = torch.randn(H, generator=g) * 0.1
+        if per_head:
+            sd[f"{prefix}{k}.{L}.weight"] = torch.randn(V, H, generator=g) / H**0.5
+    return sd
+
+
+def test_state_dict_keys_match_medusa():
+    heads = MedusaHeads(8, 20, num_heads=2, num_layers=1)
+    assert sorted(heads.state_dict()) == sorted(
+        ["medusa_head.0.0.linear.weight", "medusa_head.0.0.linear.bias", "medusa_head.0.1.weight",
+         "medusa_head.1.0.linear.weight", "medusa_head.1.0.linear.bias", "medusa_head.1.1.weight"]
+    )
+    shared = MedusaHeads(8, 20, num_heads=2, num_layers=2, lm_head_weight=torch.randn(20, 8))
+    assert sorted(shared.state_dict()) == sorted(
+        f"medusa_head.{k}.{j}.linear.{w}" for k in range(2) for j in range(2) for w in ("weight", "bias")
+    )
+
+
+def test_init_is_identity_resblocks():
+    heads = MedusaHeads(8, 20, num_heads=3, num_layers=2)
+    h = torch.randn(4, 8)
+    logits = heads.logits(h)
+    for k in range(3):
+        torch.testing.assert_close(logits[:, k], h @ heads.medusa_head[k][2].weight.T)
+
+
+@pytest.mark.parametrize("prefix", ["", "medusa_head."])
+@pytest.mark.parametrize("K,L", [(3, 1), (2, 2), (1, 0)])
+def test_load_checkpoint_and_forward_matches_reference(tmp_path, prefix, K, L):
+    H, V = 12, 90
+    sd = medusa_checkpoint(K, L, H, V, prefix=prefix)
+    path = tmp_path / "medusa_lm_head.pt"
+    torch.save(sd, path)
+    heads = load_medusa_heads(path)
+    assert (heads.num_heads, heads.num_layers, heads.hidden_size, heads.vocab_size) == (K, L, H, V)
+    res_w = torch.stack([torch.stack([sd[f"{prefix}{k}.{j}.linear.weight"] for j in range(L)]) if L else
+                         torch.zeros(0, H, H) for k in range(K)])
+    res_b = torch.stack([torch.stack([sd[f"{prefix}{k}.{j}.linear.bias"] for j in range(L)]) if L else
+                         torch.zeros(0, H) for k in range(K)])
+    lm = torch.stack([sd[f"{prefix}{k}.{L}.weight"] for k in range(K)])
+    hidden = torch.randn(5, H)
+    ids, lp = heads(hidden, top_k=7)
+    ref_ids, ref_lp = ref.medusa_topk(hidden, res_w, res_b, lm, 7)
+    torch.testing.assert_close(lp.double(), ref_lp, atol=2e-4, rtol=1e-4)
+    assert torch.equal(ids, ref_ids)
+
+
+def test_load_safetensors_with_shared_lm_head(tmp_path):
+    from safetensors.torch import save_file
+
+    H, V = 10, 40
+    path = tmp_path / "medusa_lm_head.safetensors"
+    save_file(medusa_checkpoint(2, 1, H, V, per_head=False), str(path))
+    lm = torch.randn(V, H)
+    with pytest.raises(ValueError, match="pass the base model's lm_head_weight"):
+        load_medusa_heads(path)
+    heads = load_medusa_heads(path, lm_head_weight=lm)
+    assert heads.shared_lm_head and "lm_head_weight" not in heads.state_dict()
+    hidden = torch.randn(3, H)
+    ids, lp = heads(hidden, top_k=5)
+    full = torch.log_softmax(heads.logits(hidden).double(), -1)
+    torch.testing.assert_close(torch.gather(full, -1, ids), lp.double(), atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_fused_forward_matches_logits_path(shared):
+    H, V = 16, 77
+    heads = randomize(MedusaHeads(H, V, num_heads=3, num_layers=1,
+                                  lm_head_weight=torch.randn(V, H) if shared else None))
+    hidden = torch.randn(2, 4, H)
+    ids, lp = heads(hidden, top_k=6)
+    assert ids.shape == (8, 3, 6)
+    full = torch.log_softmax(heads.logits(hidden).reshape(8, 3, V).double(), -1)
+    torch.testing.assert_close(torch.gather(full, -1, ids), lp.double(), atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(full.topk(6, dim=-1).values, lp.double(), atol=2e-4, rtol=1e-4)
+
+
+def test_parameters_share_storage_with_stacked_weights_and_follow_updates():
+    heads = randomize(MedusaHeads(8, 30, num_heads=2, num_layers=1))
+    res_w, res_b, lm = heads.stacked_weights()
+    assert heads.medusa_head[1][0].linear.weight.data_ptr() == res_w[1, 0].data_ptr()
+    with torch.no_grad():
+        heads.medusa_head[1][1].weight.mul_(2)  # an in-place update (as optimizers do)
+    hidden = torch.randn(3, 8)
+    full = torch.log_softmax(heads.logits(hidden).double(), -1)
+    ids, lp = heads(hidden, top_k=4)
+    torch.testing.assert_close(torch.gather(full, -1, ids), lp.double(), atol=2e-4, rtol=1e-4)
+    # Replacing parameters (.to) re-stacks.
+    heads = heads.to(torch.bfloat16)
+    ids_bf, lp_bf = heads(hidden, top_k=4)
+    full_bf = torch.log_softmax(heads.logits(hidden.bfloat16()).double(), -1)
+    torch.testing.assert_close(torch.gather(full_bf, -1, ids_bf), lp_bf.double(), atol=0.1, rtol=0.05)
+
+
+def test_loss_offsets():
+    """Head k at position t is scored against token t + k + 2."""
+    B, T, K, V = 1, 6, 2, 10
+    input_ids = torch.arange(T).unsqueeze(0)
+    logits = torch.full((B, T, K, V), -30.0)
+    for t in range(T):
+        for k in range(K):
+            if t + k + 2 < T:
+                logits[0, t, k, t + k + 2] = 30.0  # a perfect predictor under that offset
+    loss, per_head = medusa_loss(logits, input_ids)
+    assert loss.item() < 1e-6 and len(per_head) == K
+    shifted, _ = medusa_loss(logits.roll(1, dims=1), input_ids)
+    assert shifted.item() > 10
+
+
+def test_training_steps_reduce_the_loss():
+    torch.manual_seed(0)
+    H, V, T, B = 16, 40, 24, 8
+    # A frozen "base model": hidden state = a fixed embedding of the current token; the
+    # data follow a fixed permutation, so the tokens 2, 3, 4 steps ahead are learnable.
+    embed = torch.randn(V, H)
+    lm_head = torch.randn(V, H) / H**0.5
+    perm = torch.randperm(V)
+    starts = torch.randint(0, V, (B,))
+    seq = [starts]
+    for _ in range(T - 1):
+        seq.append(perm[seq[-1]])
+    input_ids = torch.stack(seq, dim=1)
+    hidden = embed[input_ids]
+    heads = MedusaHeads(H, V, num_heads=3, num_layers=1, lm_head_weight=lm_head)
+    opt = torch.optim.Adam(heads.parameters(), lr=3e-2)
+    losses = [train_step(heads, hidden, input_ids, opt)["loss"] for _ in range(30)]
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert not lm_head.requires_grad and torch.equal(heads.lm_head_weight, lm_head)  # base stays frozen
+    # The fused path sees the trained weights.
+    ids, _ = heads(hidden[:, 0], top_k=1)
+    assert (ids[:, 0, 0] == input_ids[:, 2]).float().mean() > 0.5
+
+
+def test_bad_checkpoints():
+    with pytest.raises(ValueError, match="no Medusa heads"):
+        load_medusa_heads({"foo": torch.zeros(1)})
+    sd = medusa_checkpoint(2, 1, 4, 9)
+    del sd["1.0.linear.bias"]
+    with pytest.raises(ValueError, match="missing medusa_head.1.0.linear.bias"):
+        load_medusa_heads(sd)
+    with pytest.raises(ValueError, match=r"lm_head_weight must have shape \[9, 4\]"):
+        MedusaHeads(4, 9, lm_head_weight=torch.zeros(9, 5))
