@@ -4,6 +4,8 @@ Importing the package loads the compiled library (``specdec_kernels._C``), which
 the ``torch.ops.specdec.*`` schemas and their C++ CPU kernels, then the fakes (``ops``)
 and, when Triton is installed, the Triton kernels for the CUDA key.
 """
+import torch  # noqa: F401  (loads libtorch, which _C links against)
+
 from . import _C  # noqa: F401  (registers torch.ops.specdec.*)
 from . import ops
 from .ops import *  # noqa: F401,F403

@@ -12,7 +12,12 @@ import torch
 
 __all__ = [
     "philox_uniform",
+    "chain_rejection_sample",
+    "tree_rejection_sample",
+    "apply_top_k_top_p",
+    "tree_attention",
     "compact_kv",
+    "medusa_topk", "skinny_linear", "linear",
 ]
 
 
@@ -68,10 +73,340 @@ def _philox_uniform_fake(seed, offset, position, purpose, num):
 # Rejection sampling: chain_rejection_sample, tree_rejection_sample, apply_top_k_top_p.
 # ---------------------------------------------------------------------------------------
 
+_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_sampling_common(target_logits, draft_probs, temperature, seed, offset, batch, rows, q_rows):
+    check_tensor(target_logits, "target_logits", dtype=_LOGIT_DTYPES, dims=3)
+    device = target_logits.device
+    vocab = target_logits.shape[2]
+    check_tensor(target_logits, "target_logits", shape=(batch, rows, None))
+    if vocab == 0:
+        raise ValueError(f"target_logits must have a non-empty vocabulary dimension, got {list(target_logits.shape)}")
+    if draft_probs is not None:
+        check_tensor(draft_probs, "draft_probs", dtype=torch.float32, shape=(batch, q_rows, vocab), device=device)
+    check_tensor(temperature, "temperature", dtype=torch.float32, shape=(batch,), device=device)
+    check_tensor(seed, "seed", dtype=torch.int64, shape=(batch,), device=device)
+    check_tensor(offset, "offset", dtype=torch.int64, shape=(batch,), device=device)
+
+
+def chain_rejection_sample(
+    draft_token_ids: torch.Tensor,
+    num_draft_tokens: torch.Tensor,
+    target_logits: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    offset: torch.Tensor,
+    *,
+    output_token_ids: torch.Tensor | None = None,
+    num_accepted: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lossless verification of a chain of drafted tokens per request (DESIGN.md).
+
+    Args:
+        draft_token_ids: int64 [B, K], the drafted tokens (entries beyond
+            ``num_draft_tokens[b]`` are ignored).
+        num_draft_tokens: int32 [B], values in 0..K (ragged).
+        target_logits: fp32/bf16/fp16 [B, K+1, V]; row k = the target's logits after the
+            first k drafts (rows beyond ``num_draft_tokens[b]`` are not read).
+        draft_probs: fp32 [B, K, V], the draft distributions q the drafts were drawn from,
+            or None for deterministic drafters (q = one-hot on the drafted token: accept
+            with probability p(x), residual = p with x zeroed).
+        temperature: fp32 [B]; > 0 samples from softmax(logits / T), anything else
+            (0, negative, NaN) is greedy: accept while the draft equals the first argmax
+            of the raw logits, then emit that argmax.
+        seed, offset: int64 [B], the Philox key and counter base of each request.
+        output_token_ids, num_accepted: optional destinations (int64 [B, K+1], int32 [B]).
+
+    Returns ``(output_token_ids, num_accepted)``: accepted drafts, then one recovered or
+    bonus token, then -1; ``num_accepted[b]`` drafts were accepted. A request whose rows
+    0..num_draft_tokens[b] hold a NaN or +inf, or a row that is entirely -inf, gets
+    ``num_accepted = -1`` and an all -1 row.
+
+    Randomness (``specdec_kernels.rng``): the acceptance of draft k uses the uniform u at
+    position k + 1 (PURPOSE_ACCEPT, index 0) and is accepted iff u <= p(x) / q(x) (so
+    p(x) = 0 is never accepted); the token drawn at row k uses position k (PURPOSE_SAMPLE,
+    index v) through the exponential race. A call consumes positions 0..K, so the caller
+    advances ``offset`` by K + 1 (``draft_token_ids.shape[1] + 1``) for the next call.
+
+    Data-dependent faults: on CPU a draft id outside [0, V) (including -1) within
+    ``num_draft_tokens`` or a count outside 0..K raises RuntimeError; the Triton kernel
+    clamps the count into 0..K and treats an out-of-range draft as rejected with
+    p(x) = 0 (never reading out of bounds).
+    """
+    check_tensor(draft_token_ids, "draft_token_ids", dtype=torch.int64, dims=2)
+    batch, max_drafts = draft_token_ids.shape
+    device = draft_token_ids.device
+    check_tensor(num_draft_tokens, "num_draft_tokens", dtype=torch.int32, shape=(batch,), device=device)
+    _check_sampling_common(target_logits, draft_probs, temperature, seed, offset, batch, max_drafts + 1, max_drafts)
+    check_tensor(target_logits, "target_logits", device=device)
+    if output_token_ids is None:
+        output_token_ids = torch.empty((batch, max_drafts + 1), dtype=torch.int64, device=device)
+    else:
+        check_tensor(output_token_ids, "output_token_ids", dtype=torch.int64, shape=(batch, max_drafts + 1), device=device)
+    if num_accepted is None:
+        num_accepted = torch.empty((batch,), dtype=torch.int32, device=device)
+    else:
+        check_tensor(num_accepted, "num_accepted", dtype=torch.int32, shape=(batch,), device=device)
+    torch.ops.specdec.chain_rejection_sample(
+        draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed, offset,
+        output_token_ids, num_accepted,
+    )
+    return output_token_ids, num_accepted
+
+
+def tree_rejection_sample(
+    parents: torch.Tensor,
+    tree_token_ids: torch.Tensor,
+    num_nodes: torch.Tensor,
+    target_logits: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    offset: torch.Tensor,
+    *,
+    accepted_nodes: torch.Tensor | None = None,
+    output_token_ids: torch.Tensor | None = None,
+    num_accepted: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lossless verification of a tree of drafted tokens per request (DESIGN.md).
+
+    Args:
+        parents: int32 [B, N]; node 0 is the root (the last verified token),
+            parents[b, 0] = -1, 0 <= parents[b, i] < i for 0 < i < num_nodes[b].
+        tree_token_ids: int64 [B, N], the token of every node (node 0's is not read).
+        num_nodes: int32 [B], values in 0..N (0: nothing is emitted, num_accepted = 0).
+        target_logits: fp32/bf16/fp16 [B, N, V]; row i = logits for the token after node i.
+        draft_probs: fp32 [B, N, V] or None; row i = the q the children of node i were
+            drawn from i.i.d.; None = deterministic children (e.g. top-k of a drafter).
+        temperature, seed, offset: as for ``chain_rejection_sample``.
+        accepted_nodes, output_token_ids, num_accepted: optional destinations (int32
+            [B, N-1], int64 [B, N], int32 [B]).
+
+    Returns ``(accepted_nodes, output_token_ids, num_accepted)``: the accepted path (root
+    excluded, -1 padded), its tokens followed by the recovered/bonus token (-1 padded) and
+    the path length. The walk: at node i try its children in index order with a residual
+    p' (initially softmax(row i / T)); with draft_probs accept child x iff
+    u <= p'(x) / q(x) else p' <- normalize(max(p' - q, 0)); without, accept iff
+    u <= p'(x) else p'(x) <- 0 and renormalise (if p' has no mass left, which only
+    rounding can cause, p' <- p_i). After the last rejection or at a leaf the last token
+    is drawn from p'. Greedy requests follow the first argmax. NaN rows: as for chains
+    (rows 0..num_nodes-1).
+
+    Randomness: the acceptance of node c uses position c (PURPOSE_ACCEPT, index 0), the
+    token drawn at node i uses position i (PURPOSE_SAMPLE, index v). A call consumes
+    positions 0..N-1: the caller advances ``offset`` by N (``parents.shape[1]``). A chain
+    is the tree parents = [-1, 0, 1, ...] and gives the same tokens with the same seeds.
+
+    Data-dependent faults: on CPU an invalid parent, a token id outside [0, V) or a
+    num_nodes outside 0..N raises RuntimeError; the Triton kernel clamps num_nodes,
+    never visits a node whose parent is not an earlier node, and treats an out-of-range
+    token as rejected with p(x) = 0 (it never reads out of bounds).
+    """
+    check_tensor(parents, "parents", dtype=torch.int32, dims=2)
+    batch, max_nodes = parents.shape
+    if max_nodes < 1:
+        raise ValueError(f"parents must have at least one node per request, got shape {list(parents.shape)}")
+    device = parents.device
+    check_tensor(tree_token_ids, "tree_token_ids", dtype=torch.int64, shape=(batch, max_nodes), device=device)
+    check_tensor(num_nodes, "num_nodes", dtype=torch.int32, shape=(batch,), device=device)
+    _check_sampling_common(target_logits, draft_probs, temperature, seed, offset, batch, max_nodes, max_nodes)
+    check_tensor(target_logits, "target_logits", device=device)
+    if accepted_nodes is None:
+        accepted_nodes = torch.empty((batch, max_nodes - 1), dtype=torch.int32, device=device)
+    else:
+        check_tensor(accepted_nodes, "accepted_nodes", dtype=torch.int32, shape=(batch, max_nodes - 1), device=device)
+    if output_token_ids is None:
+        output_token_ids = torch.empty((batch, max_nodes), dtype=torch.int64, device=device)
+    else:
+        check_tensor(output_token_ids, "output_token_ids", dtype=torch.int64, shape=(batch, max_nodes), device=device)
+    if num_accepted is None:
+        num_accepted = torch.empty((batch,), dtype=torch.int32, device=device)
+    else:
+        check_tensor(num_accepted, "num_accepted", dtype=torch.int32, shape=(batch,), device=device)
+    torch.ops.specdec.tree_rejection_sample(
+        parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature, seed, offset,
+        accepted_nodes, output_token_ids, num_accepted,
+    )
+    return accepted_nodes, output_token_ids, num_accepted
+
+
+def _expand_row_param(t, name, dtype, batch, seq, device):
+    """A per-row parameter: [R] as is; for 3-D logits [B] is repeated over S, [B, S] flattened."""
+    if t is None:
+        return None
+    check_tensor(t, name, dtype=dtype, device=device)
+    if seq is None:
+        check_tensor(t, name, shape=(batch,))
+        return t
+    if t.dim() == 1:
+        check_tensor(t, name, shape=(batch,))
+        return t.repeat_interleave(seq)
+    check_tensor(t, name, shape=(batch, seq))
+    return t.reshape(batch * seq)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+    *,
+    inplace: bool = True,
+) -> torch.Tensor:
+    """Mask logits outside the top-k / top-p / min-p sets to -inf; returns the logits.
+
+    Args:
+        logits: fp32/bf16/fp16 [R, V], or [B, S, V] (e.g. the K+1 verification rows of B
+            requests), contiguous; modified in place unless ``inplace=False``.
+        top_k: int32 [R] (for 3-D logits [B] or [B, S]); 0 (or <= 0, or >= V) = off.
+        top_p: fp32, same shapes; >= 1 = off.
+        min_p: fp32, same shapes; <= 0 = off.
+
+    Per row, on the values as given (temperature 1: divide by T first to apply them at
+    temperature T), in this order: top-k keeps l_v >= the k-th largest value (ties at
+    the k-th value are all kept, so more than k may survive); top-p, on the softmax of
+    the top-k survivors, keeps v iff the mass of survivors with a strictly larger value
+    is < top_p (the largest value and ties at the threshold are always kept); min-p keeps
+    v iff exp(l_v - max) >= min(min_p, 1). Rows holding a NaN are left unchanged (the
+    sampler then reports them). The Triton kernel finds the thresholds by bisection on
+    the ordered float bits instead of sorting, with the same result.
+    """
+    check_tensor(logits, "logits", dtype=_LOGIT_DTYPES)
+    if logits.dim() not in (2, 3):
+        raise ValueError(f"logits must have 2 or 3 dimensions ([R, V] or [B, S, V]), got shape {list(logits.shape)}")
+    if not inplace:
+        logits = logits.clone()
+    if not logits.is_contiguous():
+        raise ValueError("logits must be contiguous (the op works in place)")
+    device = logits.device
+    if logits.dim() == 3:
+        batch, seq, vocab = logits.shape
+        flat = logits.view(batch * seq, vocab)
+    else:
+        batch, seq = logits.shape[0], None
+        flat = logits
+    top_k = _expand_row_param(top_k, "top_k", torch.int32, batch, seq, device)
+    top_p = _expand_row_param(top_p, "top_p", torch.float32, batch, seq, device)
+    min_p = _expand_row_param(min_p, "min_p", torch.float32, batch, seq, device)
+    torch.ops.specdec.apply_top_k_top_p(flat, top_k, top_p, min_p)
+    return logits
+
+
+@torch.library.register_fake("specdec::chain_rejection_sample")
+def _chain_rejection_sample_fake(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed,
+                                 offset, output_token_ids, num_accepted):
+    return None
+
+
+@torch.library.register_fake("specdec::tree_rejection_sample")
+def _tree_rejection_sample_fake(parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature, seed,
+                                offset, accepted_nodes, output_token_ids, num_accepted):
+    return None
+
+
+@torch.library.register_fake("specdec::apply_top_k_top_p")
+def _apply_top_k_top_p_fake(logits, top_k, top_p, min_p):
+    return None
+
+
 
 # ---------------------------------------------------------------------------------------
 # Tree attention: tree_attention.
 # ---------------------------------------------------------------------------------------
+
+
+_ATTENTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_tree_attention(q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tree_mask, out, lse):
+    """Shape/dtype/device checks of tree_attention (no data-dependent checks: no host sync)."""
+    check_tensor(q, "q", dtype=_ATTENTION_DTYPES, dims=3)
+    T, Hq, D = q.shape
+    dev = q.device
+    check_tensor(k_cache, "k_cache", dtype=q.dtype, dims=4, device=dev)
+    num_blocks, block_size, Hkv, _ = k_cache.shape
+    check_tensor(k_cache, "k_cache", shape=(None, None, None, D))
+    check_tensor(v_cache, "v_cache", dtype=q.dtype, shape=tuple(k_cache.shape), device=dev)
+    if Hkv < 1 or Hq % Hkv != 0:
+        raise ValueError(f"q's number of heads ({Hq}) must be a multiple of k_cache's ({Hkv})")
+    if block_size < 1:
+        raise ValueError(f"k_cache must have block_size >= 1, got shape {list(k_cache.shape)}")
+    for t, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+    check_tensor(block_table, "block_table", dtype=torch.int32, dims=2, device=dev)
+    B = block_table.shape[0]
+    check_tensor(prefix_lens, "prefix_lens", dtype=torch.int32, shape=(B,), device=dev)
+    check_tensor(qo_indptr, "qo_indptr", dtype=torch.int32, shape=(B + 1,), device=dev)
+    if tree_mask is not None:
+        check_tensor(tree_mask, "tree_mask", dtype=torch.int64, shape=(T, None), device=dev)
+        if tree_mask.shape[1] < 1:
+            raise ValueError(f"tree_mask must have at least one word per row, got shape {list(tree_mask.shape)}")
+        if not tree_mask.is_contiguous():
+            raise ValueError("tree_mask must be contiguous")
+    if out is not None:
+        check_tensor(out, "out", dtype=q.dtype, shape=tuple(q.shape), device=dev)
+        if out.stride(-1) != 1:
+            raise ValueError("out must be contiguous in its last dimension")
+    if lse is not None:
+        check_tensor(lse, "lse", dtype=torch.float32, shape=(T, Hq), device=dev)
+        if not lse.is_contiguous():
+            raise ValueError("lse must be contiguous")
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    tree_mask: torch.Tensor | None = None,
+    sm_scale: float | None = None,
+    *,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+):
+    """Attention of all tree nodes of a batch over their prefix and their tree ancestors.
+
+    q: [T, Hq, D] fp32/bf16/fp16; request b owns rows qo_indptr[b]:qo_indptr[b+1] in node
+    order. k_cache, v_cache: [num_blocks, block_size, Hkv, D] (paged; a contiguous cache is
+    one block of max_len per request), Hq a multiple of Hkv. block_table: int32
+    [B, max_blocks]. prefix_lens: int32 [B]; node j of request b has its K/V at cache
+    position prefix_lens[b] + j (written before the call). qo_indptr: int32 [B + 1].
+    tree_mask: int64 [T, W] or None; bit j (word j // 64, little-endian) of row t set iff
+    node j is visible to the node of row t (its own bit set); None = causal among the new
+    tokens (plain decoding, chains). sm_scale: default 1 / sqrt(D).
+
+    Returns out [T, Hq, D] (dtype of q), or (out, lse) with ``return_lse``: lse fp32
+    [T, Hq], natural log-sum-exp of the scaled scores. ``out``/``lse`` may be given to
+    write into (``lse`` given is always filled). Rows owned by no request, and rows that
+    see no key, get out = 0 and lse = -inf.
+
+    Data-dependent faults: on CPU, block ids out of range, a non-monotone qo_indptr, a
+    prefix_lens + n beyond the block table, or more nodes than 64 * W raise RuntimeError;
+    the Triton kernel skips the keys whose block id or table slot is out of range.
+    """
+    _check_tree_attention(q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tree_mask, out, lse)
+    if sm_scale is None:
+        sm_scale = float(q.shape[-1]) ** -0.5
+    if out is None:
+        out = torch.empty_like(q)
+    if return_lse and lse is None:
+        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+    torch.ops.specdec.tree_attention(
+        q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tree_mask, float(sm_scale), out, lse
+    )
+    return (out, lse) if return_lse else out
+
+
+@torch.library.register_fake("specdec::tree_attention")
+def _tree_attention_fake(q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tree_mask, sm_scale, out, lse):
+    return None
+
 
 
 # ---------------------------------------------------------------------------------------
@@ -150,3 +485,133 @@ def _compact_kv_fake(k_caches, v_caches, block_table, prefix_lens, accepted_node
 # ---------------------------------------------------------------------------------------
 # Medusa heads and the skinny GEMM: medusa_topk, skinny_linear.
 # ---------------------------------------------------------------------------------------
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Largest number of rows for which `linear` uses skinny_linear instead of F.linear on CPU.
+# Measured with `python bench/bench_medusa.py` (skinny_linear vs F.linear over the SmolLM2
+# layer shapes [1536|576|192|49152, 576] and [576, 1536], M = 1..64, fp32, 2 threads):
+# skinny_linear is faster at every M <= 32 on every shape; see bench/results/medusa.json.
+SKINNY_LINEAR_MAX_ROWS = 32
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, out=None) -> torch.Tensor:
+    """``x @ weight.T + bias`` streaming the weight once for all rows (CPU, few rows).
+
+    x: [M, H] fp32/bf16/fp16; weight: [N, H] fp32/bf16/fp16, contiguous (bf16/fp16 weights
+    are widened on the fly, so they stream half the bytes); bias: [N] or None; out: [M, N]
+    of x's dtype (allocated when None). Accumulates in fp32. Designed for M <= 64; any M is
+    correct (the CPU kernel just stops beating MKL). Returns out.
+    """
+    check_tensor(x, "x", dtype=_FLOAT_DTYPES, dims=2)
+    check_tensor(weight, "weight", dtype=_FLOAT_DTYPES, dims=2, device=x.device)
+    M, H = x.shape
+    N = weight.shape[0]
+    if weight.shape[1] != H:
+        raise ValueError(f"weight must have shape [N, {H}] (x is [{M}, {H}]), got {list(weight.shape)}")
+    if not weight.is_contiguous():
+        raise ValueError("weight must be contiguous")
+    if bias is not None:
+        check_tensor(bias, "bias", dtype=_FLOAT_DTYPES, shape=(N,), device=x.device)
+    if out is None:
+        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    else:
+        check_tensor(out, "out", dtype=x.dtype, shape=(M, N), device=x.device)
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+    torch.ops.specdec.skinny_linear(x, weight, bias, out)
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` that uses ``skinny_linear`` where it was measured to be faster.
+
+    x: [..., H]; weight: [N, H]; bias: [N] or None. skinny_linear is used on CPU when the
+    flattened row count is <= SKINNY_LINEAR_MAX_ROWS, x and weight are fp32/bf16,
+    the weight is contiguous and no gradient is needed (skinny_linear has no autograd
+    formula); otherwise this is exactly ``F.linear``.
+    """
+    rows = x.numel() // x.shape[-1] if x.dim() > 0 and x.shape[-1] > 0 else 0
+    use_skinny = (
+        x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and 0 < rows <= SKINNY_LINEAR_MAX_ROWS
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and weight.dim() == 2
+        and weight.is_contiguous()
+        and (bias is None or (bias.dim() == 1 and bias.device.type == "cpu" and bias.dtype in _FLOAT_DTYPES))
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                              or (bias is not None and bias.requires_grad)))
+    )
+    if not use_skinny:
+        return torch.nn.functional.linear(x, weight, bias)
+    out = skinny_linear(x.reshape(rows, x.shape[-1]), weight, bias)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def medusa_topk(
+    hidden: torch.Tensor,
+    res_weight: torch.Tensor,
+    res_bias: torch.Tensor,
+    lm_head: torch.Tensor,
+    top_k: int,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k candidates of K Medusa heads, fused: the [M, K, V] logits are never written.
+
+    hidden: [M, H]; res_weight: [K, L, H, H] and res_bias: [K, L, H] (L ResBlocks per head,
+    x <- x + SiLU(x W^T + b); L may be 0); lm_head: [V, H] shared by all heads or [K, V, H]
+    per head; all fp32/bf16/fp16 (arithmetic in fp32), weights contiguous; 1 <= top_k <= V.
+    Returns (topk_ids int64 [M, K, top_k], topk_logprobs fp32 [M, K, top_k]): per row and
+    head, the top_k vocabulary ids by descending logit (ties to the lower id) and their
+    log-softmax values. ``out`` = (topk_ids, topk_logprobs) to write into.
+    Non-finite logits raise on CPU (RuntimeError); on GPU they give NaN log-probs.
+    """
+    check_tensor(hidden, "hidden", dtype=_FLOAT_DTYPES, dims=2)
+    M, H = hidden.shape
+    dev = hidden.device
+    check_tensor(res_weight, "res_weight", dtype=_FLOAT_DTYPES, dims=4, device=dev)
+    K, L = res_weight.shape[0], res_weight.shape[1]
+    if K < 1:
+        raise ValueError(f"res_weight must have at least one head (K >= 1), got shape {list(res_weight.shape)}")
+    check_tensor(res_weight, "res_weight", shape=(K, L, H, H))
+    check_tensor(res_bias, "res_bias", dtype=_FLOAT_DTYPES, shape=(K, L, H), device=dev)
+    check_tensor(lm_head, "lm_head", dtype=_FLOAT_DTYPES, device=dev)
+    if lm_head.dim() == 2 and lm_head.shape[1] == H:
+        V = lm_head.shape[0]
+    elif lm_head.dim() == 3 and lm_head.shape[0] == K and lm_head.shape[2] == H:
+        V = lm_head.shape[1]
+    else:
+        raise ValueError(
+            f"lm_head must have shape [V, {H}] (shared) or [{K}, V, {H}] (per head), got {list(lm_head.shape)}"
+        )
+    if V < 1:
+        raise ValueError(f"lm_head must have at least one vocabulary row, got shape {list(lm_head.shape)}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= V:
+        raise ValueError(f"top_k must be an int in [1, V = {V}], got {top_k!r}")
+    for t, name in ((res_weight, "res_weight"), (res_bias, "res_bias"), (lm_head, "lm_head")):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if out is None:
+        topk_ids = torch.empty((M, K, top_k), dtype=torch.int64, device=dev)
+        topk_logprobs = torch.empty((M, K, top_k), dtype=torch.float32, device=dev)
+    else:
+        topk_ids, topk_logprobs = out
+        check_tensor(topk_ids, "topk_ids", dtype=torch.int64, shape=(M, K, top_k), device=dev)
+        check_tensor(topk_logprobs, "topk_logprobs", dtype=torch.float32, shape=(M, K, top_k), device=dev)
+        if not (topk_ids.is_contiguous() and topk_logprobs.is_contiguous()):
+            raise ValueError("topk_ids and topk_logprobs must be contiguous")
+    torch.ops.specdec.medusa_topk(hidden.contiguous(), res_weight, res_bias, lm_head, top_k, topk_ids, topk_logprobs)
+    return topk_ids, topk_logprobs
+
+
+@torch.library.register_fake("specdec::medusa_topk")
+def _medusa_topk_fake(hidden, res_weight, res_bias, lm_head, top_k, topk_ids, topk_logprobs):
+    return None
+
+
+@torch.library.register_fake("specdec::skinny_linear")
+def _skinny_linear_fake(x, weight, bias, out):
+    return None

@@ -528,6 +528,12 @@ class MedusaTree:
     (depth, choice), the order the Medusa repository uses, so parents precede children.
 
     parents, head, rank, depth: int32 [N] on ``device``; head and rank are -1 at the root.
+    Build it on the device the decode loop runs on (``medusa_tree(choices, device=...)``), so
+    that :meth:`token_ids` copies nothing from the host (and stays CUDA-graph capturable).
+
+    The root-to-leaf paths (``build_tree(tree.batch_parents(B)).paths``) are the rows of
+    Medusa's ``retrieve_indices`` in node-index order of the leaves (Medusa lists the same
+    rows starting from the last choice), int32 and -1 padded.
     """
 
     choices: tuple

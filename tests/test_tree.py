@@ -78,7 +78,7 @@ def check_against_ref(parents, num_nodes, rows, counts, prefix_lens=None):
 # ---------------------------------------------------------------------------------------
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(tree_batch(), st.integers(0, 5000))
 def test_build_tree_matches_reference(batch, prefix):
     parents, num_nodes, rows, counts = batch
@@ -295,6 +295,47 @@ def test_builders_run_on_meta_device():
     assert eagle.parents.shape == (batch, 11) and eagle.token_ids.shape == (batch, 11)
 
 
+# ATen ops that read tensor values on the host or give a data-dependent output shape.
+SYNCING_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "is_nonzero",
+               "repeat_interleave.Tensor", "item")
+
+
+def test_builders_never_sync_on_real_tensors():
+    """Record every ATen op the builders dispatch on real CPU tensors: none may sync."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    parents = torch.tensor([[-1, 0, 0, 1, 2, -1], [-1, 0, 1, 2, 3, 4]], dtype=torch.int32)
+    num_nodes = torch.tensor([5, 6], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(0)
+    scores = [torch.randn(2, 4, generator=gen), torch.randn(2, 16, generator=gen)]
+    medusa = T.medusa_tree()
+    with Recorder() as recorder:
+        tree = T.build_tree(parents, num_nodes, torch.tensor([3, 4]))
+        tree.ragged_tree_mask(tree.qo_indptr(), 12)
+        tree.ragged_positions(tree.qo_indptr(), 12)
+        T.tree_paths(parents, num_nodes, max_depth=3)
+        T.eagle_tree_from_expansions(scores, [None, torch.tensor([[0, 1, 2, 3], [3, 2, 1, 0]])], 6,
+                                     [torch.zeros(2, 4, dtype=torch.int64), torch.zeros(2, 16, dtype=torch.int64)],
+                                     torch.tensor([1, 2]))
+        medusa.token_ids(torch.tensor([1, 2]), torch.zeros(2, 4, 10, dtype=torch.int64))
+    assert "aten.gather.default" in recorder.ops  # the recorder saw the builders' ops
+    syncing = [op for op in recorder.ops if any(bad in op for bad in SYNCING_OPS)]
+    assert syncing == []
+    # The recorder does catch a sync.
+    with Recorder() as recorder:
+        T.validate_parents(parents, num_nodes)
+    assert any(bad in op for op in recorder.ops for bad in SYNCING_OPS)
+
+
 def _tree_fields(parents, num_nodes, prefix_lens):
     t = T.build_tree(parents, num_nodes, prefix_lens, max_depth=8)
     return t.depth, t.positions, t.tree_mask, t.first_child, t.next_sibling, t.paths, t.num_leaves
@@ -437,6 +478,30 @@ def test_eagle_selection_matches_reference(top_k, depth, num_draft):
         if num_draft:
             assert all_scores[b, chosen].min() >= torch.topk(all_scores[b], num_draft).values.min()
     T.validate_parents(eagle.parents)
+
+
+def test_eagle_matches_eagle_bookkeeping():
+    """EAGLE's own index arithmetic (cnets.py topK_genrate) gives the same parents.
+
+    There, parents_list[0] = [0] and step d >= 1 contributes beam + 1 + (flat offset of step
+    d-1) per group of top_k; a selected flat index c has parent "1 + flat index" =
+    parents_list[c // top_k], and its node index is 1 + its rank among the selected.
+    """
+    gen = torch.Generator().manual_seed(7)
+    top_k, depth, num_draft = 5, 5, 30
+    scores, parents, _ = _eagle_expansion(1, top_k, depth, gen)
+    eagle = T.eagle_tree_from_expansions(scores, parents, num_draft)
+    offsets = [0]
+    for s in scores:
+        offsets.append(offsets[-1] + s.shape[1])
+    parents_list = [0] + [int(v) + 1 + offsets[d - 1] for d in range(1, depth) for v in parents[d][0]]
+    selected = sorted(torch.topk(torch.cat(scores, 1)[0], num_draft).indices.tolist())
+    eagle_parents = [-1]
+    for c in selected:
+        parent_plus_one = parents_list[c // top_k]
+        eagle_parents.append(0 if parent_plus_one == 0 else 1 + selected.index(parent_plus_one - 1))
+    assert eagle.candidate[0, 1:].tolist() == selected
+    assert eagle.parents[0].tolist() == eagle_parents
 
 
 def test_eagle_ties_keep_parents():

@@ -1,0 +1,306 @@
+"""specdec::tree_attention: every node's output equals causal attention over its root path.
+
+Two independent oracles: python_ref (loops over the mask bits) and torch SDPA on the K/V
+gathered along each node's root path (from `parents`, not from the mask). Backends: the
+C++ CPU kernel (torch.ops / the ops.py wrapper) and the Triton kernels under the
+interpreter (small shapes).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import specdec_kernels
+from python_ref import tree_attention as ref
+from specdec_kernels import ops
+from tests.conftest import requires_triton
+
+# Output tolerance per dtype (the reference runs in float64 on the same rounded inputs; the
+# kernel accumulates in fp32 and rounds its output to the dtype).
+TOL = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.bfloat16: dict(atol=1.5e-2, rtol=1.5e-2),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+}
+LSE_TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-3, torch.float16: 2e-3}
+
+
+# ---------------------------------------------------------------------------------------
+# Problem construction.
+# ---------------------------------------------------------------------------------------
+
+
+def chain(n):
+    return [-1] + list(range(n - 1))
+
+
+def star(n):
+    return [-1] + [0] * (n - 1)
+
+
+def random_tree(n, gen):
+    return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+
+
+def make_case(trees, prefixes, Hq, Hkv, D, block_size, dtype=torch.float32, *, seed=0, contiguous=False,
+              spare_blocks=3, pad_rows=(0, 0)):
+    """A batch of trees (lists of parents) over a paged cache with a shuffled block table.
+
+    contiguous: one block of max_len per request (block_size is ignored). pad_rows: extra
+    query rows before the first and after the last request (owned by no request).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    B = len(trees)
+    ns = [len(p) for p in trees]
+    lens = [p + n for p, n in zip(prefixes, ns)]
+    if contiguous:
+        block_size = max(max(lens), 1)
+    max_blocks = max(max((length + block_size - 1) // block_size for length in lens), 1)
+    num_blocks = B * max_blocks + spare_blocks
+    block_table = torch.randperm(num_blocks, generator=gen)[: B * max_blocks].to(torch.int32).reshape(B, max_blocks)
+    k_cache = torch.randn(num_blocks, block_size, Hkv, D, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, Hkv, D, generator=gen).to(dtype)
+    T = sum(ns) + sum(pad_rows)
+    q = torch.randn(T, Hq, D, generator=gen).to(dtype)
+    offsets = [pad_rows[0]]
+    for n in ns:
+        offsets.append(offsets[-1] + n)
+    qo_indptr = torch.tensor(offsets, dtype=torch.int32)
+    words = ref.mask_words_for(max(ns, default=1))
+    tree_mask = torch.cat(
+        [torch.zeros(pad_rows[0], words, dtype=torch.int64), ref.batch_mask(trees, words),
+         torch.zeros(pad_rows[1], words, dtype=torch.int64)]
+    )
+    return dict(
+        q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table,
+        prefix_lens=torch.tensor(prefixes, dtype=torch.int32), qo_indptr=qo_indptr, tree_mask=tree_mask,
+        trees=trees,
+    )
+
+
+def op_args(case, mask=True):
+    return (case["q"], case["k_cache"], case["v_cache"], case["block_table"], case["prefix_lens"],
+            case["qo_indptr"], case["tree_mask"] if mask else None)
+
+
+def root_path_sdpa(case, sm_scale=None):
+    """float64 [T, Hq, D]: each node attends its prefix and its root path (from parents), via SDPA."""
+    q, k_cache, v_cache, bt = case["q"], case["k_cache"], case["v_cache"], case["block_table"]
+    T, Hq, D = q.shape
+    group = Hq // k_cache.shape[2]
+    out = torch.zeros(T, Hq, D, dtype=torch.float64)
+    for b, parents in enumerate(case["trees"]):
+        begin, prefix = int(case["qo_indptr"][b]), int(case["prefix_lens"][b])
+        for i in range(len(parents)):
+            positions = list(range(prefix)) + [prefix + j for j in ref.ancestors(parents, i)]
+            k = ref.cache_rows(k_cache, bt, b, positions).double().repeat_interleave(group, 1)  # [L, Hq, D]
+            v = ref.cache_rows(v_cache, bt, b, positions).double().repeat_interleave(group, 1)
+            qi = q[begin + i].double()[:, None, :]  # [Hq, 1, D]
+            o = F.scaled_dot_product_attention(qi, k.transpose(0, 1), v.transpose(0, 1), scale=sm_scale)
+            out[begin + i] = o[:, 0]
+    return out
+
+
+def assert_close(actual, expected, dtype, what=""):
+    torch.testing.assert_close(actual.double(), expected.double(), **TOL[dtype], msg=lambda m: f"{what}: {m}")
+
+
+# ---------------------------------------------------------------------------------------
+# CPU kernel.
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group,D", [(1, 64), (3, 64), (4, 128), (8, 64)])
+def test_matches_reference_and_root_path(group, D, dtype):
+    gen = torch.Generator().manual_seed(group * D)
+    trees = [random_tree(11, gen), [-1], star(9), chain(6)]
+    case = make_case(trees, [13, 0, 1, 40], Hq=2 * group, Hkv=2, D=D, block_size=16, dtype=dtype, seed=group)
+    out, lse = ops.tree_attention(*op_args(case), return_lse=True)
+    assert out.dtype == dtype and out.shape == case["q"].shape
+    ref_out, ref_lse = ref.tree_attention(*op_args(case))
+    assert_close(out, ref_out, dtype, "vs python_ref")
+    assert_close(out, root_path_sdpa(case), dtype, "vs SDPA on the root path")
+    torch.testing.assert_close(lse.double(), ref_lse, atol=LSE_TOL[dtype], rtol=0)
+
+
+TREE_SIZES = st.sampled_from([1, 2, 7, 63, 64, 65, 128]) | st.integers(1, 40)
+
+
+@st.composite
+def trees_strategy(draw):
+    batch = draw(st.integers(1, 3))
+    trees = []
+    for _ in range(batch):
+        n = draw(TREE_SIZES)
+        shape = draw(st.sampled_from(["random", "star", "chain"]))
+        if shape == "star":
+            trees.append(star(n))
+        elif shape == "chain":
+            trees.append(chain(n))
+        else:
+            trees.append([-1] + [draw(st.integers(0, i - 1)) for i in range(1, n)])
+    prefixes = [draw(st.sampled_from([0, 1, 5, 16, 17, 70])) for _ in trees]
+    return trees, prefixes
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=trees_strategy(),
+    group=st.sampled_from([1, 3, 4, 8]),
+    D=st.sampled_from([64, 128]),
+    block_size=st.sampled_from([1, 5, 16]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    seed=st.integers(0, 2**16),
+)
+def test_random_trees(data, group, D, block_size, dtype, seed):
+    trees, prefixes = data
+    case = make_case(trees, prefixes, Hq=group, Hkv=1, D=D, block_size=block_size, dtype=dtype, seed=seed)
+    out, lse = ops.tree_attention(*op_args(case), return_lse=True)
+    ref_out, ref_lse = ref.tree_attention(*op_args(case))
+    assert_close(out, ref_out, dtype, "vs python_ref")
+    assert_close(out, root_path_sdpa(case), dtype, "vs SDPA on the root path")
+    torch.testing.assert_close(lse.double(), ref_lse, atol=LSE_TOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("n,prefix", [(1, 0), (1, 33), (7, 20), (70, 3)])
+def test_no_mask_is_causal(n, prefix):
+    case = make_case([chain(n), chain(3)], [prefix, 9], Hq=6, Hkv=2, D=64, block_size=8)
+    causal = ops.tree_attention(*op_args(case, mask=False))
+    masked = ops.tree_attention(*op_args(case))  # a chain's mask is causal
+    torch.testing.assert_close(causal, masked, atol=0, rtol=0)
+    # Dense causal attention over the contiguous sequence (prefix then nodes), per request.
+    assert_close(causal, root_path_sdpa(case), torch.float32, "vs causal SDPA")
+
+
+def test_contiguous_cache_and_strided_q():
+    trees = [random_tree(12, torch.Generator().manual_seed(1)), chain(4)]
+    case = make_case(trees, [30, 2], Hq=8, Hkv=2, D=128, block_size=0, contiguous=True)
+    assert case["k_cache"].shape[1] == 42 and case["block_table"].shape[1] == 1
+    # q as a view of a fused QKV projection: non-contiguous rows.
+    qkv = torch.randn(case["q"].shape[0], 12, 128)
+    qkv[:, :8] = case["q"]
+    case_strided = dict(case, q=qkv[:, :8])
+    assert not case_strided["q"].is_contiguous()
+    out = ops.tree_attention(*op_args(case_strided))
+    assert_close(out, root_path_sdpa(case), torch.float32, "strided q")
+
+
+def test_padded_and_empty_rows_are_zero_not_nan():
+    # Rows before qo_indptr[0] and after qo_indptr[B] belong to nobody; request 1 is empty.
+    case = make_case([star(5), [], chain(3)], [4, 0, 0], Hq=4, Hkv=4, D=64, block_size=4, pad_rows=(2, 3))
+    q = case["q"]
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], float("nan"))
+    ops.tree_attention(*op_args(case), out=out, lse=lse)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert (out[:2] == 0).all() and (out[-3:] == 0).all()
+    assert (lse[:2] == -math.inf).all() and (lse[-3:] == -math.inf).all()
+    assert_close(out, root_path_sdpa(case), torch.float32, "owned rows")
+    # A node that sees nothing (empty mask row, no prefix) is defined as 0 / -inf too.
+    mask = case["tree_mask"].clone()
+    mask[2 + 5 + 1] = 0  # node 1 of the last request (prefix 0)
+    out2, lse2 = ops.tree_attention(*op_args(case)[:6], mask, return_lse=True)
+    assert not out2.isnan().any() and (out2[8] == 0).all() and (lse2[8] == -math.inf).all()
+
+
+def test_sm_scale_and_out_argument():
+    case = make_case([random_tree(9, torch.Generator().manual_seed(3))], [10], Hq=3, Hkv=1, D=64, block_size=4)
+    out = torch.empty_like(case["q"])
+    returned = ops.tree_attention(*op_args(case), 0.3, out=out)
+    assert returned is out
+    ref_out, _ = ref.tree_attention(*op_args(case), sm_scale=0.3)
+    assert_close(out, ref_out, torch.float32, "sm_scale")
+
+
+def test_opcheck():
+    case = make_case([star(5), chain(3)], [6, 0], Hq=4, Hkv=2, D=64, block_size=4)
+    q = case["q"]
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2])
+    torch.library.opcheck(torch.ops.specdec.tree_attention.default, (*op_args(case), 0.125, out, lse))
+    torch.library.opcheck(torch.ops.specdec.tree_attention.default, (*op_args(case, mask=False), 0.125, out, None))
+
+
+# ---------------------------------------------------------------------------------------
+# Bad inputs: the wrapper raises ValueError, the C++ kernel RuntimeError, naming the argument.
+# ---------------------------------------------------------------------------------------
+
+
+def _base_case():
+    return make_case([star(4), chain(3)], [5, 2], Hq=4, Hkv=2, D=64, block_size=4)
+
+
+def _with(case, **changes):
+    args = dict(zip(["q", "k_cache", "v_cache", "block_table", "prefix_lens", "qo_indptr", "tree_mask"],
+                    op_args(case)))
+    args.update(changes)
+    return args
+
+
+WRAPPER_ERRORS = [
+    (lambda c: dict(q=c["q"].double()), "q must have dtype"),
+    (lambda c: dict(q=c["q"][0]), "q must have 3 dimensions"),
+    (lambda c: dict(k_cache=c["k_cache"].half()), "k_cache must have dtype"),
+    (lambda c: dict(v_cache=c["v_cache"][:, :2]), "v_cache must have shape"),
+    (lambda c: dict(k_cache=c["k_cache"][..., :32], v_cache=c["v_cache"][..., :32]), "k_cache must have shape"),
+    (lambda c: dict(q=c["q"][:, :3]), "multiple of k_cache"),
+    (lambda c: dict(block_table=c["block_table"].long()), "block_table must have dtype torch.int32"),
+    (lambda c: dict(prefix_lens=c["prefix_lens"][:1]), "prefix_lens must have shape"),
+    (lambda c: dict(qo_indptr=c["qo_indptr"][:2]), "qo_indptr must have shape"),
+    (lambda c: dict(tree_mask=c["tree_mask"].int()), "tree_mask must have dtype"),
+    (lambda c: dict(tree_mask=c["tree_mask"][:3]), "tree_mask must have shape"),
+    (lambda c: dict(q=c["q"].transpose(0, 2).contiguous().transpose(0, 2)), "q must be contiguous in its last"),
+]
+
+
+@pytest.mark.parametrize("change,message", WRAPPER_ERRORS)
+def test_wrapper_rejects_bad_shapes(change, message):
+    case = _base_case()
+    with pytest.raises(ValueError, match=message):
+        ops.tree_attention(**_with(case, **change(case)))
+
+
+def test_wrapper_rejects_bad_outputs():
+    case = _base_case()
+    with pytest.raises(ValueError, match="out must have dtype"):
+        ops.tree_attention(**_with(case), out=torch.empty_like(case["q"], dtype=torch.float16))
+    with pytest.raises(ValueError, match="lse must have shape"):
+        ops.tree_attention(**_with(case), lse=torch.empty(3, 3))
+
+
+KERNEL_ERRORS = [
+    (lambda c: dict(block_table=c["block_table"].index_fill(1, torch.tensor([0]), 99)), "out of range"),
+    (lambda c: dict(block_table=c["block_table"].index_fill(1, torch.tensor([0]), -1)), "out of range"),
+    (lambda c: dict(qo_indptr=torch.tensor([0, 5, 4], dtype=torch.int32)), "non-decreasing"),
+    (lambda c: dict(qo_indptr=torch.tensor([0, 4, 9], dtype=torch.int32)), "exceeds the number of query rows"),
+    (lambda c: dict(qo_indptr=torch.tensor([-1, 4, 7], dtype=torch.int32)), r"qo_indptr\[0\] must be >= 0"),
+    (lambda c: dict(prefix_lens=torch.tensor([5, -2], dtype=torch.int32)), r"prefix_lens\[1\] must be >= 0"),
+    (lambda c: dict(prefix_lens=torch.tensor([5, 1000], dtype=torch.int32)), "cache positions"),
+    (lambda c: dict(q=c["q"].double(), k_cache=c["k_cache"].double(), v_cache=c["v_cache"].double()),
+     "q must have dtype float32, bfloat16 or float16"),
+    (lambda c: dict(v_cache=c["v_cache"].half()), "v_cache"),
+    (lambda c: dict(q=c["q"][:, :3]), "must be a multiple of k_cache"),
+    (lambda c: dict(tree_mask=c["tree_mask"][:, :0]), "tree_mask must have shape"),
+]
+
+
+@pytest.mark.parametrize("change,message", KERNEL_ERRORS)
+def test_cpu_kernel_rejects_bad_inputs(change, message):
+    case = _base_case()
+    args = _with(case, **change(case))
+    out = torch.empty_like(args["q"])
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.specdec.tree_attention(*args.values(), 0.125, out, None)
+
+
+def test_cpu_kernel_rejects_too_few_mask_words():
+    case = make_case([star(65)], [0], Hq=2, Hkv=1, D=64, block_size=16)
+    out = torch.empty_like(case["q"])
+    with pytest.raises(RuntimeError, match="words per row"):
+        torch.ops.specdec.tree_attention(*op_args(case)[:6], case["tree_mask"][:, :1].contiguous(), 0.1, out, None)
