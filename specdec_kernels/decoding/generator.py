@@ -154,10 +154,13 @@ class Generator:
         if sampled:
             filt = [b for b in sampled if reqs[b].sampling.top_k > 0 or reqs[b].sampling.top_p < 1]
             if filt:
-                rows = logits[filt].reshape(len(filt) * N, -1)
+                # top-p is defined on softmax(logits / T): filter the scaled rows, mask the raw ones.
+                temp = torch.tensor([reqs[b].sampling.temperature for b in filt], dtype=torch.float32)
+                rows = (logits[filt] / temp[:, None, None]).reshape(len(filt) * N, -1).contiguous()
                 top_k = torch.tensor([reqs[b].sampling.top_k for b in filt for _ in range(N)], dtype=torch.int32)
                 top_p = torch.tensor([reqs[b].sampling.top_p for b in filt for _ in range(N)], dtype=torch.float32)
-                logits[filt] = _ops.apply_top_k_top_p(rows.contiguous(), top_k, top_p).view(len(filt), N, -1)
+                rows = _ops.apply_top_k_top_p(rows, top_k, top_p).view(len(filt), N, -1)
+                logits[filt] = logits[filt].masked_fill(rows == float("-inf"), float("-inf"))
             if any(d.probs is not None for d in drafts):
                 draft_probs = torch.zeros(B, N, logits.shape[-1], dtype=torch.float32)
                 for b, d in enumerate(drafts):

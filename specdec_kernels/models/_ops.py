@@ -115,8 +115,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k, top_p) -> torch.Tensor:
         return logits
     if has_kernel("apply_top_k_top_p", logits.device):
         _note("apply_top_k_top_p", "specdec")
-        torch.ops.specdec.apply_top_k_top_p(logits, top_k, top_p, None)
-        return logits
+        return _specdec_ops.apply_top_k_top_p(logits, top_k, top_p)
     _note("apply_top_k_top_p", "torch")
     sorted_logits, idx = logits.sort(dim=-1, descending=True)
     remove = torch.zeros_like(sorted_logits, dtype=torch.bool)

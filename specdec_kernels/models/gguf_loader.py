@@ -79,7 +79,8 @@ def load_gguf_state_dict(path: str, config: LlamaConfig | None = None, reader=No
             w = unpermute_rope_rows(w, config.num_heads)
         elif t.name.endswith("attn_k.weight"):
             w = unpermute_rope_rows(w, config.num_kv_heads)
-        sd[name] = torch.from_numpy(np.ascontiguousarray(w))
+        w = np.ascontiguousarray(w)
+        sd[name] = torch.from_numpy(w if w.flags.writeable else w.copy())
     return config, sd
 
 
