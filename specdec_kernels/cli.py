@@ -76,13 +76,12 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
-    from .decoding.benchmark import main as bench_main
-
-    return bench_main(args.rest)
-
-
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # every later argument belongs to the benchmark's own parser
+        from .decoding.benchmark import main as bench_main
+
+        return bench_main(argv[1:])
     p = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding on CPU/GPU.")
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate text for one prompt, streaming, then print stats")
@@ -102,9 +101,7 @@ def main(argv=None) -> int:
     g.add_argument("--medusa-checkpoint", default=None, help="safetensors with res_weight/res_bias")
     g.add_argument("--threads", type=int, default=0)
     g.set_defaults(func=cmd_generate)
-    b = sub.add_parser("bench", help="end-to-end benchmark (see bench/bench_e2e.py --help)", add_help=False)
-    b.add_argument("rest", nargs=argparse.REMAINDER)
-    b.set_defaults(func=cmd_bench)
+    sub.add_parser("bench", help="end-to-end benchmark (specdec bench --help)")
     args = p.parse_args(argv)
     return args.func(args)
 

@@ -183,3 +183,17 @@ def test_stats():
     assert st.acceptance_per_pos == [0.5, 0.5, 0.0]
     assert st.mean_accepted_length == 2.0
     assert "mean accepted length 2.00" in st.format()
+
+
+def test_cli_drafters_by_name(model, prompts):
+    from specdec_kernels.cli import DRAFTERS as NAMES, main, make_drafter
+
+    ar = [r.output for r in Generator(model).generate(prompts[:2], 6)]
+    for name in NAMES:
+        d = make_drafter(name, model, self_spec_layers=1)
+        assert (d is None) == (name == "none")
+        assert [r.output for r in Generator(model, d).generate(prompts[:2], 6)] == ar
+    with pytest.raises(ValueError, match="unknown drafter"):
+        make_drafter("bogus", model)
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])

@@ -110,6 +110,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: on a shared machine more threads stall in barriers)")
+    p.add_argument("--linear", default="auto", choices=("auto", "torch"),
+                   help="auto: ops.linear (skinny_linear for few rows); torch: always F.linear")
     p.add_argument("--out", default="bench/results/e2e.json")
     p.add_argument("--chart", default="bench/results/e2e_speedup.png")
     args = p.parse_args(argv)
@@ -123,6 +125,7 @@ def main(argv=None) -> int:
     from . import Generator, SpecSchedule
 
     torch.set_num_threads(args.threads)
+    _ops.LINEAR = args.linear
     t0 = time.perf_counter()
     model, tok = load_model(args.model)
     load_s = time.perf_counter() - t0
@@ -152,30 +155,31 @@ def main(argv=None) -> int:
     ar_out = {}
     for bs in args.batch_sizes:
         groups = [prompts[i: i + bs] for i in range(0, len(prompts), bs)]
-        for method in methods:
+        # Methods run back to back on each group, so that the machine's load drifts affect
+        # every method of a ratio alike.
+        for group, method in [(g, m) for g in groups for m in methods]:
             if bs > 1 and method.startswith("hf"):
                 continue
-            for group in groups:
-                ids = [p["ids"] for p in group]
-                row = {"batch": bs, "method": method, "ids": [p["id"] for p in group],
-                       "categories": [p["category"] for p in group]}
-                if method.startswith("hf"):
-                    t = time.perf_counter()
-                    outs = [hf.generate(ids[0], N, args.prompt_lookup_tokens if method == "hf-prompt-lookup" else 0)]
-                    dt = time.perf_counter() - t
-                    row["mean_accepted_length"] = None
-                else:
-                    reqs, dt = ours(None if method == "ours-ar" else method, ids)
-                    outs = [r.output for r in reqs]
-                    row["mean_accepted_length"] = statistics.mean(r.stats.mean_accepted_length for r in reqs)
-                    row["stats"] = [r.stats.summary() for r in reqs]
-                tokens = sum(len(o) for o in outs)
-                row.update(tokens=tokens, seconds=dt, tokens_per_s=tokens / dt)
-                if method == "ours-ar" and bs == 1:
-                    ar_out[group[0]["id"]] = outs[0]
-                row["outputs"] = outs
-                runs.append(row)
-                bar.update(1)
+            ids = [p["ids"] for p in group]
+            row = {"batch": bs, "method": method, "ids": [p["id"] for p in group],
+                   "categories": [p["category"] for p in group]}
+            if method.startswith("hf"):
+                t = time.perf_counter()
+                outs = [hf.generate(ids[0], N, args.prompt_lookup_tokens if method == "hf-prompt-lookup" else 0)]
+                dt = time.perf_counter() - t
+                row["mean_accepted_length"] = None
+            else:
+                reqs, dt = ours(None if method == "ours-ar" else method, ids)
+                outs = [r.output for r in reqs]
+                row["mean_accepted_length"] = statistics.mean(r.stats.mean_accepted_length for r in reqs)
+                row["stats"] = [r.stats.summary() for r in reqs]
+            tokens = sum(len(o) for o in outs)
+            row.update(tokens=tokens, seconds=dt, tokens_per_s=tokens / dt)
+            if method == "ours-ar" and bs == 1:
+                ar_out[group[0]["id"]] = outs[0]
+            row["outputs"] = outs
+            runs.append(row)
+            bar.update(1)
     bar.close()
 
     # Exactness against our batch-1 autoregressive output, speedups per prompt/group.

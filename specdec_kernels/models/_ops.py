@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from .. import ops as _specdec_ops
 
 USING: dict[str, str] = {}
+LINEAR = "auto"  # "torch": always F.linear (to measure what skinny_linear brings)
 
 
 def has_kernel(op: str, device: torch.device) -> bool:
@@ -32,7 +33,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., H] @ weight[N, H].T; the medusa area's ``linear`` helper picks skinny_linear
     for the few-row shapes of decoding where it beats F.linear."""
     helper = getattr(_specdec_ops, "linear", None)
-    if helper is not None and has_kernel("skinny_linear", x.device):
+    if helper is not None and LINEAR == "auto" and has_kernel("skinny_linear", x.device):
         _note("linear", "specdec")
         return helper(x, weight)
     _note("linear", "torch")
