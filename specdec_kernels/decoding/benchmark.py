@@ -110,8 +110,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: on a shared machine more threads stall in barriers)")
-    p.add_argument("--linear", default="auto", choices=("auto", "torch"),
-                   help="auto: ops.linear (skinny_linear for few rows); torch: always F.linear")
+    p.add_argument("--linear", default="auto", choices=("auto", "torch", "specdec"),
+                   help="auto: ops.linear (skinny_linear for few rows) with >1 thread, F.linear with 1; "
+                        "torch: always F.linear; specdec: always ops.linear")
     p.add_argument("--out", default="bench/results/e2e.json")
     p.add_argument("--chart", default="bench/results/e2e_speedup.png")
     args = p.parse_args(argv)

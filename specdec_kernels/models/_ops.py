@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from .. import ops as _specdec_ops
 
 USING: dict[str, str] = {}
-LINEAR = "auto"  # "torch": always F.linear (to measure what skinny_linear brings)
+LINEAR = "auto"  # "auto" | "torch" | "specdec": see linear()
 
 
 def has_kernel(op: str, device: torch.device) -> bool:
@@ -31,9 +31,15 @@ def _note(op: str, path: str) -> None:
 # ---- linear -------------------------------------------------------------------------------
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., H] @ weight[N, H].T; the medusa area's ``linear`` helper picks skinny_linear
-    for the few-row shapes of decoding where it beats F.linear."""
+    for the few-row shapes of decoding where it beats F.linear.
+
+    With one torch thread F.linear (MKL) was faster here on SmolLM2's shapes (32 vs 26
+    tokens/s for the whole autoregressive loop; the helper's threshold was measured with 2
+    threads), so the helper is used only with several threads; ``LINEAR = "torch"`` forces
+    F.linear, ``"specdec"`` forces the helper."""
     helper = getattr(_specdec_ops, "linear", None)
-    if helper is not None and LINEAR == "auto" and has_kernel("skinny_linear", x.device):
+    use = LINEAR == "specdec" or (LINEAR == "auto" and torch.get_num_threads() > 1)
+    if helper is not None and use and has_kernel("skinny_linear", x.device):
         _note("linear", "specdec")
         return helper(x, weight)
     _note("linear", "torch")
