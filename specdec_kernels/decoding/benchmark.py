@@ -95,6 +95,35 @@ class HFRunner:
         return out
 
 
+def write_chart(summary: list, cat_rows: list, methods: list, title: str, path: str) -> None:
+    """Grouped bars: speedup vs our autoregressive run, per category and overall (batch 1)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no chart")
+        return
+    cats = [c["category"] for c in cat_rows] + ["mean"]
+    shown = [m for m in methods if m != "ours-ar"]
+    fig, ax = plt.subplots(figsize=(min(16, max(7, 0.22 * len(cats) * len(shown))), 4.5))
+    width = 0.8 / len(shown)
+    for j, m in enumerate(shown):
+        overall = next(s["speedup_vs_ours_ar"] for s in summary if s["batch"] == 1 and s["method"] == m)
+        vals = [c.get(m, 0) for c in cat_rows] + [overall]
+        ax.bar([i + j * width for i in range(len(cats))], vals, width, label=m)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=30, ha="right")
+    ax.set_ylabel("speedup vs our autoregressive")
+    ax.set_title(title)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="specdec bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -232,30 +261,7 @@ def main(argv=None) -> int:
                                "config": vars(args), "ops": dict(_ops.USING), "summary": summary,
                                "by_category": cat_rows, "targets": targets, "runs": runs}, indent=1) + "\n")
     print(f"wrote {out}")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        cats = [c["category"] for c in cat_rows] + ["mean"]
-        shown = [m for m in methods if m != "ours-ar"]
-        fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cats) * len(shown) / 3), 4))
-        width = 0.8 / len(shown)
-        for j, m in enumerate(shown):
-            vals = [c.get(m, 0) for c in cat_rows] + [next(s["speedup_vs_ours_ar"] for s in summary if s["batch"] == 1 and s["method"] == m)]
-            ax.bar([i + j * width for i in range(len(cats))], vals, width, label=m)
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=30, ha="right")
-        ax.set_ylabel("speedup vs our autoregressive")
-        ax.set_title(f"{model.name}: greedy, batch 1, {N} new tokens")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        Path(args.chart).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(args.chart, dpi=110)
-        print(f"wrote {args.chart}")
-    except ImportError:
-        print("matplotlib not installed: no chart")
+    write_chart(summary, cat_rows, methods, f"{model.name}: greedy, batch 1, {N} new tokens", args.chart)
     return 0
 
 
