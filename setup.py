@@ -10,7 +10,9 @@ from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
-extra_compile_args = ["-O3", "-std=c++20", "-fopenmp", "-march=x86-64-v2", "-mavx2", "-mfma", "-mf16c"]
+extra_compile_args = ["-O3", "-std=c++20", "-fopenmp", "-Wno-unknown-pragmas", "-march=x86-64-v2", "-mavx2", "-mfma", "-mf16c",
+                      # Select ATen's AVX2 at::vec specialisations (the default is the generic one).
+                      "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
 if os.uname().machine != "x86_64":
     extra_compile_args = ["-O3", "-std=c++20", "-fopenmp"]
 

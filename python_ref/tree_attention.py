@@ -63,8 +63,9 @@ def visible_nodes(tree_mask_row: torch.Tensor | None, i: int, n: int) -> list[in
 def cache_rows(cache: torch.Tensor, block_table: torch.Tensor, b: int, positions: list[int]) -> torch.Tensor:
     """K or V rows [len(positions), Hkv, D] of request ``b`` at the given cache positions."""
     block_size = cache.shape[1]
-    rows = [cache[int(block_table[b, p // block_size]), p % block_size] for p in positions]
-    return torch.stack(rows) if rows else cache.new_zeros(0, cache.shape[2], cache.shape[3])
+    pos = torch.tensor(positions, dtype=torch.long)
+    blocks = block_table[b].long()[pos // block_size]  # the block holding each position
+    return cache[blocks, pos % block_size]
 
 
 def tree_attention(q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tree_mask=None, sm_scale=None):

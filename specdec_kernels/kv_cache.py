@@ -292,12 +292,16 @@ class PagedKVCache:
         (``specdec::compact_kv``) and commit the root plus the accepted nodes.
 
         accepted_nodes: int32 [B, D] (strictly increasing node indices, -1 padded, as
-        ``tree_rejection_sample`` returns them); num_accepted: int32 [B]."""
+        ``tree_rejection_sample`` returns them); num_accepted: int32 [B]. A request with
+        num_accepted = -1 (the samplers' NaN-row result) moves and commits nothing.
+        Reads num_accepted on the host (one sync) to update the lengths."""
         from .ops import compact_kv  # late import: ops imports nothing from here
 
+        slots = list(slots)
         block_table, prefix_lens = self.batch_view(slots)
         compact_kv(self.k_caches, self.v_caches, block_table, prefix_lens, accepted_nodes, num_accepted)
-        self.commit(slots, [1 + n for n in _to_int_list(num_accepted, len(list(slots)), "num_accepted")])
+        counts = _to_int_list(num_accepted, len(slots), "num_accepted")
+        self.commit(slots, [1 + n if n >= 0 else 0 for n in counts])
 
     def free(self, slot: int) -> None:
         """Release the request in ``slot``: its blocks and the slot go back to the free

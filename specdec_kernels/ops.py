@@ -76,9 +76,8 @@ def _philox_uniform_fake(seed, offset, position, purpose, num):
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _check_sampling_common(target_logits, draft_probs, temperature, seed, offset, batch, rows, q_rows):
-    check_tensor(target_logits, "target_logits", dtype=_LOGIT_DTYPES, dims=3)
-    device = target_logits.device
+def _check_sampling_common(target_logits, draft_probs, temperature, seed, offset, batch, rows, q_rows, device):
+    check_tensor(target_logits, "target_logits", dtype=_LOGIT_DTYPES, dims=3, device=device)
     vocab = target_logits.shape[2]
     check_tensor(target_logits, "target_logits", shape=(batch, rows, None))
     if vocab == 0:
@@ -139,8 +138,8 @@ def chain_rejection_sample(
     batch, max_drafts = draft_token_ids.shape
     device = draft_token_ids.device
     check_tensor(num_draft_tokens, "num_draft_tokens", dtype=torch.int32, shape=(batch,), device=device)
-    _check_sampling_common(target_logits, draft_probs, temperature, seed, offset, batch, max_drafts + 1, max_drafts)
-    check_tensor(target_logits, "target_logits", device=device)
+    _check_sampling_common(target_logits, draft_probs, temperature, seed, offset, batch, max_drafts + 1, max_drafts,
+                           device)
     if output_token_ids is None:
         output_token_ids = torch.empty((batch, max_drafts + 1), dtype=torch.int64, device=device)
     else:
@@ -211,8 +210,7 @@ def tree_rejection_sample(
     device = parents.device
     check_tensor(tree_token_ids, "tree_token_ids", dtype=torch.int64, shape=(batch, max_nodes), device=device)
     check_tensor(num_nodes, "num_nodes", dtype=torch.int32, shape=(batch,), device=device)
-    _check_sampling_common(target_logits, draft_probs, temperature, seed, offset, batch, max_nodes, max_nodes)
-    check_tensor(target_logits, "target_logits", device=device)
+    _check_sampling_common(target_logits, draft_probs, temperature, seed, offset, batch, max_nodes, max_nodes, device)
     if accepted_nodes is None:
         accepted_nodes = torch.empty((batch, max_nodes - 1), dtype=torch.int32, device=device)
     else:
@@ -389,6 +387,10 @@ def tree_attention(
     Data-dependent faults: on CPU, block ids out of range, a non-monotone qo_indptr, a
     prefix_lens + n beyond the block table, or more nodes than 64 * W raise RuntimeError;
     the Triton kernel skips the keys whose block id or table slot is out of range.
+
+    The checks here cost some microseconds of Python per call; a hot loop on CPU may call
+    ``torch.ops.specdec.tree_attention(..., sm_scale, out, lse)`` directly, whose C++
+    kernel checks every argument too (RuntimeError).
     """
     _check_tree_attention(q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tree_mask, out, lse)
     if sm_scale is None:
@@ -414,12 +416,42 @@ def _tree_attention_fake(q, k_cache, v_cache, block_table, prefix_lens, qo_indpt
 # ---------------------------------------------------------------------------------------
 
 
-def _check_compact_kv_args(k_caches, v_caches, block_table, prefix_lens, accepted_nodes, num_accepted) -> None:
-    """Shape/dtype/device checks of compact_kv (ValueError naming the argument); the
-    data-dependent checks (node order, positions, block ids) are the kernels' job."""
+import weakref  # noqa: E402  (kept inside this section: it is only used here)
+
+
+class _CacheLists:
+    """K/V cache lists that passed the layer checks, remembered while all their tensors
+    live (a weakref callback forgets the entry when any of them is freed, so a remembered
+    id always names the tensor that was checked). With 30-60 layers the full check costs
+    ~0.1-0.4 ms of Python per call, more than the kernel itself; a hit costs one tuple of
+    ids. ``pointer_tables`` is where the Triton launcher keeps the layers' data pointers."""
+
+    __slots__ = ("refs", "signature", "pointer_tables")
+
+    def __init__(self, refs, signature):
+        self.refs = refs
+        self.signature = signature
+        self.pointer_tables = None
+
+
+_CHECKED_CACHE_LISTS: dict[tuple, _CacheLists] = {}
+
+
+def _check_cache_lists(k_caches, v_caches) -> _CacheLists | None:
+    """Raise a ValueError unless k_caches/v_caches are equal-length, non-empty lists of
+    4-d tensors of one shape, dtype, device and strides, contiguous in the last dim.
+    (Resizing a layer tensor in place between calls is not noticed on a remembered list;
+    the C++ kernel checks every layer on each call anyway.)"""
     for name, caches in (("k_caches", k_caches), ("v_caches", v_caches)):
         if not isinstance(caches, (list, tuple)):
             raise ValueError(f"{name} must be a list of tensors (one per layer), got {type(caches).__name__}")
+    compiling = torch.compiler.is_compiling()  # under torch.compile: plain checks, no memo
+    key = None if compiling else (tuple(map(id, k_caches)), tuple(map(id, v_caches)))
+    entry = None if compiling else _CHECKED_CACHE_LISTS.get(key)
+    if entry is not None:
+        first = k_caches[0]
+        if (first.shape, first.dtype, first.device, first.stride()) == entry.signature:
+            return entry
     if len(k_caches) == 0:
         raise ValueError("k_caches must hold at least one layer tensor, got an empty list")
     if len(k_caches) != len(v_caches):
@@ -435,12 +467,30 @@ def _check_compact_kv_args(k_caches, v_caches, block_table, prefix_lens, accepte
                 )
     if first.stride(3) != 1:
         raise ValueError(f"k_caches/v_caches must be contiguous in head_dim (stride 1), got strides {first.stride()}")
-    device = first.device
+
+    if compiling:
+        return None
+
+    def forget(_ref, key=key):
+        _CHECKED_CACHE_LISTS.pop(key, None)
+
+    refs = tuple(weakref.ref(t, forget) for t in (*k_caches, *v_caches))
+    entry = _CacheLists(refs, (first.shape, first.dtype, first.device, first.stride()))
+    _CHECKED_CACHE_LISTS[key] = entry
+    return entry
+
+
+def _check_compact_kv_args(k_caches, v_caches, block_table, prefix_lens, accepted_nodes, num_accepted):
+    """Shape/dtype/device checks of compact_kv (ValueError naming the argument); the
+    data-dependent checks (node order, positions, block ids) are the kernels' job."""
+    entry = _check_cache_lists(k_caches, v_caches)
+    device = k_caches[0].device
     check_tensor(block_table, "block_table", dtype=torch.int32, dims=2, device=device)
     batch = block_table.shape[0]
     check_tensor(prefix_lens, "prefix_lens", dtype=torch.int32, shape=(batch,), device=device)
     check_tensor(accepted_nodes, "accepted_nodes", dtype=torch.int32, shape=(batch, None), device=device)
     check_tensor(num_accepted, "num_accepted", dtype=torch.int32, shape=(batch,), device=device)
+    return entry
 
 
 def compact_kv(

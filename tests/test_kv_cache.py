@@ -144,3 +144,14 @@ def test_compact_moves_accepted_nodes_and_commits(contiguous):
         assert torch.equal(cache.k_caches[layer], expected_k[layer])
         assert torch.equal(cache.v_caches[layer], expected_v[layer])
     assert cache.length(a) == 7 and cache.length(b) == 6 and cache.lengths[:2].tolist() == [7, 6]
+
+
+def test_compact_with_nan_row_commits_nothing_for_that_request():
+    cache = make_cache()
+    a, b = cache.add_request(2), cache.add_request(2)
+    cache.commit([a, b], [2, 2])
+    slots = cache.append_slots([a, b], [3, 3])
+    cache.write(0, slots.slot_mapping, torch.randn(6, H, D), torch.randn(6, H, D))
+    cache.compact((s for s in [a, b]), torch.tensor([[1, 2], [2, -1]], dtype=torch.int32),
+                  torch.tensor([2, -1], dtype=torch.int32))
+    assert (cache.length(a), cache.length(b)) == (5, 2)

@@ -144,7 +144,9 @@ void compact_kv_cpu(at::TensorList k_caches, at::TensorList v_caches, const at::
   // in increasing i (see the top of the file for why that order is safe).
   const int64_t items = num_caches * batch * copies_per_row;
   const int64_t bytes_per_item = std::max<int64_t>(1, total_moves / std::max<int64_t>(batch, 1)) * row_bytes;
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / bytes_per_item);  // ~64 KiB of copies per task
+  // ~256 KiB of copies per task: below that, waking a second thread costs more than the
+  // copy (a tree step of a small model moves tens of KiB) and runs inline.
+  const int64_t grain = std::max<int64_t>(1, (256 << 10) / bytes_per_item);
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
       const int64_t h = w % copies_per_row;

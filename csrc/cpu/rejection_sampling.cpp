@@ -17,14 +17,6 @@
 // Tree residuals after an i.i.d. rejection need the residual's mass; it is computed by one
 // extra pass over the row per rejected sibling (never for the last one).
 
-// ATen's Vectorized<float> is only SIMD when a CPU_CAPABILITY is defined; setup.py builds
-// with -mavx2 -mfma on x86, so use the AVX2 implementation (own inline namespace, so no
-// clash with translation units that use the default one).
-#if defined(__AVX2__) && defined(__FMA__) && !defined(CPU_CAPABILITY)
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#endif
-
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -50,6 +42,13 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kChunk = 1024;        // elements converted / scored at a time (fits L1)
 constexpr int64_t kRaceTile = 16384;    // vocabulary entries per race task
+// Below this many elements per task group a thread hand-off costs more than it saves
+// (and much more on an oversubscribed machine), so tasks are grouped to at least this.
+constexpr int64_t kMinParallelElements = 1 << 16;
+
+inline int64_t grain_for(int64_t elements_per_task) {
+  return std::max<int64_t>(1, kMinParallelElements / std::max<int64_t>(1, elements_per_task));
+}
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 #define SPECDEC_DISPATCH_LOGITS(TYPE, NAME, ...)                                                   \
@@ -179,10 +178,10 @@ inline PhiloxKey make_key(int64_t seed, int64_t offset, int64_t position, uint32
           static_cast<uint32_t>(c >> 32)};
 }
 
-// out[l] = philox_uniform(index0 + l) for l < 8.
-inline void philox_uniform8(const PhiloxKey& key, uint32_t index0, float* out) {
+// out[l] = philox_uniform(indices[l]) for l < 8.
+inline void philox_uniform8(const PhiloxKey& key, const uint32_t* indices, float* out) {
 #if defined(CPU_CAPABILITY_AVX2)
-  __m256i x0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(index0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(indices));
   __m256i x1 = _mm256_set1_epi32(static_cast<int>(key.c1));
   __m256i x2 = _mm256_set1_epi32(static_cast<int>(key.c2));
   __m256i x3 = _mm256_set1_epi32(static_cast<int>(key.c3));
@@ -218,9 +217,20 @@ inline void philox_uniform8(const PhiloxKey& key, uint32_t index0, float* out) {
   _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(bits), _mm256_set1_ps(1.0f / 16777216.0f)));
 #else
   for (uint32_t l = 0; l < 8; ++l) {
-    Philox4x32 r = philox4x32_10(index0 + l, key.c1, key.c2, key.c3, key.k0, key.k1);
+    Philox4x32 r = philox4x32_10(indices[l], key.c1, key.c2, key.c3, key.k0, key.k1);
     out[l] = uniform_from_bits(r.v[0]);
   }
+#endif
+}
+
+// Number of positive entries among w[0..8).
+inline int count_positive8(const float* w) {
+#if defined(CPU_CAPABILITY_AVX2)
+  return __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(w), _mm256_setzero_ps(), _CMP_GT_OQ)));
+#else
+  int c = 0;
+  for (int l = 0; l < 8; ++l) c += w[l] > 0.0f;
+  return c;
 #endif
 }
 
@@ -253,7 +263,9 @@ RaceResult race_tile(const scalar_t* logits, int64_t vocab, const RaceSpec& spec
   const scalar_t* row = logits + spec.row * vocab;
   const float* q = ignore_q ? nullptr : spec.q;
   const bool use_excluded = !ignore_q;
-  float buf[kChunk], w[kChunk], u[kChunk];
+  float buf[kChunk], w[kChunk], u[kChunk], wc[kChunk + 8];
+  uint32_t pos[kChunk + 8];
+  static_assert(Vec::size() == 8, "the race processes 8 lanes (one philox_uniform8) per vector");
   RaceResult res;
   const Vec s(spec.inv_t), vm(spec.max), zero(0.0f), minus_one(-1.0f), coef(spec.coef);
   for (int64_t c0 = begin; c0 < end; c0 += kChunk) {
@@ -270,27 +282,47 @@ RaceResult race_tile(const scalar_t* logits, int64_t vocab, const RaceSpec& spec
     if (use_excluded)
       for (int64_t t : spec.excluded)
         if (t >= c0 && t < c0 + n) w[t - c0] = 0.0f;
-    // Uniforms only for groups of 8 with a positive weight: zero weights never win.
-    for (i = 0; i < n; i += 8) {
-      bool any = false;
-      for (int l = 0; l < 8 && i + l < n; ++l) any |= w[i + l] > 0.0f;
-      if (any) philox_uniform8(key, static_cast<uint32_t>(c0 + i), u + i);
+    // Zero weights never win, so uniforms are only drawn for positive ones. A residual
+    // max(p - q, 0) or a top-k-masked row is mostly zeros: then the positive entries are
+    // compacted first and Philox runs on them alone.
+    const int64_t padded = (n + 7) / 8 * 8;  // lanes beyond n hold 0
+    int64_t num_pos = 0;
+    for (i = 0; i < padded; i += 8) num_pos += count_positive8(w + i);
+    const bool compact = num_pos * 4 < padded * 3;
+    int64_t m = padded;
+    if (compact) {
+      m = 0;
+      for (i = 0; i < n; ++i) {  // branch-free append of the positive entries
+        pos[m] = static_cast<uint32_t>(i);
+        wc[m] = w[i];
+        m += w[i] > 0.0f;
+      }
+      for (int64_t j = m; j < (m + 7) / 8 * 8; ++j) pos[j] = 0, wc[j] = 0.0f;
+      m = (m + 7) / 8 * 8;
+    } else {
+      for (i = 0; i < padded; ++i) pos[i] = static_cast<uint32_t>(i), wc[i] = w[i];
     }
-    float cmax = -1.0f;
-    for (i = 0; i < n; i += Vec::size()) {
-      const int64_t cnt = std::min<int64_t>(Vec::size(), n - i);
-      const Vec wv = Vec::loadu(w + i, cnt);
-      const Vec uv = Vec::loadu(u + i, cnt);
+    Vec vmax(-1.0f);
+    for (i = 0; i < m; i += 8) {
+      const Vec wv = Vec::loadu(wc + i);
+      uint32_t idx[8];
+      for (int l = 0; l < 8; ++l) idx[l] = static_cast<uint32_t>(c0) + pos[i + l];
+      float ub[8];
+      philox_uniform8(key, idx, ub);
       // 0 - log(u) (not -log(u)): u = 1 gives +0 and w / +0 = +inf, the winner.
-      const Vec score = Vec::blendv(minus_one, wv / (zero - uv.log()), wv > zero);
-      score.store(u + i);  // reuse u as the score buffer
+      const Vec score = Vec::blendv(minus_one, wv / (zero - Vec::loadu(ub).log()), wv > zero);
+      score.store(u + i);  // u is the score buffer (in compacted order)
+      vmax = at::vec::maximum(vmax, score);
     }
-    for (i = 0; i < n; ++i) cmax = std::max(cmax, u[i]);
+    float lanes[Vec::size()];
+    vmax.store(lanes);
+    float cmax = -1.0f;
+    for (int l = 0; l < Vec::size(); ++l) cmax = std::max(cmax, lanes[l]);
     if (cmax > res.score) {
       res.score = cmax;
-      for (i = 0; i < n; ++i)
+      for (i = 0; i < m; ++i)  // compaction keeps the order: the first is the lowest index
         if (u[i] == cmax) break;
-      res.index = c0 + i;
+      res.index = c0 + pos[i];
     }
   }
   return res;
@@ -305,7 +337,7 @@ std::vector<int64_t> run_races(const scalar_t* logits, int64_t vocab, const std:
   const int64_t tiles = (vocab + kRaceTile - 1) / kRaceTile;
   std::vector<RaceResult> partial(batch * tiles);
   auto run = [&](bool ignore_q, const std::vector<char>& todo) {
-    at::parallel_for(0, batch * tiles, 1, [&](int64_t lo, int64_t hi) {
+    at::parallel_for(0, batch * tiles, grain_for(kRaceTile), [&](int64_t lo, int64_t hi) {
       for (int64_t t = lo; t < hi; ++t) {
         const int64_t b = t / tiles, tile = t % tiles;
         if (!todo[b]) continue;
@@ -490,7 +522,7 @@ void sample_requests(const std::vector<Request>& reqs, const at::Tensor& logits,
   const scalar_t* data = logits.data_ptr<scalar_t>();
   // Phase 1.
   std::vector<RowStats> stats(batch * rows_per_request);
-  at::parallel_for(0, batch * rows_per_request, 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, batch * rows_per_request, grain_for(vocab), [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {
       const int64_t b = r / rows_per_request, k = r % rows_per_request;
       if (k >= reqs[b].num_rows) continue;
@@ -500,7 +532,9 @@ void sample_requests(const std::vector<Request>& reqs, const at::Tensor& logits,
   // Phase 2.
   walks.assign(batch, WalkResult());
   valid.assign(batch, 0);
-  at::parallel_for(0, batch, 1, [&](int64_t lo, int64_t hi) {
+  // A chain walk reads a few scalars per request; a tree walk may pass over rows.
+  const bool is_chain = batch > 0 && reqs[0].tree.chain;
+  at::parallel_for(0, batch, is_chain ? std::max<int64_t>(batch, 1) : grain_for(vocab), [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b) {
       const RowStats* st = stats.data() + b * rows_per_request;
       if (reqs[b].num_rows == 0) continue;
@@ -798,7 +832,7 @@ void apply_top_k_top_p_cpu(at::Tensor& logits, const std::optional<at::Tensor>& 
   const float* mpp = mp_c ? mp_c->data_ptr<float>() : nullptr;
   SPECDEC_DISPATCH_LOGITS(logits.scalar_type(), "apply_top_k_top_p", [&] {
     scalar_t* data = logits.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 1, [&](int64_t lo, int64_t hi) {
+    at::parallel_for(0, rows, grain_for(vocab), [&](int64_t lo, int64_t hi) {
       std::vector<float> vals, work;
       for (int64_t r = lo; r < hi; ++r) {
         const int64_t k = kp ? kp[r] : 0;

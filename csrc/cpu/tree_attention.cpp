@@ -1,25 +1,25 @@
 // CPU kernel of specdec::tree_attention: verification attention for all tree nodes of a
 // batch in one call (DESIGN.md, "Tree attention").
 //
-// Work is split over (request, KV head). One work item holds the queries of all n tree
+// Work is split over (request, KV head), and over the key range too when those items are
+// fewer than twice the threads (flash-decoding style; partials merged by log-sum-exp). When
+// every request has fewer than kGemmRows rows per KV head (plain decoding), one work item
+// takes all KV heads of a request instead, so that each position's [Hkv, D] rows are read
+// contiguously (a single head's rows are D elements every Hkv * D, which defeats the
+// hardware prefetcher). One work item holds the queries of all n tree
 // nodes of its request times the G = Hq / Hkv query heads of its GQA group as one
 // [n * G, D] fp32 matrix (row r = node r / G, head h * G + r % G), so every K/V row of
-// the prefix is read from memory once for all of them. Keys are visited in tiles of
-// kTile positions: the prefix first (no mask: every node sees the whole prefix), then the
-// tree part (positions prefix_len + j, j < n), the only place the bit mask is read. Each
-// tile does scores = Q K^T (a small GEMM, register-blocked, vectorised with at::vec),
-// the online-softmax update and acc = acc * alpha + P V, all in fp32.
+// the prefix is read from memory once for all of them. Keys are visited in tiles: the
+// prefix first (no mask: every node sees the whole prefix), then the tree part (positions
+// prefix_len + j, j < n), the only place the bit mask is read. Each tile gathers its K/V
+// rows through the block table (converted to fp32 once), computes scores = Q K^T, the
+// online-softmax update and acc = acc * alpha + P V, all in fp32. With few query rows
+// (plain decoding) the products are at::vec dot products / FMAs over the tile (the op is
+// bandwidth-bound there); with many rows (tree verification) they are two GEMMs per tile
+// through ATen (MKL/oneDNN), i.e. the small GEMM the whole GQA group shares.
 //
 // Rows of q owned by no request (before qo_indptr[0] or from qo_indptr[B] on) and rows
 // that see no key at all get out = 0 and lse = -inf: never NaN.
-
-// This translation unit is compiled with -mavx2 -mfma (setup.py); let at::vec use its
-// AVX2 specialisations here. The distinct CPU_CAPABILITY namespace keeps these inline
-// functions apart from those of translation units compiled without it.
-#if defined(__AVX2__) && defined(__FMA__) && !defined(CPU_CAPABILITY)
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#endif
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -40,9 +40,12 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kVec = Vec::size();
-// Keys per tile: a multiple of the vector width (the score kernel vectorises over keys).
+// Keys per tile: kTile on the few-rows path (own vectorised dot products), kGemmTile when
+// there are at least kGemmRows query rows and the tile's two products go to ATen's GEMM
+// (MKL / oneDNN: AVX-512 where the machine has it, which this file's AVX2 build cannot use).
 constexpr int64_t kTile = 32;
-static_assert(kTile % (2 * 8) == 0, "kTile must be a multiple of two vectors");
+constexpr int64_t kGemmTile = 128;
+constexpr int64_t kGemmRows = 16;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 template <typename scalar_t>
@@ -65,33 +68,10 @@ inline void row_to_float(const scalar_t* src, float* dst, int64_t d, int64_t d_p
   for (; i < d_pad; ++i) dst[i] = 0.f;
 }
 
-// scores[r, 0:kTile] = sum_d q[r, d] * kt[d, 0:kTile] for rows r0..r0+RB-1.
-// kt is the key tile transposed to [d_pad, kTile], so the inner loop is a broadcast of one
-// query element times two key vectors: 2 * RB independent FMAs and no horizontal sums.
-template <int RB>
-inline void scores_block(const float* q, int64_t d_pad, const float* kt, float* scores, int64_t r0) {
-  for (int64_t j = 0; j < kTile; j += 2 * kVec) {
-    Vec acc0[RB], acc1[RB];
-    for (int i = 0; i < RB; ++i) acc0[i] = acc1[i] = Vec(0.f);
-    for (int64_t d = 0; d < d_pad; ++d) {
-      const Vec k0 = Vec::loadu(kt + d * kTile + j);
-      const Vec k1 = Vec::loadu(kt + d * kTile + j + kVec);
-      for (int i = 0; i < RB; ++i) {
-        const Vec qv(q[(r0 + i) * d_pad + d]);
-        acc0[i] = at::vec::fmadd(qv, k0, acc0[i]);
-        acc1[i] = at::vec::fmadd(qv, k1, acc1[i]);
-      }
-    }
-    for (int i = 0; i < RB; ++i) {
-      acc0[i].store(scores + (r0 + i) * kTile + j);
-      acc1[i].store(scores + (r0 + i) * kTile + j + kVec);
-    }
-  }
-}
-
-// Few query rows (plain decoding: n = 1): dot products straight from the converted key
-// rows kf [kTile, d_pad], four keys at a time, avoiding the transpose.
-inline void scores_dot(const float* q, int64_t rows, int64_t d_pad, const float* kf, int64_t keys, float* scores) {
+// Few query rows (plain decoding: n = 1): dot products with the converted key rows
+// (row j at kf + j * ks), four keys at a time. scores has row stride ld.
+inline void scores_dot(const float* q, int64_t rows, int64_t d_pad, const float* kf, int64_t ks, int64_t keys,
+                       float* scores, int64_t ld) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* qr = q + r * d_pad;
     int64_t j = 0;
@@ -99,29 +79,30 @@ inline void scores_dot(const float* q, int64_t rows, int64_t d_pad, const float*
       Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
       for (int64_t d = 0; d < d_pad; d += kVec) {
         const Vec qv = Vec::loadu(qr + d);
-        a0 = at::vec::fmadd(qv, Vec::loadu(kf + (j + 0) * d_pad + d), a0);
-        a1 = at::vec::fmadd(qv, Vec::loadu(kf + (j + 1) * d_pad + d), a1);
-        a2 = at::vec::fmadd(qv, Vec::loadu(kf + (j + 2) * d_pad + d), a2);
-        a3 = at::vec::fmadd(qv, Vec::loadu(kf + (j + 3) * d_pad + d), a3);
+        a0 = at::vec::fmadd(qv, Vec::loadu(kf + (j + 0) * ks + d), a0);
+        a1 = at::vec::fmadd(qv, Vec::loadu(kf + (j + 1) * ks + d), a1);
+        a2 = at::vec::fmadd(qv, Vec::loadu(kf + (j + 2) * ks + d), a2);
+        a3 = at::vec::fmadd(qv, Vec::loadu(kf + (j + 3) * ks + d), a3);
       }
       auto sum = [](const Vec& v) { return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v); };
-      scores[r * kTile + j + 0] = sum(a0);
-      scores[r * kTile + j + 1] = sum(a1);
-      scores[r * kTile + j + 2] = sum(a2);
-      scores[r * kTile + j + 3] = sum(a3);
+      scores[r * ld + j + 0] = sum(a0);
+      scores[r * ld + j + 1] = sum(a1);
+      scores[r * ld + j + 2] = sum(a2);
+      scores[r * ld + j + 3] = sum(a3);
     }
     for (; j < keys; ++j) {
       Vec a(0.f);
-      for (int64_t d = 0; d < d_pad; d += kVec) a = at::vec::fmadd(Vec::loadu(qr + d), Vec::loadu(kf + j * d_pad + d), a);
-      scores[r * kTile + j] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, a);
+      for (int64_t d = 0; d < d_pad; d += kVec) a = at::vec::fmadd(Vec::loadu(qr + d), Vec::loadu(kf + j * ks + d), a);
+      scores[r * ld + j] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, a);
     }
   }
 }
 
-// acc[r, :] = acc[r, :] * alpha[r] + sum_j p[r, j] * vf[j, :] for rows r0..r0+RB-1.
+// acc[r, :] = acc[r, :] * alpha[r] + sum_j p[r, j] * vf[j, :] for rows r0..r0+RB-1
+// (p has row stride kTile; value row j at vf + j * vs).
 template <int RB>
-inline void pv_block(const float* p, const float* alpha, const float* vf, int64_t keys, int64_t d_pad, float* acc,
-                     int64_t r0) {
+inline void pv_block(const float* p, const float* alpha, const float* vf, int64_t vs, int64_t keys, int64_t d_pad,
+                     float* acc, int64_t r0) {
   int64_t d = 0;
   for (; d + 4 * kVec <= d_pad; d += 4 * kVec) {
     Vec a[RB][4];
@@ -131,7 +112,7 @@ inline void pv_block(const float* p, const float* alpha, const float* vf, int64_
     }
     for (int64_t j = 0; j < keys; ++j) {
       Vec v[4];
-      for (int c = 0; c < 4; ++c) v[c] = Vec::loadu(vf + j * d_pad + d + c * kVec);
+      for (int c = 0; c < 4; ++c) v[c] = Vec::loadu(vf + j * vs + d + c * kVec);
       for (int i = 0; i < RB; ++i) {
         const Vec pv(p[(r0 + i) * kTile + j]);
         for (int c = 0; c < 4; ++c) a[i][c] = at::vec::fmadd(pv, v[c], a[i][c]);
@@ -144,7 +125,7 @@ inline void pv_block(const float* p, const float* alpha, const float* vf, int64_
     Vec a[RB];
     for (int i = 0; i < RB; ++i) a[i] = Vec::loadu(acc + (r0 + i) * d_pad + d) * Vec(alpha[r0 + i]);
     for (int64_t j = 0; j < keys; ++j) {
-      const Vec v = Vec::loadu(vf + j * d_pad + d);
+      const Vec v = Vec::loadu(vf + j * vs + d);
       for (int i = 0; i < RB; ++i) a[i] = at::vec::fmadd(Vec(p[(r0 + i) * kTile + j]), v, a[i]);
     }
     for (int i = 0; i < RB; ++i) a[i].store(acc + (r0 + i) * d_pad + d);
@@ -153,17 +134,16 @@ inline void pv_block(const float* p, const float* alpha, const float* vf, int64_
 
 // Per-thread scratch of one work item.
 struct Scratch {
-  std::vector<float> q, acc, scores, row_max, row_sum, alpha, kf, kt, vf;
-  void resize(int64_t rows, int64_t d_pad) {
+  std::vector<float> q, acc, scores, row_max, row_sum, alpha, kf, vf;
+  void resize(int64_t rows, int64_t d_pad, int64_t tile, int64_t heads) {
     q.resize(rows * d_pad);
     acc.assign(rows * d_pad, 0.f);
-    scores.resize(rows * kTile);
+    scores.resize(rows * tile);
     row_max.assign(rows, kNegInf);
     row_sum.assign(rows, 0.f);
     alpha.resize(rows);
-    kf.resize(kTile * d_pad);
-    kt.resize(d_pad * kTile);
-    vf.resize(kTile * d_pad);
+    kf.resize(tile * heads * d_pad);
+    vf.resize(tile * heads * d_pad);
   }
 };
 
@@ -176,64 +156,92 @@ struct Problem {
   int64_t q_strides[3], k_strides[4], v_strides[4], out_strides[3];
   float sm_scale;
   float* lse;  // nullptr when not requested; contiguous [T, Hq]
+  int64_t num_tokens;
+  // Split-KV partials (only when the key range of a request is split over work items):
+  // unnormalised acc [S, T, Hq, D], running max and sum [S, T, Hq].
+  float* part_acc;
+  float* part_max;
+  float* part_sum;
 };
 
+// Attention of request b's nodes x the query heads of KV heads h0..h0+num_heads-1 over the
+// cache positions [split * split_len, (split + 1) * split_len) of its prefix + n positions
+// (all of them when split_len <= 0). Writes out/lse directly, or the split's partials.
+// Rows are ordered (KV head, node, query head of the group). num_heads > 1 only on the
+// few-rows path: reading every KV head of a position at once keeps the reads contiguous
+// ([Hkv, D] per position) where one head alone would read D elements every Hkv * D.
 template <typename scalar_t>
 void attend_one(const Problem& pb, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, scalar_t* out,
-                int64_t b, int64_t h, Scratch& s) {
+                int64_t b, int64_t h0, int64_t num_heads, int64_t split, int64_t split_len, Scratch& s) {
   const int64_t q_begin = pb.qo_indptr[b];
   const int64_t n = pb.qo_indptr[b + 1] - q_begin;
   if (n <= 0) return;
   const int64_t prefix = pb.prefix_lens[b];
   const int64_t G = pb.group, D = pb.head_dim, Dp = pb.d_pad;
-  const int64_t rows = n * G;
-  s.resize(rows, Dp);
+  const int64_t rows_per_head = n * G, Hh = num_heads;
+  const int64_t rows = rows_per_head * Hh;
+  const bool use_gemm = rows_per_head >= kGemmRows;
+  TORCH_INTERNAL_ASSERT(!use_gemm || Hh == 1);
+  const int64_t tile = use_gemm ? kGemmTile : kTile;
+  const int64_t kv_stride = Hh * Dp;  // floats between consecutive positions in kf / vf
+  s.resize(rows, Dp, tile, Hh);
+  // Row r -> (token, query head).
+  auto row_token = [&](int64_t r) { return q_begin + (r % rows_per_head) / G; };
+  auto row_head = [&](int64_t r) { return (h0 + r / rows_per_head) * G + r % G; };
   const int32_t* blocks = pb.block_table + b * pb.max_blocks;
 
   // Queries of the group, pre-scaled so that scores come out scaled.
   for (int64_t r = 0; r < rows; ++r) {
-    const scalar_t* src = q + (q_begin + r / G) * pb.q_strides[0] + (h * G + r % G) * pb.q_strides[1];
+    const scalar_t* src = q + row_token(r) * pb.q_strides[0] + row_head(r) * pb.q_strides[1];
     float* dst = s.q.data() + r * Dp;
     row_to_float(src, dst, D, Dp);
     for (int64_t d = 0; d < D; ++d) dst[d] *= pb.sm_scale;
   }
 
-  const bool use_dot = rows < 8;
-  const int64_t total = prefix + n;
-  for (int64_t t0 = 0; t0 < total;) {
+  // GEMM path: ATen views of the scratch buffers (row stride d_pad / tile).
+  at::Tensor q_mat, acc_mat;
+  if (use_gemm) {
+    const auto opts = at::TensorOptions().dtype(at::kFloat);
+    q_mat = at::from_blob(s.q.data(), {rows, D}, {Dp, 1}, opts);
+    acc_mat = at::from_blob(s.acc.data(), {rows, D}, {Dp, 1}, opts);
+  }
+  const int64_t total = split_len > 0 ? std::min(prefix + n, (split + 1) * split_len) : prefix + n;
+  for (int64_t t0 = split_len > 0 ? split * split_len : 0; t0 < total;) {
     // Tiles never straddle the prefix / tree boundary, so prefix tiles skip the mask.
     const bool tree_tile = t0 >= prefix;
-    const int64_t t1 = std::min(t0 + kTile, tree_tile ? total : prefix);
+    const int64_t t1 = std::min(t0 + tile, tree_tile ? total : std::min(prefix, total));
     const int64_t keys = t1 - t0;
 
     // Gather and convert the tile's K and V rows (each read once for all rows).
     for (int64_t j = 0; j < keys; ++j) {
       const int64_t pos = t0 + j;
       const int64_t blk = blocks[pos / pb.block_size], off = pos % pb.block_size;
-      const scalar_t* krow = k_cache + blk * pb.k_strides[0] + off * pb.k_strides[1] + h * pb.k_strides[2];
-      const scalar_t* vrow = v_cache + blk * pb.v_strides[0] + off * pb.v_strides[1] + h * pb.v_strides[2];
-      row_to_float(krow, s.kf.data() + j * Dp, D, Dp);
-      row_to_float(vrow, s.vf.data() + j * Dp, D, Dp);
+      const scalar_t* krow = k_cache + blk * pb.k_strides[0] + off * pb.k_strides[1];
+      const scalar_t* vrow = v_cache + blk * pb.v_strides[0] + off * pb.v_strides[1];
+      for (int64_t hh = 0; hh < Hh; ++hh) {
+        row_to_float(krow + (h0 + hh) * pb.k_strides[2], s.kf.data() + j * kv_stride + hh * Dp, D, Dp);
+        row_to_float(vrow + (h0 + hh) * pb.v_strides[2], s.vf.data() + j * kv_stride + hh * Dp, D, Dp);
+      }
     }
     float* scores = s.scores.data();
-    if (use_dot) {
-      scores_dot(s.q.data(), rows, Dp, s.kf.data(), keys, scores);
+    const auto opts = at::TensorOptions().dtype(at::kFloat);
+    at::Tensor scores_mat, v_mat;
+    if (use_gemm) {
+      scores_mat = at::from_blob(scores, {rows, keys}, {tile, 1}, opts);
+      v_mat = at::from_blob(s.vf.data(), {keys, D}, {Dp, 1}, opts);
+      at::mm_out(scores_mat, q_mat, at::from_blob(s.kf.data(), {keys, D}, {Dp, 1}, opts).t());
     } else {
-      for (int64_t d = 0; d < Dp; ++d) {
-        float* ktd = s.kt.data() + d * kTile;
-        for (int64_t j = 0; j < keys; ++j) ktd[j] = s.kf[j * Dp + d];
-        for (int64_t j = keys; j < kTile; ++j) ktd[j] = 0.f;
+      for (int64_t hh = 0; hh < Hh; ++hh) {
+        scores_dot(s.q.data() + hh * rows_per_head * Dp, rows_per_head, Dp, s.kf.data() + hh * Dp, kv_stride, keys,
+                   scores + hh * rows_per_head * tile, tile);
       }
-      int64_t r = 0;
-      for (; r + 4 <= rows; r += 4) scores_block<4>(s.q.data(), Dp, s.kt.data(), scores, r);
-      for (; r < rows; ++r) scores_block<1>(s.q.data(), Dp, s.kt.data(), scores, r);
     }
 
     if (tree_tile) {
       const int64_t j0 = t0 - prefix;  // node index of the tile's first key
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t i = r / G;
-        float* sr = scores + r * kTile;
+        const int64_t i = (r % rows_per_head) / G;
+        float* sr = scores + r * tile;
         if (pb.tree_mask == nullptr) {
           for (int64_t j = 0; j < keys; ++j)
             if (j0 + j > i) sr[j] = kNegInf;
@@ -249,9 +257,15 @@ void attend_one(const Problem& pb, const scalar_t* q, const scalar_t* k_cache, c
 
     // Online softmax: new running max, rescale factor, probabilities in place.
     for (int64_t r = 0; r < rows; ++r) {
-      float* sr = scores + r * kTile;
+      float* sr = scores + r * tile;
       float tile_max = kNegInf;
-      for (int64_t j = 0; j < keys; ++j) tile_max = std::max(tile_max, sr[j]);
+      int64_t jm = 0;
+      if (keys >= kVec) {
+        Vec vmax = Vec::loadu(sr);
+        for (jm = kVec; jm + kVec <= keys; jm += kVec) vmax = at::vec::maximum(vmax, Vec::loadu(sr + jm));
+        tile_max = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmax);
+      }
+      for (; jm < keys; ++jm) tile_max = std::max(tile_max, sr[jm]);
       const float old_max = s.row_max[r];
       const float new_max = std::max(old_max, tile_max);
       if (new_max == kNegInf) {  // nothing visible yet: keep the row empty
@@ -264,7 +278,7 @@ void attend_one(const Problem& pb, const scalar_t* q, const scalar_t* k_cache, c
       Vec sum(0.f);
       int64_t j = 0;
       for (; j + kVec <= keys; j += kVec) {
-        const Vec p = (Vec::loadu(sr + j) - m).exp();
+        const Vec p = (Vec::loadu(sr + j) - m).exp_u20();  // ~1e-6 relative error, fine in fp32
         p.store(sr + j);
         sum = sum + p;
       }
@@ -278,14 +292,38 @@ void attend_one(const Problem& pb, const scalar_t* q, const scalar_t* k_cache, c
       s.row_max[r] = new_max;
     }
 
-    int64_t r = 0;
-    for (; r + 2 <= rows; r += 2) pv_block<2>(scores, s.alpha.data(), s.vf.data(), keys, Dp, s.acc.data(), r);
-    for (; r < rows; ++r) pv_block<1>(scores, s.alpha.data(), s.vf.data(), keys, Dp, s.acc.data(), r);
+    if (use_gemm) {
+      // acc = acc * alpha (per row), then acc += P V in one GEMM with beta = 1.
+      for (int64_t r = 0; r < rows; ++r) {
+        float* a = s.acc.data() + r * Dp;
+        const Vec al(s.alpha[r]);
+        for (int64_t d = 0; d < Dp; d += kVec) (Vec::loadu(a + d) * al).store(a + d);
+      }
+      acc_mat.addmm_(scores_mat, v_mat);
+    } else {
+      for (int64_t hh = 0; hh < Hh; ++hh) {
+        const float* vf = s.vf.data() + hh * Dp;
+        const int64_t r_end = (hh + 1) * rows_per_head;
+        int64_t r = hh * rows_per_head;
+        for (; r + 2 <= r_end; r += 2) pv_block<2>(scores, s.alpha.data(), vf, kv_stride, keys, Dp, s.acc.data(), r);
+        for (; r < r_end; ++r) pv_block<1>(scores, s.alpha.data(), vf, kv_stride, keys, Dp, s.acc.data(), r);
+      }
+    }
     t0 = t1;
   }
 
+  if (split_len > 0) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t token = row_token(r), head = row_head(r);
+      const int64_t row = (split * pb.num_tokens + token) * pb.num_q_heads + head;
+      std::copy(s.acc.data() + r * Dp, s.acc.data() + r * Dp + D, pb.part_acc + row * D);
+      pb.part_max[row] = s.row_max[r];
+      pb.part_sum[row] = s.row_sum[r];
+    }
+    return;
+  }
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t token = q_begin + r / G, head = h * G + r % G;
+    const int64_t token = row_token(r), head = row_head(r);
     const float l = s.row_sum[r];
     const float inv = l > 0.f ? 1.f / l : 0.f;
     scalar_t* dst = out + token * pb.out_strides[0] + head * pb.out_strides[1];
@@ -407,6 +445,36 @@ void tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at
   for (int i = 0; i < 4; ++i) pb.k_strides[i] = k_cache.stride(i), pb.v_strides[i] = v_cache.stride(i);
   pb.sm_scale = static_cast<float>(sm_scale);
   pb.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+  pb.num_tokens = T;
+
+  // Split the key ranges when (request, KV head) items are too few for the threads; each
+  // split keeps at least kMinSplitKeys positions so that partials stay cheap.
+  constexpr int64_t kMinSplitKeys = 512;
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    if (qi_p[b + 1] > qi_p[b]) max_len = std::max(max_len, static_cast<int64_t>(pl_p[b]) + qi_p[b + 1] - qi_p[b]);
+  }
+  // Few rows per KV head everywhere (decoding): one work item takes all KV heads of a
+  // request, so that each position's [Hkv, D] K/V rows are read contiguously.
+  int64_t max_nodes = 0;
+  for (int64_t b = 0; b < B; ++b) max_nodes = std::max(max_nodes, static_cast<int64_t>(qi_p[b + 1] - qi_p[b]));
+  const bool all_heads = max_nodes * (Hq / Hkv) < kGemmRows;
+  const int64_t heads_per_item = all_heads ? Hkv : 1;
+  const int64_t threads = at::get_num_threads(), items = B * (Hkv / heads_per_item);
+  int64_t num_splits = 1, split_len = 0;
+  if (items > 0 && items < 2 * threads && max_len >= 2 * kMinSplitKeys) {
+    num_splits = std::min((2 * threads + items - 1) / items, max_len / kMinSplitKeys);
+    split_len = (max_len + num_splits - 1) / num_splits;
+    split_len = (split_len + kGemmTile - 1) / kGemmTile * kGemmTile;
+    num_splits = (max_len + split_len - 1) / split_len;
+  }
+  at::Tensor partials;
+  if (num_splits > 1) {
+    partials = at::empty({num_splits * T * Hq * (D + 2)}, q.options().dtype(at::kFloat));
+    pb.part_acc = partials.data_ptr<float>();
+    pb.part_max = pb.part_acc + num_splits * T * Hq * D;
+    pb.part_sum = pb.part_max + num_splits * T * Hq;
+  }
 
   auto run = [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -425,10 +493,49 @@ void tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at
     };
     clear_rows(0, qi_p[0]);
     clear_rows(qi_p[B], T);
-    at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    const int64_t groups = Hkv / heads_per_item;  // work items per request and split
+    if (num_splits == 1) {
+      at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
+        Scratch scratch;
+        for (int64_t item = begin; item < end; ++item) {
+          attend_one<scalar_t>(pb, q_p, k_p, v_p, out_p, item / groups, (item % groups) * heads_per_item,
+                               heads_per_item, 0, 0, scratch);
+        }
+      });
+      return;
+    }
+    // Split-KV: too few (request, KV head) items to keep every thread busy, so each
+    // request's key range is cut in num_splits pieces; the partials are merged per row.
+    at::parallel_for(0, B * groups * num_splits, 1, [&](int64_t begin, int64_t end) {
       Scratch scratch;
       for (int64_t item = begin; item < end; ++item) {
-        attend_one<scalar_t>(pb, q_p, k_p, v_p, out_p, item / Hkv, item % Hkv, scratch);
+        const int64_t split = item % num_splits, bg = item / num_splits;
+        attend_one<scalar_t>(pb, q_p, k_p, v_p, out_p, bg / groups, (bg % groups) * heads_per_item, heads_per_item,
+                             split, split_len, scratch);
+      }
+    });
+    at::parallel_for(qi_p[0], qi_p[B], 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t hq = 0; hq < Hq; ++hq) {
+          float m = kNegInf;
+          for (int64_t sp = 0; sp < num_splits; ++sp) m = std::max(m, pb.part_max[(sp * T + t) * Hq + hq]);
+          float l = 0.f;
+          std::vector<float> acc(D, 0.f);
+          if (m != kNegInf) {
+            for (int64_t sp = 0; sp < num_splits; ++sp) {
+              const int64_t row = (sp * T + t) * Hq + hq;
+              if (pb.part_max[row] == kNegInf) continue;
+              const float w = std::exp(pb.part_max[row] - m);
+              l += pb.part_sum[row] * w;
+              const float* a = pb.part_acc + row * D;
+              for (int64_t d = 0; d < D; ++d) acc[d] += a[d] * w;
+            }
+          }
+          const float inv = l > 0.f ? 1.f / l : 0.f;
+          scalar_t* dst = out_p + t * pb.out_strides[0] + hq * pb.out_strides[1];
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv);
+          if (pb.lse != nullptr) pb.lse[t * Hq + hq] = l > 0.f ? m + std::log(l) : kNegInf;
+        }
       }
     });
   };

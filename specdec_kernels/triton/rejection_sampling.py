@@ -1,1 +1,471 @@
-"""Triton kernels for rejection_sampling (to be written)."""
+"""Triton kernels of chain_rejection_sample, tree_rejection_sample and apply_top_k_top_p.
+
+Rejection sampling is four launches, parallel over requests and vocabulary tiles, with no
+host synchronisation (so it can be captured in a CUDA graph):
+
+1. ``_row_stats_kernel``, grid (B * N rows, vocabulary tiles): per tile the max of l / T,
+   sum exp(l / T - tile max), the first argmax and a "bad" flag (NaN or +inf);
+2. ``_walk_kernel``, grid (B,): combines the tile partials of the rows it visits and walks
+   the tree (a chain is the tree parents = [-1, 0, 1, ...]); acceptance tests read one
+   logit and one q entry; an i.i.d. rejection that is not the last sibling costs one pass
+   over the row for the residual's mass. It writes the accepted path and a "race spec"
+   (row, max, coefficient of q, excluded tokens) for the last token;
+3. ``_race_kernel``, grid (B, vocabulary tiles): the exponential race argmax w / (-log u)
+   over each tile for the residual weights and, as a fallback for a residual without
+   mass, for p;
+4. ``_race_reduce_kernel``, grid (B,): the winner over tiles (ties to the lower index).
+
+Out-of-range data never reads out of bounds: counts are clamped into range, a drafted
+token outside [0, V) is rejected (p(x) = 0), a node whose parent is not an earlier node
+is never visited. ``apply_top_k_top_p`` finds the k-th largest value and the top-p
+threshold by bisection on the ordered bits of fp32 (32 steps, one pass over the row per
+step) instead of sorting. The launchers are registered for the CUDA key and also run on
+CPU tensors under ``TRITON_INTERPRET=1``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .rng import philox_uniform
+
+BLOCK_V = 1024
+
+
+@triton.jit
+def _row_stats_kernel(logits_ptr, temp_ptr, rows_ptr, pmax_ptr, psum_ptr, parg_ptr, pbad_ptr, R, V, T,
+                      BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    b = row // R
+    k = row % R
+    num_rows = tl.load(rows_ptr + b)
+    if k < num_rows:
+        temp = tl.load(temp_ptr + b)
+        scale = 1.0 / tl.where(temp > 0.0, temp, 1.0)
+        idx = tile * BLOCK + tl.arange(0, BLOCK)
+        mask = idx < V
+        x = tl.load(logits_ptr + row * V + idx, mask=mask, other=float("-inf")).to(tl.float32) * scale
+        bad = tl.max(((x != x) | (x == float("inf"))).to(tl.int32), axis=0)
+        m = tl.max(x, axis=0)
+        arg = tl.min(tl.where(x == m, idx, 2147483647), axis=0)
+        s = tl.sum(tl.where(x > float("-inf"), tl.exp(x - m), 0.0), axis=0)
+        tl.store(pmax_ptr + row * T + tile, m)
+        tl.store(psum_ptr + row * T + tile, s)
+        tl.store(parg_ptr + row * T + tile, arg)
+        tl.store(pbad_ptr + row * T + tile, bad)
+
+
+@triton.jit
+def _residual_mass(logits_ptr, q_ptr, row_off, q_off, V, inv_t, m, coef, BLOCK: tl.constexpr):
+    """sum_v max(exp(l_v inv_t - m) - coef q_v, 0) over one row."""
+    acc = tl.zeros([BLOCK], tl.float32)
+    for v0 in range(0, V, BLOCK):
+        idx = v0 + tl.arange(0, BLOCK)
+        mask = idx < V
+        x = tl.load(logits_ptr + row_off + idx, mask=mask, other=float("-inf")).to(tl.float32)
+        qv = tl.load(q_ptr + q_off + idx, mask=mask, other=0.0)
+        w = tl.maximum(tl.exp(x * inv_t - m) - coef * qv, 0.0)
+        acc += tl.where(mask, w, 0.0)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _walk_kernel(parents_ptr, tokens_ptr, num_nodes_ptr, logits_ptr, q_ptr, temp_ptr, seed_ptr, offset_ptr,
+                 pmax_ptr, psum_ptr, parg_ptr, pbad_ptr,
+                 path_ptr, num_acc_ptr, final_ptr,
+                 spec_row_ptr, spec_max_ptr, spec_coef_ptr, excl_ptr,
+                 N, V, T, q_batch_stride,
+                 HAS_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    nidx = tl.arange(0, BLOCK_N)
+    tidx = tl.arange(0, BLOCK_T)
+    tmask = tidx < T
+    n = tl.minimum(tl.maximum(tl.load(num_nodes_ptr + b), 0), N)
+    par = tl.load(parents_ptr + b * N + nidx, mask=nidx < n, other=-2)
+    tok = tl.load(tokens_ptr + b * N + nidx, mask=nidx < n, other=-1)
+    temp = tl.load(temp_ptr + b)
+    sampled = temp > 0.0
+    inv_t = 1.0 / tl.where(sampled, temp, 1.0)
+    seed = tl.load(seed_ptr + b)
+    offset = tl.load(offset_ptr + b)
+
+    # The request is invalid when any of its rows holds NaN / +inf or is entirely -inf.
+    bad = n * 0
+    for r in range(0, n):
+        base = (b * N + r) * T
+        pb = tl.load(pbad_ptr + base + tidx, mask=tmask, other=0)
+        pm = tl.load(pmax_ptr + base + tidx, mask=tmask, other=float("-inf"))
+        bad = tl.maximum(bad, tl.max(pb, axis=0))
+        bad = tl.maximum(bad, (tl.max(pm, axis=0) == float("-inf")).to(tl.int32))
+
+    path = tl.full([BLOCK_N], -1, tl.int32)
+    excl = tl.full([BLOCK_N], -1, tl.int64)
+    depth = 0
+    node = 0
+    final = -1
+    spec_row = b * 0 - 1
+    spec_max = 0.0
+    spec_coef = 0.0
+    done = ((bad != 0) | (n == 0)).to(tl.int32)
+    while done == 0:
+        base = (b * N + node) * T
+        pm = tl.load(pmax_ptr + base + tidx, mask=tmask, other=float("-inf"))
+        ps = tl.load(psum_ptr + base + tidx, mask=tmask, other=0.0)
+        pa = tl.load(parg_ptr + base + tidx, mask=tmask, other=2147483647)
+        m = tl.max(pm, axis=0)
+        z = tl.sum(tl.where(pm > float("-inf"), ps * tl.exp(pm - m), 0.0), axis=0)
+        row_off = (b * N + node) * V
+        q_off = b * q_batch_stride + node * V
+        next_node = -1
+        if sampled:
+            # Residual p' = w / mass: i.i.d. drafts w = max(e - coef q, 0), deterministic
+            # drafts w = e with the rejected tokens (excl[:num_excl]) zeroed.
+            coef = 0.0
+            mass = z
+            excl = tl.full([BLOCK_N], -1, tl.int64)
+            num_excl = 0
+            num_rejected = 0
+            prev = node
+            searching = 1
+            while searching == 1:
+                c = tl.min(tl.where((nidx > prev) & (nidx < n) & (par == node), nidx, BLOCK_N), axis=0)
+                if c >= BLOCK_N:
+                    searching = 0
+                else:
+                    x = tl.sum(tl.where(nidx == c, tok, 0), axis=0)
+                    in_range = (x >= 0) & (x < V)
+                    xs = tl.where(in_range, x, 0)
+                    e_x = tl.exp(tl.load(logits_ptr + row_off + xs).to(tl.float32) * inv_t - m)
+                    u = philox_uniform(seed, offset + c, 0, c * 0)
+                    dup = tl.sum(((excl == x) & (nidx < num_excl)).to(tl.int32), axis=0) > 0
+                    if HAS_Q:
+                        q_x = tl.load(q_ptr + q_off + xs)
+                        w_x = tl.maximum(e_x - coef * q_x, 0.0)
+                    else:
+                        q_x = e_x * 0.0 + 1.0
+                        w_x = tl.where(dup, 0.0, e_x)
+                    w_x = tl.where(in_range, w_x, 0.0)
+                    p_x = w_x / mass
+                    if (p_x > 0.0) & ((q_x <= 0.0) | (u <= p_x / q_x)):
+                        next_node = c
+                        searching = 0
+                    else:
+                        num_rejected += 1
+                        if dup == 0:
+                            excl = tl.where(nidx == num_excl, x, excl)
+                            num_excl += 1
+                        has_next = tl.min(tl.where((nidx > c) & (nidx < n) & (par == node), nidx, BLOCK_N),
+                                          axis=0) < BLOCK_N
+                        if has_next:
+                            if HAS_Q:
+                                coef = coef + mass
+                                mass = _residual_mass(logits_ptr, q_ptr, row_off, q_off, V, inv_t, m, coef, BLOCK_V)
+                                if mass <= 0.0:
+                                    coef = 0.0
+                                    mass = z
+                            else:
+                                mass = mass - w_x
+                                if mass <= 0.0:
+                                    excl = tl.full([BLOCK_N], -1, tl.int64)
+                                    num_excl = 0
+                                    mass = z
+                        prev = c
+            if next_node < 0:
+                spec_row = b * N + node
+                spec_max = m
+                if HAS_Q:
+                    spec_coef = tl.where(num_rejected > 0, coef + mass, 0.0)
+        else:
+            amax = tl.min(tl.where(pm == m, pa, 2147483647), axis=0)
+            cond = (nidx > node) & (nidx < n) & (par == node) & (tok == amax)
+            c = tl.min(tl.where(cond, nidx, BLOCK_N), axis=0)
+            if c < BLOCK_N:
+                next_node = c
+            else:
+                final = amax.to(tl.int32)
+        if next_node >= 0:
+            path = tl.where(nidx == depth, next_node, path)
+            depth += 1
+            node = next_node
+        else:
+            done = 1
+
+    tl.store(path_ptr + b * N + nidx, path, mask=nidx < N)
+    tl.store(num_acc_ptr + b, tl.where(bad != 0, -1, depth))
+    tl.store(final_ptr + b, final)
+    tl.store(spec_row_ptr + b, spec_row)
+    tl.store(spec_max_ptr + b, spec_max)
+    tl.store(spec_coef_ptr + b, spec_coef)
+    tl.store(excl_ptr + b * N + nidx, tl.where(nidx < N, excl, -1), mask=nidx < N)
+
+
+@triton.jit
+def _race_kernel(logits_ptr, q_ptr, temp_ptr, seed_ptr, offset_ptr, spec_row_ptr, spec_max_ptr, spec_coef_ptr,
+                 excl_ptr, pscore_ptr, pidx_ptr, fscore_ptr, fidx_ptr, N, V, T, q_batch_stride,
+                 HAS_Q: tl.constexpr, BLOCK: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    spec_row = tl.load(spec_row_ptr + b)
+    best_score = -1.0
+    best_idx = -1
+    fb_score = -1.0
+    fb_idx = -1
+    if spec_row >= 0:
+        node = spec_row - b * N
+        temp = tl.load(temp_ptr + b)
+        inv_t = 1.0 / temp
+        m = tl.load(spec_max_ptr + b)
+        idx = tile * BLOCK + tl.arange(0, BLOCK)
+        mask = idx < V
+        x = tl.load(logits_ptr + spec_row * V + idx, mask=mask, other=float("-inf")).to(tl.float32)
+        e = tl.where(mask, tl.exp(x * inv_t - m), 0.0)
+        w = e
+        if HAS_Q:
+            coef = tl.load(spec_coef_ptr + b)
+            qv = tl.load(q_ptr + b * q_batch_stride + node * V + idx, mask=mask, other=0.0)
+            w = tl.maximum(e - coef * qv, 0.0)
+        else:
+            for j in range(0, N):
+                t = tl.load(excl_ptr + b * N + j)
+                w = tl.where(idx == t, 0.0, w)
+        seed = tl.load(seed_ptr + b)
+        offset = tl.load(offset_ptr + b)
+        u = philox_uniform(seed, offset + node, 1, idx)
+        # 0 - log(u): u = 1 gives +0 and a positive weight wins with +inf.
+        ex = 0.0 - tl.log(u)
+        score = tl.where(w > 0.0, w / ex, -1.0)
+        fscore = tl.where(e > 0.0, e / ex, -1.0)
+        best_score = tl.max(score, axis=0)
+        best_idx = tl.min(tl.where(score == best_score, idx, 2147483647), axis=0)
+        best_idx = tl.where(best_score > -1.0, best_idx, -1)
+        fb_score = tl.max(fscore, axis=0)
+        fb_idx = tl.min(tl.where(fscore == fb_score, idx, 2147483647), axis=0)
+        fb_idx = tl.where(fb_score > -1.0, fb_idx, -1)
+    tl.store(pscore_ptr + b * T + tile, best_score)
+    tl.store(pidx_ptr + b * T + tile, best_idx)
+    tl.store(fscore_ptr + b * T + tile, fb_score)
+    tl.store(fidx_ptr + b * T + tile, fb_idx)
+
+
+@triton.jit
+def _race_reduce_kernel(spec_row_ptr, pscore_ptr, pidx_ptr, fscore_ptr, fidx_ptr, final_ptr, T,
+                        BLOCK_T: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    if tl.load(spec_row_ptr + b) >= 0:
+        tidx = tl.arange(0, BLOCK_T)
+        tmask = tidx < T
+        s = tl.load(pscore_ptr + b * T + tidx, mask=tmask, other=-1.0)
+        i = tl.load(pidx_ptr + b * T + tidx, mask=tmask, other=-1)
+        fs = tl.load(fscore_ptr + b * T + tidx, mask=tmask, other=-1.0)
+        fi = tl.load(fidx_ptr + b * T + tidx, mask=tmask, other=-1)
+        best = tl.max(s, axis=0)
+        winner = tl.min(tl.where((s == best) & (i >= 0), i, 2147483647), axis=0)
+        fbest = tl.max(fs, axis=0)
+        fwinner = tl.min(tl.where((fs == fbest) & (fi >= 0), fi, 2147483647), axis=0)
+        # Residual without mass (only through rounding): draw from p instead.
+        tl.store(final_ptr + b, tl.where(best > -1.0, winner, fwinner))
+
+
+def _sample_tree(parents, tokens, num_nodes, logits, draft_probs, temperature, seed, offset, q_batch_stride):
+    """Runs the four kernels; returns (path int32 [B, N], num_accepted int32 [B], final int32 [B])."""
+    batch, n_max = parents.shape
+    vocab = logits.shape[-1]
+    device = logits.device
+    logits = logits.contiguous()
+    tiles = triton.cdiv(vocab, BLOCK_V)
+    rows = batch * n_max
+    pmax = torch.empty(rows, tiles, dtype=torch.float32, device=device)
+    psum = torch.empty_like(pmax)
+    parg = torch.empty(rows, tiles, dtype=torch.int32, device=device)
+    pbad = torch.empty_like(parg)
+    num_rows = num_nodes.clamp(0, n_max).to(torch.int32)
+    if rows > 0:
+        _row_stats_kernel[(rows, tiles)](logits, temperature, num_rows, pmax, psum, parg, pbad, n_max, vocab, tiles,
+                                         BLOCK=BLOCK_V)
+    path = torch.empty(batch, n_max, dtype=torch.int32, device=device)
+    num_acc = torch.empty(batch, dtype=torch.int32, device=device)
+    final = torch.empty(batch, dtype=torch.int32, device=device)
+    spec_row = torch.empty(batch, dtype=torch.int64, device=device)
+    spec_max = torch.empty(batch, dtype=torch.float32, device=device)
+    spec_coef = torch.empty(batch, dtype=torch.float32, device=device)
+    excl = torch.empty(batch, n_max, dtype=torch.int64, device=device)
+    has_q = draft_probs is not None
+    q = draft_probs.contiguous() if has_q else pmax  # any valid pointer when unused
+    block_n = max(2, triton.next_power_of_2(n_max))
+    block_t = max(2, triton.next_power_of_2(tiles))
+    if batch > 0:
+        _walk_kernel[(batch,)](parents.contiguous(), tokens.contiguous(), num_nodes.contiguous(), logits, q,
+                               temperature, seed, offset, pmax, psum, parg, pbad, path, num_acc, final, spec_row,
+                               spec_max, spec_coef, excl, n_max, vocab, tiles, q_batch_stride, HAS_Q=has_q,
+                               BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_V=BLOCK_V)
+        pscore = torch.empty(batch, tiles, dtype=torch.float32, device=device)
+        pidx = torch.empty(batch, tiles, dtype=torch.int32, device=device)
+        fscore = torch.empty_like(pscore)
+        fidx = torch.empty_like(pidx)
+        _race_kernel[(batch, tiles)](logits, q, temperature, seed, offset, spec_row, spec_max, spec_coef, excl,
+                                     pscore, pidx, fscore, fidx, n_max, vocab, tiles, q_batch_stride, HAS_Q=has_q,
+                                     BLOCK=BLOCK_V)
+        _race_reduce_kernel[(batch,)](spec_row, pscore, pidx, fscore, fidx, final, tiles, BLOCK_T=block_t)
+    return path, num_acc, final
+
+
+def _write_outputs(path, num_acc, final, node_tokens, output_token_ids, accepted_nodes=None):
+    """Accepted tokens, then the final token, -1 padded (torch ops on device, no sync)."""
+    batch, width = output_token_ids.shape
+    pos = torch.arange(width, device=path.device).unsqueeze(0)
+    n_acc = num_acc.to(torch.int64).unsqueeze(1)
+    path_w = path[:, :width]
+    if path_w.shape[1] < width:
+        path_w = torch.cat([path_w, path.new_full((batch, width - path_w.shape[1]), -1)], dim=1)
+    path_tok = torch.gather(node_tokens, 1, path_w.clamp(min=0).to(torch.int64))
+    out = torch.where(pos < n_acc, path_tok, torch.full_like(path_tok, -1))
+    out = torch.where(pos == n_acc, final.to(torch.int64).unsqueeze(1).expand_as(out), out)
+    output_token_ids.copy_(out)
+    if accepted_nodes is not None:
+        cols = accepted_nodes.shape[1]
+        an = torch.where(pos[:, :cols] < n_acc, path[:, :cols], torch.full_like(path[:, :cols], -1))
+        accepted_nodes.copy_(an)
+
+
+def chain_rejection_sample(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed, offset,
+                           output_token_ids, num_accepted):
+    """Triton launcher of ``specdec::chain_rejection_sample`` (the chain as the tree [-1, 0, 1, ...])."""
+    batch, max_drafts = draft_token_ids.shape
+    device = draft_token_ids.device
+    parents = torch.arange(-1, max_drafts, dtype=torch.int32, device=device).unsqueeze(0).expand(batch, -1)
+    tokens = torch.cat([torch.zeros(batch, 1, dtype=torch.int64, device=device), draft_token_ids], dim=1)
+    num_nodes = (num_draft_tokens.clamp(0, max_drafts) + 1).to(torch.int32)
+    vocab = target_logits.shape[-1]
+    path, num_acc, final = _sample_tree(parents, tokens, num_nodes, target_logits, draft_probs, temperature, seed,
+                                        offset, max_drafts * vocab)
+    _write_outputs(path, num_acc, final, tokens, output_token_ids)
+    num_accepted.copy_(num_acc)
+
+
+def tree_rejection_sample(parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature, seed, offset,
+                          accepted_nodes, output_token_ids, num_accepted):
+    """Triton launcher of ``specdec::tree_rejection_sample``."""
+    n_max = parents.shape[1]
+    vocab = target_logits.shape[-1]
+    path, num_acc, final = _sample_tree(parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature,
+                                        seed, offset, n_max * vocab)
+    _write_outputs(path, num_acc, final, tree_token_ids, output_token_ids, accepted_nodes)
+    num_accepted.copy_(num_acc)
+
+
+# ---------------------------------------------------------------------------------------
+# apply_top_k_top_p.
+# ---------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _key_to_float(key):
+    """Inverse of the order-preserving map float bits -> int (keys as int64 in int32 range)."""
+    k32 = key.to(tl.int32)
+    bits = tl.where(k32 >= 0, k32, k32 ^ 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _float_to_key(x):
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+
+
+@triton.jit
+def _top_k_top_p_kernel(logits_ptr, top_k_ptr, top_p_ptr, min_p_ptr, V, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + r * V
+    k = tl.load(top_k_ptr + r)
+    p = tl.load(top_p_ptr + r)
+    mp = tl.minimum(tl.load(min_p_ptr + r), 1.0)
+    use_k = (k > 0) & (k < V)
+    use_p = p < 1.0
+    use_mp = mp > 0.0
+    if use_k | use_p | use_mp:
+        # Row max and NaN check.
+        mvec = tl.full([BLOCK], float("-inf"), tl.float32)
+        nan = tl.zeros([BLOCK], tl.int32)
+        for v0 in range(0, V, BLOCK):
+            idx = v0 + tl.arange(0, BLOCK)
+            x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+            nan = tl.maximum(nan, (x != x).to(tl.int32))
+            mvec = tl.maximum(mvec, tl.where(x != x, float("-inf"), x))
+        m = tl.max(mvec, axis=0)
+        has_nan = tl.max(nan, axis=0) > 0
+        if (has_nan == 0) & (m > float("-inf")):
+            threshold = tl.zeros_like(m) - float("inf")
+            if use_k:
+                # Largest key x with count(l >= x) >= k: the k-th largest value.
+                lo = _float_to_key(threshold)
+                hi = _float_to_key(m) + 1
+                while hi - lo > 1:
+                    mid = lo + (hi - lo) // 2
+                    t = _key_to_float(mid)
+                    cnt = tl.zeros([BLOCK], tl.int32)
+                    for v0 in range(0, V, BLOCK):
+                        idx = v0 + tl.arange(0, BLOCK)
+                        x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+                        cnt += ((x >= t) & (idx < V)).to(tl.int32)
+                    if tl.sum(cnt, axis=0) >= k:
+                        lo = mid
+                    else:
+                        hi = mid
+                threshold = _key_to_float(lo)
+            if use_p:
+                zvec = tl.zeros([BLOCK], tl.float32)
+                for v0 in range(0, V, BLOCK):
+                    idx = v0 + tl.arange(0, BLOCK)
+                    x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+                    zvec += tl.where(x >= threshold, tl.exp(x - m), 0.0)
+                target = p * tl.sum(zvec, axis=0)
+                # Smallest key x with S(x) = mass of survivors strictly above x < target;
+                # the largest value is always kept.
+                lo2 = _float_to_key(threshold) - 1
+                hi2 = _float_to_key(m)
+                while hi2 - lo2 > 1:
+                    mid2 = lo2 + (hi2 - lo2) // 2
+                    t2 = _key_to_float(mid2)
+                    svec = tl.zeros([BLOCK], tl.float32)
+                    for v0 in range(0, V, BLOCK):
+                        idx = v0 + tl.arange(0, BLOCK)
+                        x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+                        svec += tl.where((x > t2) & (x >= threshold), tl.exp(x - m), 0.0)
+                    if tl.sum(svec, axis=0) < target:
+                        hi2 = mid2
+                    else:
+                        lo2 = mid2
+                threshold = tl.maximum(threshold, _key_to_float(hi2))
+            for v0 in range(0, V, BLOCK):
+                idx = v0 + tl.arange(0, BLOCK)
+                mask = idx < V
+                x_raw = tl.load(base + idx, mask=mask, other=0.0)
+                x = x_raw.to(tl.float32)
+                drop = x < threshold
+                if use_mp:
+                    drop = drop | (tl.exp(x - m) < mp)
+                tl.store(base + idx, tl.where(drop, float("-inf"), x).to(x_raw.dtype), mask=mask & drop)
+
+
+def apply_top_k_top_p(logits, top_k, top_p, min_p):
+    """Triton launcher of ``specdec::apply_top_k_top_p`` (in place on logits [R, V])."""
+    rows, vocab = logits.shape
+    if rows == 0:
+        return
+    device = logits.device
+    # Absent parameters are "off" rows (no host sync, just small device tensors).
+    if top_k is None:
+        top_k = torch.zeros(rows, dtype=torch.int32, device=device)
+    if top_p is None:
+        top_p = torch.ones(rows, dtype=torch.float32, device=device)
+    if min_p is None:
+        min_p = torch.zeros(rows, dtype=torch.float32, device=device)
+    _top_k_top_p_kernel[(rows,)](logits, top_k.contiguous(), top_p.contiguous(), min_p.contiguous(), vocab,
+                                 BLOCK=BLOCK_V)
+
+
+torch.library.register_kernel("specdec::chain_rejection_sample", "cuda", chain_rejection_sample)
+torch.library.register_kernel("specdec::tree_rejection_sample", "cuda", tree_rejection_sample)
+torch.library.register_kernel("specdec::apply_top_k_top_p", "cuda", apply_top_k_top_p)

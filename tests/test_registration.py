@@ -1,0 +1,36 @@
+"""Every op of the specdec library has a CPU (C++), a CUDA (Triton) and a Meta (fake) kernel."""
+import pytest
+import torch
+
+import specdec_kernels
+
+OPS = [
+    "chain_rejection_sample",
+    "tree_rejection_sample",
+    "apply_top_k_top_p",
+    "tree_attention",
+    "compact_kv",
+    "medusa_topk",
+    "skinny_linear",
+]
+
+
+def test_op_list_is_complete():
+    defined = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("specdec::")}
+    assert defined == set(OPS) | {"philox_uniform"}
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_cpu_kernel_registered(op):
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"specdec::{op}", "CPU")
+
+
+@pytest.mark.parametrize("op", OPS + ["philox_uniform"])
+def test_fake_registered(op):
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"specdec::{op}", "Meta")
+
+
+@pytest.mark.skipif(not specdec_kernels.HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("op", OPS)
+def test_triton_kernel_registered_for_cuda(op):
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(f"specdec::{op}", "CUDA")
