@@ -1,0 +1,290 @@
+"""Drafters: what proposes the tokens the target verifies.
+
+A drafter implements ``propose(gen, requests, lengths) -> list[Draft]``: one tree per request,
+at most ``lengths[b]`` deep (0 = the root alone). Optional hooks: ``start`` (after the
+prefill), ``verified`` (after each step, with the accepted counts) and ``finish``.
+
+- :class:`NgramDrafter` — prompt lookup: the continuation of the latest earlier occurrence
+  of the last n tokens (no model);
+- :class:`ModelDrafter` — a separate draft model (any Llama of the package with the same
+  vocabulary) with its own paged cache, as a chain or a "top-k tree" (the greedy chain plus
+  the next-best tokens at the first level as extra leaves);
+- :func:`SelfSpecDrafter` — self-speculation: the target's first L layers and its own LM
+  head, writing into the target's cache (layers < L of the draft positions are rewritten by
+  the verification forward, so no extra cache and no catch-up are needed);
+- :class:`MedusaDrafter` — Medusa heads on the target's last hidden state, a static tree from
+  Medusa choices, through ``medusa_topk``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..models import _ops
+from ..models.llama import Batch, Llama, cache_slots, rms_norm
+
+
+@dataclass
+class Draft:
+    """A draft tree: node 0 is the root (the last verified token)."""
+
+    parents: list  # int, parents[0] = -1, parents[i] < i
+    tokens: list  # int token ids, tokens[0] = root
+    probs: torch.Tensor | None = None  # fp32 [n, V]: row i = q the children of node i were drawn from
+
+    @classmethod
+    def root_only(cls, root: int) -> "Draft":
+        return cls([-1], [root])
+
+    @classmethod
+    def chain(cls, root: int, tokens: list, probs=None) -> "Draft":
+        return cls(list(range(-1, len(tokens))), [root] + list(tokens), probs)
+
+    def depths(self) -> list:
+        d = [0] * len(self.parents)
+        for i in range(1, len(self.parents)):
+            d[i] = d[self.parents[i]] + 1
+        return d
+
+
+class Drafter:
+    name = "drafter"
+    max_nodes = 16  # most nodes (root included) a draft may have: sizes the caches
+
+    def start(self, gen, reqs) -> None:
+        pass
+
+    def propose(self, gen, reqs, lengths) -> list:
+        raise NotImplementedError
+
+    def verified(self, gen, reqs, num_accepted) -> None:
+        pass
+
+    def finish(self, gen, req) -> None:
+        pass
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens (n from
+    ``max_ngram`` down to ``min_ngram``) in the request's tokens and propose what followed."""
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_k: int = 16):
+        self.max_ngram, self.min_ngram, self.max_nodes = max_ngram, min_ngram, max_k + 1
+
+    def lookup(self, tokens: list, k: int) -> list:
+        arr = np.asarray(tokens, dtype=np.int64)
+        L = arr.shape[0]
+        for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
+            pattern = arr[L - n:]
+            # Windows starting at 0..L-n-1 (strictly before the suffix itself).
+            windows = np.lib.stride_tricks.sliding_window_view(arr[: L - 1], n)
+            hits = np.nonzero((windows == pattern).all(axis=1))[0]
+            if hits.size:
+                start = int(hits[-1]) + n
+                return arr[start: start + k].tolist()
+        return []
+
+    def propose(self, gen, reqs, lengths):
+        return [Draft.chain(r.tokens[-1], self.lookup(r.tokens, k) if k > 0 else []) for r, k in zip(reqs, lengths)]
+
+
+def _draw(logits: torch.Tensor, r, gen_torch: torch.Generator):
+    """(token, q) from draft logits fp32 [V] with the request's sampling parameters."""
+    s = r.sampling
+    if s.temperature <= 0:
+        return int(logits.argmax()), None
+    row = (logits / s.temperature)[None].clone()
+    if s.top_k > 0 or s.top_p < 1:
+        row = _ops.apply_top_k_top_p(row, torch.tensor([s.top_k], dtype=torch.int32),
+                                     torch.tensor([s.top_p], dtype=torch.float32))
+    q = row[0].softmax(-1)
+    return int(torch.multinomial(q, 1, generator=gen_torch)), q
+
+
+class ModelDrafter(Drafter):
+    """Draft with a (smaller) Llama of the same vocabulary, chain or top-k tree.
+
+    ``tree_width`` > 1 adds the next ``tree_width - 1`` best first tokens as extra children
+    of the root (deterministic drafts, verified without draft probabilities). With a chain
+    and sampling, drafts are drawn from the draft model's q and verified with it.
+    ``share_target_cache`` (self-speculation): ``model`` is the target truncated to its first
+    layers and writes into the target's cache.
+    """
+
+    name = "draft"
+
+    def __init__(self, model: Llama, *, tree_width: int = 1, max_k: int = 16, share_target_cache: bool = False,
+                 name: str | None = None):
+        self.model, self.tree_width, self.share = model, tree_width, share_target_cache
+        self.max_nodes = max_k + tree_width
+        self.name = name or ("draft-tree" if tree_width > 1 else "draft")
+        self._gen = torch.Generator()
+
+    def start(self, gen, reqs):
+        self._gen.manual_seed(int(reqs[0].sampling.seed) if reqs else 0)
+        if self.share:
+            self.cache = gen.cache
+            return
+        self.cache = self.model.new_cache(len(reqs), gen.cache.max_len, block_size=gen.cache.block_size)
+        self.slot, self.fed = {}, {}
+        for r in reqs:
+            self.slot[r.rid] = self.cache.add_request(len(r.prompt))
+            self.model.prefill(torch.tensor(r.prompt[:-1], dtype=torch.int64), self.cache, self.slot[r.rid])
+            self.fed[r.rid] = list(r.prompt[:-1])
+
+    def _slot(self, r):
+        return r.slot if self.share else self.slot[r.rid]
+
+    @torch.inference_mode()
+    def propose(self, gen, reqs, lengths):
+        model, cache = self.model, self.cache
+        active = [b for b, k in enumerate(lengths) if k > 0]
+        drafts = [Draft.root_only(r.tokens[-1]) for r in reqs]
+        if not active:
+            return drafts
+        # Step 0 feeds what the draft cache lacks (the root, plus any tokens accepted last
+        # step that the draft never saw); later steps feed one drafted token each.
+        pending, start = {}, {}
+        for b in active:
+            r = reqs[b]
+            committed = cache.length(self._slot(r))
+            pending[b] = r.tokens[committed:]
+            start[b] = committed
+            cache.reserve([self._slot(r)], [len(pending[b]) + lengths[b]])
+        chains = {b: [] for b in active}
+        probs = {b: [] for b in active}
+        alts = {b: [] for b in active}
+        feed = dict(pending)
+        pos = dict(start)
+        for step in range(max(lengths[b] for b in active)):
+            rows = [b for b in active if step < lengths[b]]
+            if not rows:
+                break
+            toks = [t for b in rows for t in feed[b]]
+            counts = [len(feed[b]) for b in rows]
+            positions = torch.cat([torch.arange(pos[b], pos[b] + len(feed[b])) for b in rows])
+            slot_ids = torch.cat([cache_slots(cache, self._slot(reqs[b]), torch.arange(pos[b], pos[b] + len(feed[b])))
+                                  for b in rows])
+            block_table, _ = cache.batch_view([self._slot(reqs[b]) for b in rows])
+            indptr = torch.tensor([0] + list(np.cumsum(counts)), dtype=torch.int32)
+            batch = Batch(block_table, torch.tensor([pos[b] for b in rows], dtype=torch.int32), indptr, slot_ids)
+            h = model.forward(torch.tensor(toks, dtype=torch.int64), positions, cache, batch)
+            last = indptr[1:].long() - 1
+            logits = model.logits(h[last])
+            for i, b in enumerate(rows):
+                r = reqs[b]
+                tok, q = _draw(logits[i], r, self._gen)
+                if step == 0 and self.tree_width > 1:
+                    alts[b] = logits[i].topk(self.tree_width).indices.tolist()
+                    tok, q = alts[b][0], None
+                    alts[b] = alts[b][1:]
+                elif self.tree_width > 1:
+                    tok, q = int(logits[i].argmax()), None
+                chains[b].append(tok)
+                probs[b].append(q)
+                pos[b] += len(feed[b])
+                feed[b] = [tok]
+        for b in active:
+            r = reqs[b]
+            if self.tree_width > 1:
+                k = len(chains[b])
+                drafts[b] = Draft(list(range(-1, k)) + [0] * len(alts[b]), [r.tokens[-1]] + chains[b] + alts[b])
+            else:
+                q = None
+                if probs[b][0] is not None:
+                    q = torch.stack(probs[b] + [torch.zeros_like(probs[b][0])])
+                drafts[b] = Draft.chain(r.tokens[-1], chains[b], q)
+            if not self.share:
+                # What the draft cache holds after this step (committed + written, in order).
+                self.fed[r.rid] = r.tokens[:start[b]] + pending[b] + chains[b][:-1]
+        return drafts
+
+    def verified(self, gen, reqs, num_accepted):
+        if self.share:
+            return
+        for r in reqs:
+            if r.done:
+                continue
+            slot = self.slot[r.rid]
+            fed, toks = self.fed[r.rid], r.tokens
+            n = cache_len = self.cache.length(slot)
+            while n < len(fed) and n < len(toks) - 1 and fed[n] == toks[n]:
+                n += 1
+            self.cache.commit([slot], [n - cache_len])
+
+    def finish(self, gen, req):
+        if not self.share:
+            self.cache.free(self.slot[req.rid])
+
+
+def SelfSpecDrafter(target: Llama, num_layers: int, **kw) -> ModelDrafter:
+    """Self-speculation: the target's first ``num_layers`` layers + final norm + LM head."""
+    return ModelDrafter(target.truncated(num_layers), share_target_cache=True, name=f"self-spec-{num_layers}", **kw)
+
+
+class MedusaHeadWeights:
+    """K Medusa heads of L ResBlocks each (``res_weight`` [K, L, H, H], ``res_bias`` [K, L, H])
+    sharing the target's LM head. Untrained unless loaded: ResBlocks start at zero (identity),
+    so every head predicts what the LM head predicts — acceptance is then low, as expected."""
+
+    def __init__(self, target: Llama, num_heads: int = 4, num_layers: int = 1, seed: int = 0):
+        H = target.config.hidden_size
+        self.res_weight = torch.zeros(num_heads, num_layers, H, H, dtype=target.dtype)
+        self.res_bias = torch.zeros(num_heads, num_layers, H, dtype=target.dtype)
+        self.lm_head = target.lm_head
+        self.trained = False
+
+    @classmethod
+    def load(cls, target: Llama, path: str) -> "MedusaHeadWeights":
+        """From a safetensors file with ``res_weight`` and ``res_bias`` (and optionally ``lm_head``)."""
+        from safetensors.torch import load_file
+
+        sd = load_file(path)
+        w = cls(target, sd["res_weight"].shape[0], sd["res_weight"].shape[1])
+        w.res_weight, w.res_bias = sd["res_weight"].to(target.dtype), sd["res_bias"].to(target.dtype)
+        if "lm_head" in sd:
+            w.lm_head = sd["lm_head"].to(target.dtype)
+        w.trained = True
+        return w
+
+
+# A small tree for 4 heads (depth <= 4, 24 nodes + root).
+MEDUSA_SMALL_CHOICES = [(0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (0, 0, 0),
+                        (0, 0, 1), (0, 1, 0), (1, 0, 0), (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 1, 0, 0),
+                        (2, 1), (3, 0), (0, 3), (1, 2), (0, 0, 2), (0, 0, 0, 2)]
+
+
+class MedusaDrafter(Drafter):
+    """Medusa: head k on the hidden state of the node that produced the root predicts the
+    token k+1 after the root; the static tree comes from Medusa choices (truncated to the
+    speculation length), filled from each head's top-k (``medusa_topk``)."""
+
+    name = "medusa"
+
+    def __init__(self, target: Llama, heads: MedusaHeadWeights | None = None, choices=None):
+        from ..tree import medusa_tree
+
+        self.target = target
+        self.heads = heads or MedusaHeadWeights(target)
+        choices = [c for c in (choices or MEDUSA_SMALL_CHOICES) if len(c) <= self.heads.res_weight.shape[0]]
+        self.tree = medusa_tree(choices)
+        self.max_nodes = self.tree.num_nodes
+        self.parents = self.tree.parents.tolist()
+        self.depth = self.tree.depth.tolist()
+
+    @torch.inference_mode()
+    def propose(self, gen, reqs, lengths):
+        hidden = torch.stack([r.hidden for r in reqs])
+        hidden = rms_norm(hidden, self.target.norm, self.target.config.rms_norm_eps)
+        ids, _ = _ops.medusa_topk(hidden, self.heads.res_weight, self.heads.res_bias, self.heads.lm_head, self.tree.top_k)
+        roots = torch.tensor([r.tokens[-1] for r in reqs], dtype=torch.int64)
+        tokens = self.tree.token_ids(roots, ids).tolist()
+        drafts = []
+        for b, k in enumerate(lengths):
+            n = sum(1 for d in self.depth if d <= k)  # nodes are ordered by depth
+            drafts.append(Draft(self.parents[:n], tokens[b][:n]))
+        return drafts

@@ -1,0 +1,209 @@
+"""The speculative decode loop for a batch of requests with independent progress.
+
+Each step, for every unfinished request:
+
+1. draft — the drafter proposes a tree (node 0 = the root, the last verified token, whose
+   K/V is not yet cached; node i has parent ``parents[i] < i``), at most ``k`` deep, where
+   ``k`` comes from the speculation-length schedule and the tokens the request may still emit;
+2. verify — one target forward over all nodes of all requests through ``tree_attention``
+   (node j at cache position ``prefix_len + j``, RoPE position ``prefix_len + depth``);
+3. accept — ``tree_rejection_sample`` (greedy, or temperature with top-k/top-p applied to
+   the target logits first) gives the accepted path and one recovered/bonus token;
+4. compact — ``compact_kv`` moves the accepted nodes' K/V next to the root and commits them.
+
+The emitted tokens are truncated at an EOS token or at ``max_new_tokens``. Plain
+autoregressive decoding is the same loop with no drafter (a tree of the root alone).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..models import _ops
+from ..models.llama import Batch, Llama
+from ..tree import tree_mask as build_tree_mask, tree_mask_ragged
+from .drafters import Draft, Drafter
+from .schedule import SpecSchedule
+from .stats import RequestStats
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    seed: int = 0
+
+
+@dataclass
+class Request:
+    prompt: list
+    max_new_tokens: int = 64
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    rid: int = 0
+    # Decoding state.
+    tokens: list = field(default_factory=list)  # prompt + emitted; tokens[-1] is the root
+    output: list = field(default_factory=list)  # emitted tokens
+    slot: int = -1
+    offset: int = 0  # Philox counter base
+    hidden: torch.Tensor | None = None  # pre-norm hidden state of the node that produced the root
+    done: bool = False
+    stats: RequestStats = field(default_factory=RequestStats)
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.output)
+
+
+class Generator:
+    """Speculative (or, with ``drafter=None``, autoregressive) generation with ``model``."""
+
+    def __init__(self, model: Llama, drafter: Drafter | None = None, schedule: SpecSchedule | None = None,
+                 *, block_size: int = 64):
+        self.model = model
+        self.drafter = drafter
+        self.schedule = schedule or SpecSchedule("constant", 4)
+        self.block_size = block_size
+        self.eos = set(model.config.eos_token_ids)
+        self.cache = None
+
+    def generate(self, prompts: list, max_new_tokens: int = 64, sampling: SamplingParams | list | None = None,
+                 on_tokens: Callable[[Request, list], None] | None = None, *, stop_at_eos: bool = True) -> list[Request]:
+        """Generate for every prompt (lists of token ids, at least one token each); returns the
+        requests with ``.output`` (token ids) and ``.stats``. ``on_tokens(request, new_ids)``
+        is called after every step that emitted tokens (streaming)."""
+        if not isinstance(sampling, list):
+            sampling = [sampling or SamplingParams()] * len(prompts)
+        reqs = [Request(list(p), max_new_tokens, s, rid=i) for i, (p, s) in enumerate(zip(prompts, sampling))]
+        if any(len(r.prompt) == 0 for r in reqs):
+            raise ValueError("every prompt needs at least one token")
+        eos = self.eos if stop_at_eos else set()
+        extra = (self.drafter.max_nodes if self.drafter else 1) + 2
+        max_len = max(len(r.prompt) for r in reqs) + max_new_tokens + extra
+        self.cache = self.model.new_cache(len(reqs), max_len, block_size=self.block_size)
+        for r in reqs:
+            t0 = time.perf_counter()
+            r.tokens = list(r.prompt)
+            r.slot = self.cache.add_request(len(r.prompt))
+            # The prompt's last token is the first root: only the tokens before it are cached.
+            h = self.model.prefill(torch.tensor(r.prompt[:-1], dtype=torch.int64), self.cache, r.slot)
+            r.hidden = h[-1] if h.shape[0] else torch.zeros(self.model.config.hidden_size, dtype=self.model.dtype)
+            r.offset = 0
+            r.done = max_new_tokens <= 0
+            r.stats.time_prefill = time.perf_counter() - t0
+        if self.drafter:
+            self.drafter.start(self, reqs)
+        active = [r for r in reqs if not r.done]
+        while active:
+            self.step(active, on_tokens, eos)
+            for r in active:
+                if r.done:
+                    self.cache.free(r.slot)
+                    if self.drafter:
+                        self.drafter.finish(self, r)
+            active = [r for r in active if not r.done]
+        return reqs
+
+    @torch.inference_mode()
+    def step(self, reqs: list[Request], on_tokens=None, eos=frozenset()) -> None:
+        model, cache = self.model, self.cache
+        t0 = time.perf_counter()
+        ks = [max(0, min(self.schedule.length(r.rid), r.remaining - 1)) for r in reqs]
+        if self.drafter is not None and max(ks) > 0:
+            drafts = self.drafter.propose(self, reqs, ks)
+        else:
+            drafts = [Draft.root_only(r.tokens[-1]) for r in reqs]
+        t1 = time.perf_counter()
+
+        # ---- verify: one forward over every node of every request.
+        B = len(reqs)
+        sizes = [len(d.tokens) for d in drafts]
+        N = max(sizes)
+        slots = [r.slot for r in reqs]
+        new = cache.append_slots(slots, sizes)
+        block_table, prefix_lens = cache.batch_view(slots)
+        depths = [d.depths() for d in drafts]
+        tokens = torch.tensor([t for d in drafts for t in d.tokens], dtype=torch.int64)
+        positions = torch.tensor([cache.length(s) + x for s, dep in zip(slots, depths) for x in dep], dtype=torch.int64)
+        parents = torch.full((B, N), -1, dtype=torch.int32)
+        tree_tokens = torch.full((B, N), -1, dtype=torch.int64)
+        for b, d in enumerate(drafts):
+            parents[b, : sizes[b]] = torch.tensor(d.parents, dtype=torch.int32)
+            tree_tokens[b, : sizes[b]] = torch.tensor(d.tokens, dtype=torch.int64)
+        num_nodes = torch.tensor(sizes, dtype=torch.int32)
+        is_chain = all(p == i - 1 for d in drafts for i, p in enumerate(d.parents))
+        mask = None if is_chain else tree_mask_ragged(build_tree_mask(parents, num_nodes), new.qo_indptr, tokens.shape[0])
+        batch = Batch(block_table, prefix_lens, new.qo_indptr, new.slot_mapping, mask)
+        hidden = model.forward(tokens, positions, cache, batch)
+        flat_logits = model.logits(hidden)
+        t2 = time.perf_counter()
+
+        # ---- accept.
+        if all(s == N for s in sizes):
+            logits = flat_logits.view(B, N, -1)
+        else:
+            logits = flat_logits.new_zeros(B, N, flat_logits.shape[-1])
+            for b in range(B):
+                logits[b, : sizes[b]] = flat_logits[new.qo_indptr[b]: new.qo_indptr[b] + sizes[b]]
+        temperature = torch.tensor([r.sampling.temperature for r in reqs], dtype=torch.float32)
+        sampled = [b for b, r in enumerate(reqs) if r.sampling.temperature > 0]
+        draft_probs = None
+        if sampled:
+            filt = [b for b in sampled if reqs[b].sampling.top_k > 0 or reqs[b].sampling.top_p < 1]
+            if filt:
+                # top-p is defined on softmax(logits / T): filter the scaled rows, mask the raw ones.
+                temp = torch.tensor([reqs[b].sampling.temperature for b in filt], dtype=torch.float32)
+                rows = (logits[filt] / temp[:, None, None]).reshape(len(filt) * N, -1).contiguous()
+                top_k = torch.tensor([reqs[b].sampling.top_k for b in filt for _ in range(N)], dtype=torch.int32)
+                top_p = torch.tensor([reqs[b].sampling.top_p for b in filt for _ in range(N)], dtype=torch.float32)
+                rows = _ops.apply_top_k_top_p(rows, top_k, top_p).view(len(filt), N, -1)
+                logits[filt] = logits[filt].masked_fill(rows == float("-inf"), float("-inf"))
+            if any(d.probs is not None for d in drafts):
+                draft_probs = torch.zeros(B, N, logits.shape[-1], dtype=torch.float32)
+                for b, d in enumerate(drafts):
+                    if d.probs is not None:
+                        draft_probs[b, : d.probs.shape[0]] = d.probs
+        seed = torch.tensor([r.sampling.seed for r in reqs], dtype=torch.int64)
+        offset = torch.tensor([r.offset for r in reqs], dtype=torch.int64)
+        accepted_nodes, out_tokens, num_accepted = _ops.tree_rejection_sample(
+            parents, tree_tokens, num_nodes, logits, draft_probs, temperature, seed, offset)
+        t3 = time.perf_counter()
+
+        # ---- compact and commit (root + accepted nodes).
+        cache.compact(slots, accepted_nodes, num_accepted)
+        t4 = time.perf_counter()
+
+        n_acc = num_accepted.tolist()
+        out_rows = out_tokens.tolist()
+        indptr = new.qo_indptr.tolist()
+        for b, r in enumerate(reqs):
+            if n_acc[b] < 0:
+                raise RuntimeError(f"request {r.rid}: the target logits contain NaN")
+            emitted = out_rows[b][: n_acc[b] + 1]
+            last_node = int(accepted_nodes[b, n_acc[b] - 1]) if n_acc[b] > 0 else 0
+            r.hidden = hidden[indptr[b] + last_node]
+            r.offset += N
+            keep = emitted[: r.remaining]
+            for i, t in enumerate(keep):
+                if t in eos:
+                    keep = keep[: i + 1]
+                    break
+            r.tokens.extend(emitted)  # all emitted tokens: the cache now holds them
+            r.output.extend(keep)
+            if len(keep) < len(emitted) or r.remaining <= 0 or (keep and keep[-1] in eos):
+                r.done = True
+            depth = max(depths[b])
+            r.stats.record(depth, sizes[b] - 1, n_acc[b], len(keep))
+            st = r.stats
+            st.time_draft += t1 - t0
+            st.time_verify += t2 - t1
+            st.time_sample += t3 - t2
+            st.time_compact += t4 - t3
+            self.schedule.update(r.rid, depth, n_acc[b])
+            if on_tokens is not None and keep:
+                on_tokens(r, keep)
+        if self.drafter is not None:
+            self.drafter.verified(self, reqs, n_acc)

@@ -1,0 +1,236 @@
+"""A Llama-family transformer (Llama, SmolLM2, ...) for speculative decoding.
+
+One readable implementation: RMSNorm, rotary embeddings at explicit positions, grouped-query
+attention, SwiGLU MLP, tied or untied LM head. Every token that is decoded or verified goes
+through ``specdec::tree_attention`` over a paged KV cache: a forward takes the new tokens of a
+batch of requests flattened to [T] (request b owns rows ``qo_indptr[b]:qo_indptr[b+1]``), their
+positions (``prefix_len + depth`` for tree nodes), and an optional tree mask. Prefill of a
+prompt uses torch's scaled_dot_product_attention, which is faster for long causal blocks.
+
+Weights are stored fused (q|k|v and gate|up) so that a layer runs four matrix products; the
+q/k rows are in the Hugging Face (rotate-half) convention.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import LlamaConfig
+from . import _ops
+from ..kv_cache import PagedKVCache
+
+
+@dataclass
+class Batch:
+    """Where the T new tokens of a forward go and what they see.
+
+    block_table: int32 [B, max_blocks] (rows of the requests in this call); prefix_lens: int32
+    [B], cache position of each request's first new token; qo_indptr: int32 [B+1];
+    slot_mapping: int64 [T], flat cache index (block * block_size + offset) of each new token;
+    tree_mask: int64 [T, W] or None (causal among each request's new tokens).
+    """
+
+    block_table: torch.Tensor
+    prefix_lens: torch.Tensor
+    qo_indptr: torch.Tensor
+    slot_mapping: torch.Tensor
+    tree_mask: torch.Tensor | None = None
+
+
+def cache_slots(cache: PagedKVCache, slot: int, positions: torch.Tensor) -> torch.Tensor:
+    """Flat cache indices (int64) of ``positions`` of the request in ``slot`` (blocks must be
+    reserved)."""
+    bs = cache.block_size
+    blocks = cache.block_table[slot].to(torch.int64)[positions // bs]
+    return blocks * bs + positions % bs
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rope_tables(config: LlamaConfig, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: fp32 [max_pos, head_dim] in the rotate-half layout."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos, sin: [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Llama:
+    """Weights as plain tensors (no nn.Module machinery on the hot path).
+
+    ``weights`` holds ``embed`` [V, H], ``norm`` [H], ``lm_head`` [V, H] (the embedding when
+    tied) and per layer ``layers[i]`` = dict(attn_norm, wqkv [(Hq+2Hkv)*D, H], wo [H, Hq*D],
+    mlp_norm, w_gate_up [2I, H], w_down [H, I]).
+    """
+
+    def __init__(self, config: LlamaConfig, weights: dict, *, name: str = "llama"):
+        self.config = config
+        self.name = name
+        self.embed = weights["embed"]
+        self.norm = weights["norm"]
+        self.lm_head = weights["lm_head"]
+        self.layers = weights["layers"]
+        self.device = self.embed.device
+        self.dtype = self.embed.dtype
+        self._rope_len = 0
+        self._ensure_rope(min(config.max_position_embeddings, 4096))
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def random(cls, config: LlamaConfig, seed: int = 0, dtype=torch.float32) -> "Llama":
+        """A randomly initialised model (tests): std 0.02 projections, unit norms."""
+        g = torch.Generator().manual_seed(seed)
+        H, D, I = config.hidden_size, config.head_dim, config.intermediate_size
+        qkv = (config.num_heads + 2 * config.num_kv_heads) * D
+
+        def w(*shape, std=0.02):
+            return (torch.randn(*shape, generator=g) * std).to(dtype)
+
+        embed = w(config.vocab_size, H, std=1.0)
+        layers = [dict(attn_norm=1 + w(H, std=0.1), wqkv=w(qkv, H, std=H ** -0.5), wo=w(H, config.num_heads * D, std=(config.num_heads * D) ** -0.5),
+                       mlp_norm=1 + w(H, std=0.1), w_gate_up=w(2 * config.intermediate_size, H, std=H ** -0.5),
+                       w_down=w(H, I, std=I ** -0.5)) for _ in range(config.num_layers)]
+        lm_head = embed if config.tie_word_embeddings else w(config.vocab_size, H, std=H ** -0.5)
+        return cls(config, dict(embed=embed, norm=1 + w(H, std=0.1), lm_head=lm_head, layers=layers), name="random")
+
+    @classmethod
+    def from_hf_state_dict(cls, config: LlamaConfig, sd: dict, *, name: str = "llama") -> "Llama":
+        """From Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...)."""
+        def get(k):
+            return sd[k].float().contiguous()
+
+        layers = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            layers.append(dict(
+                attn_norm=get(p + "input_layernorm.weight"),
+                wqkv=torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                wo=get(p + "self_attn.o_proj.weight"),
+                mlp_norm=get(p + "post_attention_layernorm.weight"),
+                w_gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+                w_down=get(p + "mlp.down_proj.weight"),
+            ))
+        embed = get("model.embed_tokens.weight")
+        lm_head = embed if (config.tie_word_embeddings or "lm_head.weight" not in sd) else get("lm_head.weight")
+        return cls(config, dict(embed=embed, norm=get("model.norm.weight"), lm_head=lm_head, layers=layers), name=name)
+
+    def hf_state_dict(self) -> dict:
+        """The weights under Hugging Face names (for comparison with transformers)."""
+        c = self.config
+        D = c.head_dim
+        sd = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
+        if not c.tie_word_embeddings:
+            sd["lm_head.weight"] = self.lm_head
+        for i, L in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            q, k, v = L["wqkv"].split([c.num_heads * D, c.num_kv_heads * D, c.num_kv_heads * D])
+            g, u = L["w_gate_up"].chunk(2)
+            sd.update({p + "input_layernorm.weight": L["attn_norm"], p + "self_attn.q_proj.weight": q,
+                       p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
+                       p + "self_attn.o_proj.weight": L["wo"], p + "post_attention_layernorm.weight": L["mlp_norm"],
+                       p + "mlp.gate_proj.weight": g, p + "mlp.up_proj.weight": u, p + "mlp.down_proj.weight": L["w_down"]})
+        return {k: v.contiguous() for k, v in sd.items()}
+
+    def truncated(self, num_layers: int) -> "Llama":
+        """The first ``num_layers`` layers with the same final norm and LM head (shares weights)."""
+        cfg = LlamaConfig(**{**self.config.__dict__, "num_layers": num_layers})
+        return Llama(cfg, dict(embed=self.embed, norm=self.norm, lm_head=self.lm_head,
+                               layers=self.layers[:num_layers]), name=f"{self.name}[:{num_layers}]")
+
+    def new_cache(self, max_batch: int, max_len: int, *, block_size: int = 64) -> PagedKVCache:
+        """A paged cache with room for ``max_batch`` requests of ``max_len`` positions."""
+        c = self.config
+        blocks = -(-max_len // block_size)
+        return PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks=max_batch * blocks,
+                            block_size=block_size, max_batch=max_batch, max_blocks_per_seq=blocks,
+                            dtype=self.dtype, device=self.device)
+
+    def _ensure_rope(self, n: int) -> None:
+        if n > self._rope_len:
+            n = max(n, 2 * self._rope_len)
+            self.cos, self.sin = rope_tables(self.config, n)
+            self.cos, self.sin = self.cos.to(self.dtype), self.sin.to(self.dtype)
+            self._rope_len = n
+
+    # ---- forward ------------------------------------------------------------------------
+    def _qkv(self, L: dict, x: torch.Tensor, positions: torch.Tensor):
+        c = self.config
+        D = c.head_dim
+        qkv = _ops.linear(rms_norm(x, L["attn_norm"], c.rms_norm_eps), L["wqkv"])
+        q, k, v = qkv.split([c.num_heads * D, c.num_kv_heads * D, c.num_kv_heads * D], dim=-1)
+        cos, sin = self.cos[positions], self.sin[positions]
+        q = apply_rope(q.view(-1, c.num_heads, D), cos, sin)
+        k = apply_rope(k.view(-1, c.num_kv_heads, D), cos, sin)
+        return q, k, v.reshape(-1, c.num_kv_heads, D)
+
+    def _mlp(self, L: dict, h: torch.Tensor) -> torch.Tensor:
+        gate, up = _ops.linear(rms_norm(h, L["mlp_norm"], self.config.rms_norm_eps), L["w_gate_up"]).chunk(2, dim=-1)
+        return h + _ops.linear(F.silu(gate) * up, L["w_down"])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head: [T, H] -> fp32 [T, V]."""
+        return _ops.linear(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, batch: Batch,
+                *, num_layers: int | None = None) -> torch.Tensor:
+        """Run T new tokens (int64 [T], positions int64 [T]) of a batch through the first
+        ``num_layers`` layers (all by default), writing their K/V into ``cache`` at
+        ``batch.slot_mapping`` (nothing is committed: the caller owns the cache lengths). Returns the last hidden states [T, H] (before the final norm)."""
+        c = self.config
+        self._ensure_rope(int(positions.max()) + 1)
+        sm_scale = 1.0 / math.sqrt(c.head_dim)
+        h = self.embed[tokens]
+        for i, L in enumerate(self.layers[:num_layers]):
+            q, k, v = self._qkv(L, h, positions)
+            cache.write(i, batch.slot_mapping, k, v)
+            attn = _ops.tree_attention(q, cache.k_caches[i], cache.v_caches[i], batch.block_table, batch.prefix_lens, batch.qo_indptr,
+                                       batch.tree_mask, sm_scale)
+            h = h + _ops.linear(attn.reshape(attn.shape[0], -1), L["wo"])
+            h = self._mlp(L, h)
+        return h
+
+    @torch.inference_mode()
+    def prefill(self, tokens: torch.Tensor, cache: PagedKVCache, slot: int, *, num_layers: int | None = None,
+                commit: bool = True) -> torch.Tensor:
+        """Causal forward of one request's tokens (int64 [S]) after the ``start`` tokens its
+        cache slot holds (positions start..start+S-1); writes their K/V and commits them.
+        Returns hidden [S, H]."""
+        c = self.config
+        S = tokens.shape[0]
+        start = cache.length(slot)
+        if S == 0:
+            return self.embed[:0]
+        self._ensure_rope(start + S)
+        new = cache.append_slots([slot], [S])
+        positions = new.cache_positions.to(torch.int64)
+        all_slots = cache_slots(cache, slot, torch.arange(start + S, device=tokens.device))
+        # The mask lets query s see keys 0..start+s.
+        mask = None if start == 0 else torch.ones(S, start + S, dtype=torch.bool, device=tokens.device).tril(start)
+        h = self.embed[tokens]
+        for i, L in enumerate(self.layers[:num_layers]):
+            q, k, v = self._qkv(L, h, positions)
+            cache.write(i, new.slot_mapping, k, v)
+            keys = cache.k_caches[i].view(-1, c.num_kv_heads, c.head_dim)[all_slots]
+            values = cache.v_caches[i].view(-1, c.num_kv_heads, c.head_dim)[all_slots]
+            attn = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
+                attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+            h = h + _ops.linear(attn[0].transpose(0, 1).reshape(S, -1), L["wo"])
+            h = self._mlp(L, h)
+        if commit:
+            cache.commit([slot], [S])
+        return h

