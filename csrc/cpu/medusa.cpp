@@ -11,15 +11,6 @@
 // Arithmetic is fp32 whatever the input dtypes (bf16/fp16 weights are widened on the fly,
 // which halves the bytes streamed); every dot product is reduced in the same order
 // whatever the blocking, so equal weight rows give bit-identical logits (exact ties).
-//
-// This translation unit compiles at::vec for AVX2 (setup.py passes -mavx2 -mfma): the
-// CPU_CAPABILITY macros below select the AVX2 Vectorized<float> and put its inline
-// functions in the at::vec::AVX2 namespace, so they cannot clash with other translation
-// units that include vec.h without them.
-#if defined(__AVX2__) && defined(__FMA__) && !defined(CPU_CAPABILITY)
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#endif
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

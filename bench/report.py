@@ -1,0 +1,98 @@
+"""Print the README's benchmark tables (markdown) from the JSON under bench/results/.
+
+    python bench/report.py            # every area that has results
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def load(name: str):
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.2f}" if abs(v) < 100 else f"{v:.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def machine_line(d) -> str:
+    m = d["machine"]
+    return f"({m['cpu_count']} cores, {m['torch_threads']} torch threads, torch {m['torch']}, {m['time']})"
+
+
+def rejection_sampling(d) -> str:
+    rows = [r for r in d["rows"] if r["B"] >= 8 and r["K"] == 5] + [r for r in d["rows"] if r["B"] == 1 and r["K"] == 5]
+    out = [f"Copy bandwidth measured in the same run: {d['copy_bandwidth_gbs']:.1f} GB/s {machine_line(d)}.", ""]
+    out.append(table(["B", "K", "V", "ours µs", "plain torch µs", "HF assisted µs", "× plain", "× HF", "fraction of copy BW"],
+                     [[r["B"], r["K"], r["V"], r["ours_us"], r["plain_torch_us"], r["hf_us"], r["speedup_vs_plain"],
+                       r["speedup_vs_hf"], r["frac_copy_bw"]] for r in rows]))
+    return "\n".join(out)
+
+
+def tree_attention(d) -> str:
+    rows = [r for r in d["rows"] if r["prefix"] == 2048 or r["N"] == 1 and r["prefix"] == 8192]
+    out = [f"Copy bandwidth {d['copy_bandwidth_gbs']:.1f} GB/s, fp32 matmul {d['matmul_gflops']:.0f} GFLOP/s "
+           f"measured in the same run {machine_line(d)}; {d['dtype']}, block size {d['block_size']}.", ""]
+    out.append(table(["model", "B", "prefix", "N", "ours µs", "SDPA+mask µs", "× SDPA", "× SDPA after repeat_kv",
+                      "GFLOP/s", "fraction of copy BW"],
+                     [[r["model"], r["B"], r["prefix"], r["N"], r["ours_us"], r["sdpa_mask_us"], r["speedup"],
+                       r["speedup_vs_repeat_kv"], r["GFLOP/s"], r["frac_copy_bw"] if r["N"] == 1 else ""] for r in rows]))
+    return "\n".join(out)
+
+
+def kv_compaction(d) -> str:
+    out = [f"Copy bandwidth {d['copy_bandwidth_gbs']:.1f} GB/s {machine_line(d)}; {d['dtype']}, block size "
+           f"{d['block_size']}, prefix {d['prefix']}.", ""]
+    out.append(table(["model", "B", "case", "accepted", "KiB moved", "per-layer gather/copy µs", "ours µs", "speedup",
+                      "fraction of copy BW"],
+                     [[r["model"], r["B"], r["tree"], r["accepted"], r["moved_KiB"], r["gather_copy_us"], r["ours_us"],
+                       r["speedup"], r["frac_copy_bw"]] for r in d["rows"]]))
+    return "\n".join(out)
+
+
+def medusa(d) -> str:
+    out = [f"Copy bandwidth {d['copy_bandwidth_gbs']:.1f} GB/s {machine_line(d)}; `{d['command']}`.", ""]
+    out.append(table(["case", "M", "heads", "LM head", "dtype", "ours µs", "eager µs", "× eager", "× one batched GEMM",
+                      "fraction of copy BW"],
+                     [[r["case"], r["M"], r["K"], r["lm_head"], r["dtype"], r["ours_us"], r["eager_us"], r["x_eager"],
+                       r["x_batched"], r["frac_copy"]] for r in d["medusa_topk"]]))
+    out += ["", "skinny_linear at M = 8 (cold weights: a different weight copy per call, as in a decode step):", ""]
+    t = d["targets"]
+    out.append(table(["weight [N, H]:dtype", "M=8 time / M=1 time", "× F.linear"],
+                     [[k, t["skinny_M8_cold_vs_M1"][k], t["skinny_M8_cold_x_F.linear"][k]]
+                      for k in t["skinny_M8_cold_vs_M1"]]))
+    return "\n".join(out)
+
+
+def e2e(d) -> str:
+    out = [f"{machine_line(d)}; model load {d.get('load_seconds', 0):.1f} s.", ""]
+    rows = d["summary"]
+    out.append(table(["batch", "method", "tokens/s", "× ours AR", "mean accepted length", "greedy output identical"],
+                     [[r["batch"], r["method"], r["tokens_per_s"], r["speedup_vs_ours_ar"], r["mean_accepted_length"],
+                       r["identical"]] for r in rows]))
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    for name, fn in [("rejection_sampling", rejection_sampling), ("tree_attention", tree_attention),
+                     ("kv_compaction", kv_compaction), ("medusa", medusa), ("e2e", e2e)]:
+        d = load(name)
+        if d is not None:
+            print(f"### {name}\n\n{fn(d)}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
