@@ -6,7 +6,7 @@ needs no change here.
 import glob
 import os
 
-from setuptools import find_packages, setup
+from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
@@ -16,10 +16,8 @@ extra_compile_args = ["-O3", "-std=c++20", "-fopenmp", "-Wno-unknown-pragmas", "
 if os.uname().machine != "x86_64":
     extra_compile_args = ["-O3", "-std=c++20", "-fopenmp"]
 
+# Name, version, packages, package data and the `specdec` script are in pyproject.toml.
 setup(
-    name="specdec_kernels",
-    version="0.1.0",
-    packages=find_packages(include=["specdec_kernels", "specdec_kernels.*"]),
     ext_modules=[
         CppExtension(
             "specdec_kernels._C",
@@ -30,6 +28,4 @@ setup(
         )
     ],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-    entry_points={"console_scripts": ["specdec=specdec_kernels.cli:main"]},
-    package_data={"specdec_kernels": ["data/*"]},
 )

@@ -81,7 +81,10 @@ def make_inputs(batch, k, vocab, gen):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few cases, few repetitions")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         cases = [(1, 5, 32000), (8, 5, 49152), (32, 5, 128256)]
     else:
@@ -114,7 +117,8 @@ def main():
     print_table(rows, ["B", "K", "V", "ours_us", "plain_torch_us", "hf_us", "speedup_vs_plain", "speedup_vs_hf",
                        "GB/s", "frac_copy_bw"])
     path = write_results("rejection_sampling", {
-        "command": "python bench/bench_rejection_sampling.py" + (" --quick" if args.quick else ""),
+        "command": "python bench/bench_rejection_sampling.py" + (" --quick" if args.quick else "")
+        + (f" --threads {args.threads}" if args.threads else ""),
         "copy_bandwidth_gbs": copy_gbs, "dtype": "float32", "draft_probs": "full q", "rows": rows,
     })
     print(f"wrote {path}")
