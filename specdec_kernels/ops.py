@@ -18,6 +18,7 @@ __all__ = [
     "tree_attention",
     "compact_kv",
     "medusa_topk", "skinny_linear", "linear",
+    "skinny_linear_max_rows",
 ]
 
 
@@ -582,22 +583,41 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
+def skinny_linear_max_rows(dtype: torch.dtype, num_threads: int | None = None) -> int:
+    """Most rows for which ``linear`` uses skinny_linear (0 = never), for ``dtype`` and
+    ``num_threads`` torch threads (default: torch.get_num_threads()).
+
+    With 2+ threads: SKINNY_LINEAR_MAX_ROWS (fp32) / SKINNY_LINEAR_MAX_ROWS_BF16, measured
+    per layer shape (see the comment above them). With 1 thread the whole decode loop was
+    measured instead, since that is what the model runs: SmolLM2-135M greedy autoregressive
+    decoding (`specdec bench --threads 1`, rows = 1 per step) ran at 32 tokens/s with F.linear
+    for every product vs 26 tokens/s with skinny_linear for the few-row ones — a single thread
+    cannot hide skinny_linear's weight streaming behind compute the way MKL's single-threaded
+    GEMV does — so the threshold is 0 there (always F.linear).
+    """
+    if (num_threads if num_threads is not None else torch.get_num_threads()) <= 1:
+        return 0
+    return SKINNY_LINEAR_MAX_ROWS if dtype == torch.float32 else SKINNY_LINEAR_MAX_ROWS_BF16
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` that uses ``skinny_linear`` where it was measured to be faster.
 
     x: [..., H]; weight: [N, H]; bias: [N] or None. skinny_linear is used on CPU when the
-    flattened row count is <= SKINNY_LINEAR_MAX_ROWS (fp32) or SKINNY_LINEAR_MAX_ROWS_BF16
-    (bf16), x, weight (and bias) are all fp32 or all bf16, the weight is contiguous and no
-    gradient is needed (skinny_linear has no autograd formula); otherwise this is exactly
-    ``F.linear``. (skinny_linear accumulates
+    flattened row count is <= skinny_linear_max_rows(x.dtype) (which depends on the torch
+    thread count: 0 with one thread, SKINNY_LINEAR_MAX_ROWS / SKINNY_LINEAR_MAX_ROWS_BF16
+    with more; the measurements are in its docstring), x, weight (and bias) are all fp32 or
+    all bf16, the weight is contiguous and no gradient is needed (skinny_linear has no
+    autograd formula); otherwise this is exactly ``F.linear``. (skinny_linear accumulates
     in fp32 and rounds once, so bf16 results can differ from F.linear's in the last bit.)
+    This is the one place the choice is made: the model and the Medusa heads call it.
     """
     rows = x.numel() // x.shape[-1] if x.dim() > 0 and x.shape[-1] > 0 else 0
     use_skinny = (
         x.device.type == "cpu"
         and weight.device.type == "cpu"
-        and 0 < rows <= (SKINNY_LINEAR_MAX_ROWS if x.dtype == torch.float32 else SKINNY_LINEAR_MAX_ROWS_BF16)
         and x.dtype in (torch.float32, torch.bfloat16)
+        and 0 < rows <= skinny_linear_max_rows(x.dtype)
         and weight.dtype == x.dtype
         and weight.dim() == 2
         and weight.is_contiguous()

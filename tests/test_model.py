@@ -197,3 +197,28 @@ def test_smollm2_tokenizer_matches_transformers(smollm2):
     htok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     for text in SAMPLES:
         assert tok.encode(text) == htok.encode(text, add_special_tokens=False), text
+
+
+def test_linear_threshold_depends_on_threads(monkeypatch):
+    """ops.linear is the one place the skinny_linear/F.linear choice is made: never
+    skinny_linear with one torch thread (measured slower for the whole decode loop), the
+    per-shape thresholds with more; the model's products go through it."""
+    from specdec_kernels import ops
+
+    assert ops.skinny_linear_max_rows(torch.float32, 1) == 0
+    assert ops.skinny_linear_max_rows(torch.float32, 2) == ops.SKINNY_LINEAR_MAX_ROWS
+    assert ops.skinny_linear_max_rows(torch.bfloat16, 2) == ops.SKINNY_LINEAR_MAX_ROWS_BF16
+    calls = []
+    real = ops.skinny_linear
+    monkeypatch.setattr(ops, "skinny_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, w = torch.randn(2, 16), torch.randn(8, 16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        torch.testing.assert_close(ops.linear(x, w), x @ w.T)
+        assert not calls
+        torch.set_num_threads(2)
+        torch.testing.assert_close(ops.linear(x, w), x @ w.T)
+        assert calls
+    finally:
+        torch.set_num_threads(threads)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import LlamaConfig
-from . import _ops
+from .. import ops
 from ..kv_cache import PagedKVCache
 
 
@@ -169,7 +169,7 @@ class Llama:
     def _qkv(self, L: dict, x: torch.Tensor, positions: torch.Tensor):
         c = self.config
         D = c.head_dim
-        qkv = _ops.linear(rms_norm(x, L["attn_norm"], c.rms_norm_eps), L["wqkv"])
+        qkv = ops.linear(rms_norm(x, L["attn_norm"], c.rms_norm_eps), L["wqkv"])
         q, k, v = qkv.split([c.num_heads * D, c.num_kv_heads * D, c.num_kv_heads * D], dim=-1)
         cos, sin = self.cos[positions], self.sin[positions]
         q = apply_rope(q.view(-1, c.num_heads, D), cos, sin)
@@ -177,12 +177,12 @@ class Llama:
         return q, k, v.reshape(-1, c.num_kv_heads, D)
 
     def _mlp(self, L: dict, h: torch.Tensor) -> torch.Tensor:
-        gate, up = _ops.linear(rms_norm(h, L["mlp_norm"], self.config.rms_norm_eps), L["w_gate_up"]).chunk(2, dim=-1)
-        return h + _ops.linear(F.silu(gate) * up, L["w_down"])
+        gate, up = ops.linear(rms_norm(h, L["mlp_norm"], self.config.rms_norm_eps), L["w_gate_up"]).chunk(2, dim=-1)
+        return h + ops.linear(F.silu(gate) * up, L["w_down"])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: [T, H] -> fp32 [T, V]."""
-        return _ops.linear(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+        return ops.linear(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head).float()
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, batch: Batch,
@@ -197,9 +197,13 @@ class Llama:
         for i, L in enumerate(self.layers[:num_layers]):
             q, k, v = self._qkv(L, h, positions)
             cache.write(i, batch.slot_mapping, k, v)
-            attn = _ops.tree_attention(q, cache.k_caches[i], cache.v_caches[i], batch.block_table, batch.prefix_lens, batch.qo_indptr,
-                                       batch.tree_mask, sm_scale)
-            h = h + _ops.linear(attn.reshape(attn.shape[0], -1), L["wo"])
+            # The op directly, not ops.tree_attention: the wrapper's Python argument checks
+            # cost ~tens of microseconds per layer per step, and the C++/Triton kernel checks
+            # every argument again anyway (RuntimeError).
+            attn = torch.empty_like(q)
+            torch.ops.specdec.tree_attention(q, cache.k_caches[i], cache.v_caches[i], batch.block_table,
+                                             batch.prefix_lens, batch.qo_indptr, batch.tree_mask, sm_scale, attn, None)
+            h = h + ops.linear(attn.reshape(attn.shape[0], -1), L["wo"])
             h = self._mlp(L, h)
         return h
 
@@ -229,7 +233,7 @@ class Llama:
             attn = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
                 attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-            h = h + _ops.linear(attn[0].transpose(0, 1).reshape(S, -1), L["wo"])
+            h = h + ops.linear(attn[0].transpose(0, 1).reshape(S, -1), L["wo"])
             h = self._mlp(L, h)
         if commit:
             cache.commit([slot], [S])
