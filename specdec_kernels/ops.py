@@ -18,7 +18,7 @@ __all__ = [
     "tree_attention",
     "compact_kv",
     "medusa_topk", "skinny_linear", "linear",
-    "skinny_linear_max_rows",
+    "skinny_linear_rows",
 ]
 
 
@@ -583,30 +583,37 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
-def skinny_linear_max_rows(dtype: torch.dtype, num_threads: int | None = None) -> int:
-    """Most rows for which ``linear`` uses skinny_linear (0 = never), for ``dtype`` and
-    ``num_threads`` torch threads (default: torch.get_num_threads()).
+def skinny_linear_rows(dtype: torch.dtype, num_threads: int | None = None) -> tuple[int, int]:
+    """(min_rows, max_rows): ``linear`` uses skinny_linear for min_rows <= rows <= max_rows,
+    for ``dtype`` and ``num_threads`` torch threads (default: torch.get_num_threads()).
 
-    With 2+ threads: SKINNY_LINEAR_MAX_ROWS (fp32) / SKINNY_LINEAR_MAX_ROWS_BF16, measured
-    per layer shape (see the comment above them). With 1 thread the whole decode loop was
-    measured instead, since that is what the model runs: SmolLM2-135M greedy autoregressive
-    decoding (`specdec bench --threads 1`, rows = 1 per step) ran at 32 tokens/s with F.linear
-    for every product vs 26 tokens/s with skinny_linear for the few-row ones — a single thread
-    cannot hide skinny_linear's weight streaming behind compute the way MKL's single-threaded
-    GEMV does — so the threshold is 0 there (always F.linear).
+    fp32 with one thread, measured on the whole SmolLM2-135M forward (30 layers + LM head,
+    fresh weights each product as in decoding; one process, medians of 5, 2-core shared
+    machine, torch 2.13): F.linear / skinny_linear time = 0.90 at T = 1 row (55 vs 61 ms),
+    0.94 at 2, 1.00 at 3, 1.54 at 5 (100 vs 65 ms), 1.52 at 8 (123 vs 81 ms) — MKL's
+    single-threaded GEMV is the best at 1-2 rows but its small-M GEMM is not, so skinny
+    from 3 rows. (Greedy autoregressive decoding alone: 32 vs 26 tokens/s with F.linear.)
+    Otherwise (bf16, or several threads): 1..SKINNY_LINEAR_MAX_ROWS (fp32) /
+    SKINNY_LINEAR_MAX_ROWS_BF16, the per-shape measurement in the comment above them.
     """
-    if (num_threads if num_threads is not None else torch.get_num_threads()) <= 1:
-        return 0
-    return SKINNY_LINEAR_MAX_ROWS if dtype == torch.float32 else SKINNY_LINEAR_MAX_ROWS_BF16
+    max_rows = SKINNY_LINEAR_MAX_ROWS if dtype == torch.float32 else SKINNY_LINEAR_MAX_ROWS_BF16
+    threads = num_threads if num_threads is not None else torch.get_num_threads()
+    if threads <= 1 and dtype == torch.float32:
+        return 3, max_rows
+    return 1, max_rows
+
+
+def _in_range(rows: int, bounds: tuple[int, int]) -> bool:
+    return bounds[0] <= rows <= bounds[1]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` that uses ``skinny_linear`` where it was measured to be faster.
 
     x: [..., H]; weight: [N, H]; bias: [N] or None. skinny_linear is used on CPU when the
-    flattened row count is <= skinny_linear_max_rows(x.dtype) (which depends on the torch
-    thread count: 0 with one thread, SKINNY_LINEAR_MAX_ROWS / SKINNY_LINEAR_MAX_ROWS_BF16
-    with more; the measurements are in its docstring), x, weight (and bias) are all fp32 or
+    flattened row count is within skinny_linear_rows(x.dtype) (which depends on the torch
+    thread count: 3..8 rows for fp32 with one thread, 1..SKINNY_LINEAR_MAX_ROWS(_BF16)
+    otherwise; the measurements are in its docstring), x, weight (and bias) are all fp32 or
     all bf16, the weight is contiguous and no gradient is needed (skinny_linear has no
     autograd formula); otherwise this is exactly ``F.linear``. (skinny_linear accumulates
     in fp32 and rounds once, so bf16 results can differ from F.linear's in the last bit.)
@@ -617,7 +624,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x.device.type == "cpu"
         and weight.device.type == "cpu"
         and x.dtype in (torch.float32, torch.bfloat16)
-        and 0 < rows <= skinny_linear_max_rows(x.dtype)
+        and _in_range(rows, skinny_linear_rows(x.dtype))
         and weight.dtype == x.dtype
         and weight.dim() == 2
         and weight.is_contiguous()

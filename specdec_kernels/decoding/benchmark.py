@@ -235,8 +235,8 @@ def main(argv=None) -> int:
                             "mean_accepted_length": statistics.mean(mal) if mal else "",
                             "identical": f"{sum(sum(r['identical']) for r in rows)}/{sum(len(r['identical']) for r in rows)}"})
     print(f"\nmodel {model.name} (loaded in {load_s:.1f}s), {len(prompts)} prompts, {N} new tokens, "
-          f"{args.threads} thread(s); ops.linear uses skinny_linear up to "
-          f"{ops.skinny_linear_max_rows(torch.float32)} rows (fp32)")
+          f"{args.threads} thread(s); ops.linear uses skinny_linear for "
+          f"{ops.skinny_linear_rows(torch.float32)} rows (fp32)")
     print(_table(summary, ["batch", "method", "tokens_per_s", "speedup_vs_ours_ar", "mean_accepted_length", "identical"]))
     cat_rows = [{"category": c, **{m: statistics.mean(v) for m, v in ms.items()}} for c, ms in sorted(by_cat.items())]
     print("\nspeedup vs our autoregressive by category (batch 1):")
@@ -263,7 +263,7 @@ def main(argv=None) -> int:
         r.pop("outputs")
     out.write_text(json.dumps({"machine": _machine(), "model": model.name, "load_seconds": load_s,
                                "config": vars(args),
-                               "skinny_linear_max_rows": ops.skinny_linear_max_rows(torch.float32), "summary": summary,
+                               "skinny_linear_rows": ops.skinny_linear_rows(torch.float32), "summary": summary,
                                "by_category": cat_rows, "targets": targets, "runs": runs}, indent=1) + "\n")
     print(f"wrote {out}")
     write_chart(summary, cat_rows, methods, f"{model.name}: greedy, batch 1, {N} new tokens", str(chart_path))

@@ -69,11 +69,16 @@ class Drafter:
 
 class NgramDrafter(Drafter):
     """Prompt lookup: find the latest earlier occurrence of the last n tokens (n from
-    ``max_ngram`` down to ``min_ngram``) in the request's tokens and propose what followed."""
+    ``max_ngram`` down to ``min_ngram``) in the request's tokens and propose what followed.
+
+    ``min_ngram`` = 2 by default: a one-token match is mostly a coincidence (a common word or
+    punctuation), and a rejected draft costs a wider verification. SmolLM2-135M, 1 thread, 4
+    of the package's prompts x 2, 48 tokens, constant k = 4, same process: min 1 gave 1.09x
+    our autoregressive tokens/s (mean accepted length 1.94), min 2 gave 1.28x (1.87)."""
 
     name = "ngram"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_k: int = 16):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2, max_k: int = 16):
         self.max_ngram, self.min_ngram, self.max_nodes = max_ngram, min_ngram, max_k + 1
 
     def lookup(self, tokens: list, k: int) -> list:
