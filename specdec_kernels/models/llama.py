@@ -49,7 +49,9 @@ def cache_slots(cache: PagedKVCache, slot: int, positions: torch.Tensor) -> torc
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim (torch's fused kernel: one op
+    instead of six per call, 61 calls per decode step)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def rope_tables(config: LlamaConfig, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,12 +168,12 @@ class Llama:
             self._rope_len = n
 
     # ---- forward ------------------------------------------------------------------------
-    def _qkv(self, L: dict, x: torch.Tensor, positions: torch.Tensor):
+    def _qkv(self, L: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """cos, sin: [T, D], the rotary tables at the tokens' positions (gathered once per forward)."""
         c = self.config
         D = c.head_dim
         qkv = ops.linear(rms_norm(x, L["attn_norm"], c.rms_norm_eps), L["wqkv"])
         q, k, v = qkv.split([c.num_heads * D, c.num_kv_heads * D, c.num_kv_heads * D], dim=-1)
-        cos, sin = self.cos[positions], self.sin[positions]
         q = apply_rope(q.view(-1, c.num_heads, D), cos, sin)
         k = apply_rope(k.view(-1, c.num_kv_heads, D), cos, sin)
         return q, k, v.reshape(-1, c.num_kv_heads, D)
@@ -193,9 +195,10 @@ class Llama:
         c = self.config
         self._ensure_rope(int(positions.max()) + 1)
         sm_scale = 1.0 / math.sqrt(c.head_dim)
+        cos, sin = self.cos[positions], self.sin[positions]
         h = self.embed[tokens]
         for i, L in enumerate(self.layers[:num_layers]):
-            q, k, v = self._qkv(L, h, positions)
+            q, k, v = self._qkv(L, h, cos, sin)
             cache.write(i, batch.slot_mapping, k, v)
             # The op directly, not ops.tree_attention: the wrapper's Python argument checks
             # cost ~tens of microseconds per layer per step, and the C++/Triton kernel checks
@@ -224,9 +227,10 @@ class Llama:
         all_slots = cache_slots(cache, slot, torch.arange(start + S, device=tokens.device))
         # The mask lets query s see keys 0..start+s.
         mask = None if start == 0 else torch.ones(S, start + S, dtype=torch.bool, device=tokens.device).tril(start)
+        cos, sin = self.cos[positions], self.sin[positions]
         h = self.embed[tokens]
         for i, L in enumerate(self.layers[:num_layers]):
-            q, k, v = self._qkv(L, h, positions)
+            q, k, v = self._qkv(L, h, cos, sin)
             cache.write(i, new.slot_mapping, k, v)
             keys = cache.k_caches[i].view(-1, c.num_kv_heads, c.head_dim)[all_slots]
             values = cache.v_caches[i].view(-1, c.num_kv_heads, c.head_dim)[all_slots]
