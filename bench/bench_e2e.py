@@ -2,7 +2,8 @@
 
     python bench/bench_e2e.py [--prompts ../shared/data/spec_bench_dev.jsonl] [--max-prompts N] [--max-new-tokens N]
 
-Writes bench/results/e2e.json and bench/results/e2e_speedup.png.
+Writes bench/results/<name>.json and <name>_speedup.png (--out-name; default e2e, or
+e2e_spec_bench for a spec_bench*.jsonl prompt file).
 """
 import os
 import sys

@@ -15,7 +15,7 @@ DRAFTERS = ("none", "ngram", "self-spec", "medusa", "draft", "draft-tree")
 def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: str | None = None,
                  medusa_checkpoint: str | None = None, max_k: int = 16):
     """A drafter by name for ``model`` (None for plain autoregressive decoding)."""
-    from .decoding import MedusaDrafter, MedusaHeadWeights, ModelDrafter, NgramDrafter, SelfSpecDrafter
+    from .decoding import MedusaDrafter, ModelDrafter, NgramDrafter, SelfSpecDrafter, medusa_heads_for
 
     if name in ("none", "ar", None):
         return None
@@ -24,8 +24,7 @@ def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: st
     if name == "self-spec":
         return SelfSpecDrafter(model, self_spec_layers, max_k=max_k)
     if name == "medusa":
-        heads = MedusaHeadWeights.load(model, medusa_checkpoint) if medusa_checkpoint else None
-        return MedusaDrafter(model, heads)
+        return MedusaDrafter(model, medusa_heads_for(model, medusa_checkpoint))
     if name in ("draft", "draft-tree"):
         if draft_model:
             from .models import load_model
@@ -98,7 +97,7 @@ def main(argv=None) -> int:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--self-spec-layers", type=int, default=8)
     g.add_argument("--draft-model", default=None, help="draft checkpoint (default: the target's first layers)")
-    g.add_argument("--medusa-checkpoint", default=None, help="safetensors with res_weight/res_bias")
+    g.add_argument("--medusa-checkpoint", default=None, help="Medusa heads (.safetensors/.pt with the Medusa keys, e.g. medusa_lm_head.safetensors)")
     g.add_argument("--threads", type=int, default=0)
     g.set_defaults(func=cmd_generate)
     sub.add_parser("bench", help="end-to-end benchmark (specdec bench --help)")

@@ -105,15 +105,15 @@ def _sampled_pairs(model, drafter, n, params):
 
 def _exact_pair_probs(model, params):
     """The target's distribution of (x1, x2) after the prompt, with the same filtering."""
-    from specdec_kernels.models import _ops
+    from specdec_kernels import ops
 
     def probs(ids):
         cache = model.new_cache(1, 8, block_size=8)
         slot = cache.add_request(len(ids))
         logits = model.logits(model.prefill(torch.tensor(ids), cache, slot))[-1:] / params["temperature"]
         if params.get("top_k", 0) or params.get("top_p", 1.0) < 1:
-            logits = _ops.apply_top_k_top_p(logits.contiguous(), torch.tensor([params.get("top_k", 0)], dtype=torch.int32),
-                                            torch.tensor([params.get("top_p", 1.0)]))
+            logits = ops.apply_top_k_top_p(logits.contiguous(), torch.tensor([params.get("top_k", 0)], dtype=torch.int32),
+                                           torch.tensor([params.get("top_p", 1.0)]))
         return logits[0].softmax(-1)
 
     p1 = probs([3, 1, 4])
@@ -197,3 +197,44 @@ def test_cli_drafters_by_name(model, prompts):
         make_drafter("bogus", model)
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
+
+
+def test_medusa_checkpoint_through_cli(model, prompts, tmp_path):
+    """Random heads saved with safetensors under the Medusa keys load through the CLI's
+    make_drafter path, propose what the heads predict, and keep greedy decoding exact."""
+    from safetensors.torch import save_file
+
+    from specdec_kernels.cli import make_drafter
+    from specdec_kernels.medusa import MedusaHeads
+
+    c = model.config
+    g = torch.Generator().manual_seed(3)
+    heads = MedusaHeads(c.hidden_size, c.vocab_size, num_heads=3, num_layers=1, lm_head_weight=model.lm_head)
+    sd = {k: torch.randn(v.shape, generator=g) * 0.3 for k, v in heads.state_dict().items()}
+    path = tmp_path / "medusa_lm_head.safetensors"
+    save_file(sd, str(path))
+
+    drafter = make_drafter("medusa", model, medusa_checkpoint=str(path))
+    assert isinstance(drafter, MedusaDrafter) and drafter.heads.num_heads == 3
+    assert drafter.heads.lm_head_weight.data_ptr() == model.lm_head.data_ptr()  # shared, not copied
+    torch.testing.assert_close(drafter.heads.medusa_head[2][0].linear.weight, sd["medusa_head.2.0.linear.weight"])
+    # The proposal is the heads' top-1 chain along the tree's first branch.
+    req = Generator(model, None).generate([prompts[1]], 1)[0]
+    hidden = torch.randn(c.hidden_size, generator=g)
+    req.hidden, req.tokens = hidden, list(prompts[1])
+    (draft,) = drafter.propose(None, [req], [3])
+    from specdec_kernels.models.llama import rms_norm
+
+    ref = MedusaHeads(c.hidden_size, c.vocab_size, 3, 1, lm_head_weight=model.lm_head)
+    ref.load_state_dict(sd)
+    heads_logits = ref.logits(rms_norm(hidden, model.norm, c.rms_norm_eps))  # [K, V]
+    expect = heads_logits.argmax(-1).tolist()
+    node, path = 0, []
+    for i in range(1, len(draft.tokens)):  # follow first children: the top-1 of each head
+        if draft.parents[i] == node:
+            path.append(draft.tokens[i])
+            node = i
+    assert path == expect
+    ar = Generator(model, None).generate(prompts, 12)
+    spec = Generator(model, drafter, SpecSchedule("constant", 3)).generate(prompts, 12)
+    assert [r.output for r in spec] == [r.output for r in ar]

@@ -197,3 +197,31 @@ def test_smollm2_tokenizer_matches_transformers(smollm2):
     htok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     for text in SAMPLES:
         assert tok.encode(text) == htok.encode(text, add_special_tokens=False), text
+
+
+def test_linear_threshold_depends_on_threads(monkeypatch):
+    """ops.linear is the one place the skinny_linear/F.linear choice is made: fp32 with one
+    torch thread uses F.linear for 1-2 rows (MKL's GEMV, measured faster) and skinny_linear
+    for 3..12; with more threads 1..8; the model's products go through it."""
+    from specdec_kernels import ops
+
+    assert ops.skinny_linear_rows(torch.float32, 1) == (3, 12)
+    assert ops.skinny_linear_rows(torch.float32, 2) == (1, ops.SKINNY_LINEAR_MAX_ROWS)
+    assert ops.skinny_linear_rows(torch.bfloat16, 2) == (1, ops.SKINNY_LINEAR_MAX_ROWS_BF16)
+    calls = []
+    real = ops.skinny_linear
+    monkeypatch.setattr(ops, "skinny_linear", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    w = torch.randn(8, 16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for rows in (1, 2, 4, 13):
+            x = torch.randn(rows, 16)
+            torch.testing.assert_close(ops.linear(x, w), x @ w.T)
+        assert calls == [4]
+        torch.set_num_threads(2)
+        x = torch.randn(1, 16)
+        torch.testing.assert_close(ops.linear(x, w), x @ w.T)
+        assert calls == [4, 1]
+    finally:
+        torch.set_num_threads(threads)

@@ -1,9 +1,9 @@
 """Speculative decode loop, drafters, speculation-length schedules, statistics."""
-from .drafters import (Draft, Drafter, MedusaDrafter, MedusaHeadWeights, ModelDrafter, NgramDrafter,
-                       SelfSpecDrafter)
+from .drafters import (Draft, Drafter, MedusaDrafter, ModelDrafter, NgramDrafter,
+                       SelfSpecDrafter, medusa_heads_for)
 from .generator import Generator, Request, SamplingParams
 from .schedule import SpecSchedule
 from .stats import RequestStats
 
-__all__ = ["Draft", "Drafter", "MedusaDrafter", "MedusaHeadWeights", "ModelDrafter", "NgramDrafter",
-           "SelfSpecDrafter", "Generator", "Request", "SamplingParams", "SpecSchedule", "RequestStats"]
+__all__ = ["Draft", "Drafter", "MedusaDrafter", "ModelDrafter", "NgramDrafter",
+           "SelfSpecDrafter", "medusa_heads_for", "Generator", "Request", "SamplingParams", "SpecSchedule", "RequestStats"]

@@ -139,23 +139,26 @@ def main(argv=None) -> int:
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: on a shared machine more threads stall in barriers)")
-    p.add_argument("--linear", default="auto", choices=("auto", "torch", "specdec"),
-                   help="auto: ops.linear (skinny_linear for few rows) with >1 thread, F.linear with 1; "
-                        "torch: always F.linear; specdec: always ops.linear")
-    p.add_argument("--out", default="bench/results/e2e.json")
-    p.add_argument("--chart", default="bench/results/e2e_speedup.png")
+    p.add_argument("--out-name", default=None,
+                   help="results name: bench/results/NAME.json and NAME_speedup.png (default: e2e for the "
+                        "package's prompts, e2e_spec_bench for a spec_bench*.jsonl, else e2e_<file stem>)")
     args = p.parse_args(argv)
+    if args.out_name is None:
+        stem = Path(args.prompts).stem if args.prompts else ""
+        args.out_name = "e2e" if not stem else ("e2e_spec_bench" if stem.startswith("spec_bench") else f"e2e_{stem}")
+    out_path = Path("bench/results") / f"{args.out_name}.json"
+    chart_path = Path("bench/results") / f"{args.out_name}_speedup.png"
 
     import tempfile
 
     from tqdm import tqdm
 
     from ..cli import make_drafter
-    from ..models import _ops, load_model
+    from .. import ops
+    from ..models import load_model
     from . import Generator, SpecSchedule
 
     torch.set_num_threads(args.threads)
-    _ops.LINEAR = args.linear
     t0 = time.perf_counter()
     model, tok = load_model(args.model)
     load_s = time.perf_counter() - t0
@@ -232,7 +235,8 @@ def main(argv=None) -> int:
                             "mean_accepted_length": statistics.mean(mal) if mal else "",
                             "identical": f"{sum(sum(r['identical']) for r in rows)}/{sum(len(r['identical']) for r in rows)}"})
     print(f"\nmodel {model.name} (loaded in {load_s:.1f}s), {len(prompts)} prompts, {N} new tokens, "
-          f"{args.threads} thread(s); ops: {_ops.USING}")
+          f"{args.threads} thread(s); ops.linear uses skinny_linear for "
+          f"{ops.skinny_linear_rows(torch.float32)} rows (fp32)")
     print(_table(summary, ["batch", "method", "tokens_per_s", "speedup_vs_ours_ar", "mean_accepted_length", "identical"]))
     cat_rows = [{"category": c, **{m: statistics.mean(v) for m, v in ms.items()}} for c, ms in sorted(by_cat.items())]
     print("\nspeedup vs our autoregressive by category (batch 1):")
@@ -253,15 +257,16 @@ def main(argv=None) -> int:
     targets["all_greedy_identical"] = not mismatches
     print(f"greedy outputs identical to ours-ar: {'all' if not mismatches else f'{len(mismatches)} mismatches: {mismatches[:10]}'}")
 
-    out = Path(args.out)
+    out = out_path
     out.parent.mkdir(parents=True, exist_ok=True)
     for r in runs:
         r.pop("outputs")
     out.write_text(json.dumps({"machine": _machine(), "model": model.name, "load_seconds": load_s,
-                               "config": vars(args), "ops": dict(_ops.USING), "summary": summary,
+                               "config": vars(args),
+                               "skinny_linear_rows": ops.skinny_linear_rows(torch.float32), "summary": summary,
                                "by_category": cat_rows, "targets": targets, "runs": runs}, indent=1) + "\n")
     print(f"wrote {out}")
-    write_chart(summary, cat_rows, methods, f"{model.name}: greedy, batch 1, {N} new tokens", args.chart)
+    write_chart(summary, cat_rows, methods, f"{model.name}: greedy, batch 1, {N} new tokens", str(chart_path))
     return 0
 
 

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from ..models import _ops
+from .. import ops
 from ..models.llama import Batch, Llama
 from ..tree import tree_mask as build_tree_mask, tree_mask_ragged
 from .drafters import Draft, Drafter
@@ -159,7 +159,7 @@ class Generator:
                 rows = (logits[filt] / temp[:, None, None]).reshape(len(filt) * N, -1).contiguous()
                 top_k = torch.tensor([reqs[b].sampling.top_k for b in filt for _ in range(N)], dtype=torch.int32)
                 top_p = torch.tensor([reqs[b].sampling.top_p for b in filt for _ in range(N)], dtype=torch.float32)
-                rows = _ops.apply_top_k_top_p(rows, top_k, top_p).view(len(filt), N, -1)
+                rows = ops.apply_top_k_top_p(rows, top_k, top_p).view(len(filt), N, -1)
                 logits[filt] = logits[filt].masked_fill(rows == float("-inf"), float("-inf"))
             if any(d.probs is not None for d in drafts):
                 draft_probs = torch.zeros(B, N, logits.shape[-1], dtype=torch.float32)
@@ -168,7 +168,7 @@ class Generator:
                         draft_probs[b, : d.probs.shape[0]] = d.probs
         seed = torch.tensor([r.sampling.seed for r in reqs], dtype=torch.int64)
         offset = torch.tensor([r.offset for r in reqs], dtype=torch.int64)
-        accepted_nodes, out_tokens, num_accepted = _ops.tree_rejection_sample(
+        accepted_nodes, out_tokens, num_accepted = ops.tree_rejection_sample(
             parents, tree_tokens, num_nodes, logits, draft_probs, temperature, seed, offset)
         t3 = time.perf_counter()
 
