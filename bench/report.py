@@ -87,7 +87,7 @@ def e2e(d) -> str:
 
 def main(argv=None) -> int:
     for name, fn in [("rejection_sampling", rejection_sampling), ("tree_attention", tree_attention),
-                     ("kv_compaction", kv_compaction), ("medusa", medusa), ("e2e", e2e)]:
+                     ("kv_compaction", kv_compaction), ("medusa", medusa), ("e2e", e2e), ("e2e_spec_bench", e2e)]:
         d = load(name)
         if d is not None:
             print(f"### {name}\n\n{fn(d)}\n")
