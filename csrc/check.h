@@ -26,4 +26,13 @@ inline void check_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
+// An output tensor the op writes into: on the CPU, of `dtype`, of exactly `sizes`, contiguous.
+inline void check_output(const at::Tensor& t, at::ScalarType dtype, at::IntArrayRef sizes, const char* name) {
+  check_cpu(t, name);
+  check_dtype(t, dtype, name);
+  check_dim(t, static_cast<int64_t>(sizes.size()), name);
+  for (size_t d = 0; d < sizes.size(); ++d) check_size(t, static_cast<int64_t>(d), sizes[d], name);
+  check_contiguous(t, name);
+}
+
 }  // namespace specdec

@@ -604,17 +604,8 @@ void chain_rejection_sample_cpu(const at::Tensor& draft_token_ids, const at::Ten
   check_dim(num_draft_tokens, 1, "num_draft_tokens");
   check_size(num_draft_tokens, 0, batch, "num_draft_tokens");
   check_common(target_logits, draft_probs, temperature, seed, offset, batch, max_drafts + 1, max_drafts);
-  check_cpu(output_token_ids, "output_token_ids");
-  check_dtype(output_token_ids, at::kLong, "output_token_ids");
-  check_dim(output_token_ids, 2, "output_token_ids");
-  check_size(output_token_ids, 0, batch, "output_token_ids");
-  check_size(output_token_ids, 1, max_drafts + 1, "output_token_ids");
-  check_contiguous(output_token_ids, "output_token_ids");
-  check_cpu(num_accepted, "num_accepted");
-  check_dtype(num_accepted, at::kInt, "num_accepted");
-  check_dim(num_accepted, 1, "num_accepted");
-  check_size(num_accepted, 0, batch, "num_accepted");
-  check_contiguous(num_accepted, "num_accepted");
+  check_output(output_token_ids, at::kLong, {batch, max_drafts + 1}, "output_token_ids");
+  check_output(num_accepted, at::kInt, {batch}, "num_accepted");
 
   const int64_t vocab = target_logits.size(2);
   auto drafts = draft_token_ids.contiguous();
@@ -677,23 +668,9 @@ void tree_rejection_sample_cpu(const at::Tensor& parents, const at::Tensor& tree
   check_dim(num_nodes, 1, "num_nodes");
   check_size(num_nodes, 0, batch, "num_nodes");
   check_common(target_logits, draft_probs, temperature, seed, offset, batch, max_nodes, max_nodes);
-  check_cpu(accepted_nodes, "accepted_nodes");
-  check_dtype(accepted_nodes, at::kInt, "accepted_nodes");
-  check_dim(accepted_nodes, 2, "accepted_nodes");
-  check_size(accepted_nodes, 0, batch, "accepted_nodes");
-  check_size(accepted_nodes, 1, max_nodes - 1, "accepted_nodes");
-  check_contiguous(accepted_nodes, "accepted_nodes");
-  check_cpu(output_token_ids, "output_token_ids");
-  check_dtype(output_token_ids, at::kLong, "output_token_ids");
-  check_dim(output_token_ids, 2, "output_token_ids");
-  check_size(output_token_ids, 0, batch, "output_token_ids");
-  check_size(output_token_ids, 1, max_nodes, "output_token_ids");
-  check_contiguous(output_token_ids, "output_token_ids");
-  check_cpu(num_accepted, "num_accepted");
-  check_dtype(num_accepted, at::kInt, "num_accepted");
-  check_dim(num_accepted, 1, "num_accepted");
-  check_size(num_accepted, 0, batch, "num_accepted");
-  check_contiguous(num_accepted, "num_accepted");
+  check_output(accepted_nodes, at::kInt, {batch, max_nodes - 1}, "accepted_nodes");
+  check_output(output_token_ids, at::kLong, {batch, max_nodes}, "output_token_ids");
+  check_output(num_accepted, at::kInt, {batch}, "num_accepted");
 
   const int64_t vocab = target_logits.size(2);
   auto par = parents.contiguous();
