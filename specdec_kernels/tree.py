@@ -133,6 +133,15 @@ def _num_jump_levels(n: int) -> int:
 # ---------------------------------------------------------------------------------------
 
 
+def _path_bounds(n: int, max_depth, max_leaves) -> tuple[int, int]:
+    """The static path bounds for N-node trees: defaults N - 1 and N; raise if out of range."""
+    max_depth = n - 1 if max_depth is None else int(max_depth)
+    max_leaves = n if max_leaves is None else int(max_leaves)
+    if max_depth < 0 or max_leaves < 1:
+        raise ValueError(f"max_depth must be >= 0 and max_leaves >= 1, got {max_depth} and {max_leaves}")
+    return max_depth, max_leaves
+
+
 def _sanitise(parents: torch.Tensor, num_nodes: Optional[torch.Tensor]):
     """valid bool [B, N], has_parent bool [B, N], parent int64 [B, N] (self for roots)."""
     batch, n = parents.shape
@@ -300,10 +309,7 @@ def tree_paths(parents: torch.Tensor, num_nodes: Optional[torch.Tensor] = None, 
     """
     _check_parents(parents, num_nodes)
     n = parents.shape[1]
-    max_depth = n - 1 if max_depth is None else int(max_depth)
-    max_leaves = n if max_leaves is None else int(max_leaves)
-    if max_depth < 0 or max_leaves < 1:
-        raise ValueError(f"max_depth must be >= 0 and max_leaves >= 1, got {max_depth} and {max_leaves}")
+    max_depth, max_leaves = _path_bounds(n, max_depth, max_leaves)
     valid, has_parent, jump0 = _sanitise(parents, num_nodes)
     jumps, depth = _jump_tables(has_parent, jump0)
     _, _, num_children = _children(has_parent, jump0)
@@ -368,10 +374,7 @@ def build_tree(parents: torch.Tensor, num_nodes: Optional[torch.Tensor] = None,
     batch, n = parents.shape
     if num_nodes is None:
         num_nodes = torch.full((batch,), n, dtype=torch.int32, device=parents.device)
-    max_depth = n - 1 if max_depth is None else int(max_depth)
-    max_leaves = n if max_leaves is None else int(max_leaves)
-    if max_depth < 0 or max_leaves < 1:
-        raise ValueError(f"max_depth must be >= 0 and max_leaves >= 1, got {max_depth} and {max_leaves}")
+    max_depth, max_leaves = _path_bounds(n, max_depth, max_leaves)
     valid, has_parent, jump0 = _sanitise(parents, num_nodes)
     jumps, depth = _jump_tables(has_parent, jump0)
     depth = torch.where(valid, depth, -1)
