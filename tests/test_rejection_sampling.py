@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import specdec_kernels
 from python_ref import rejection_sampling as ref
 from specdec_kernels import ops
-from tests.conftest import requires_triton
+from tests.conftest import assert_guard_intact, guarded, requires_triton
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -253,6 +253,57 @@ def test_triton_invalid_drafts_are_rejected_without_reading_out_of_bounds():
     fixed["draft_token_ids"][0, 0] = 5
     fixed["target_logits"][0, 0, 5] = float("-inf")
     assert torch.equal(out[0], ops.chain_rejection_sample(*chain_args(fixed))[0][0])
+
+
+# ---------------------------------------------------------------------------------------
+# Nothing is read or written outside the tensors (inputs and outputs in poisoned storage).
+# ---------------------------------------------------------------------------------------
+
+
+def run_guarded(backend, kind, inp):
+    """Runs the op with every tensor argument in guarded storage; checks the output guards."""
+    from specdec_kernels.triton import rejection_sampling as tr
+
+    args = [guarded(a) if isinstance(a, torch.Tensor) else a
+            for a in (chain_args(inp) if kind == "chain" else tree_args(inp))]
+    batch, width = args[0].shape
+    acc = guarded(torch.zeros(batch, dtype=torch.int32))
+    if kind == "chain":
+        outs = [guarded(torch.zeros(batch, width + 1, dtype=torch.int64)), acc]
+        fn = torch.ops.specdec.chain_rejection_sample if backend == "cpu" else tr.chain_rejection_sample
+    else:
+        outs = [guarded(torch.zeros(batch, width - 1, dtype=torch.int32)),
+                guarded(torch.zeros(batch, width, dtype=torch.int64)), acc]
+        fn = torch.ops.specdec.tree_rejection_sample if backend == "cpu" else tr.tree_rejection_sample
+    fn(*args, *outs)
+    for t in outs:
+        assert_guard_intact(t)
+    return tuple(outs)
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=requires_triton)])
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+@pytest.mark.parametrize("with_q", [True, False])
+def test_nothing_outside_the_tensors_is_read_or_written(backend, kind, with_q):
+    # Flat logits over a small vocabulary: many rejections and bonus tokens, so every row
+    # (the chain's bonus row K included, which has no q row) goes through the race.
+    # One request per call, so that the last request's rows (the ones next to the guard)
+    # are every request's rows.
+    if kind == "chain":
+        inp = make_chain_inputs(16, 3, 37, with_q=with_q, sharpness=0.3, greedy_mask=torch.arange(16) % 8 == 0,
+                                num_drafts=torch.full((16,), 3))
+        if with_q:  # q = p on odd requests: every draft is accepted and the race runs on row K
+            p = torch.softmax(inp["target_logits"][:, :3] / inp["temperature"][:, None, None], dim=-1)
+            inp["draft_probs"][1::2] = p[1::2]
+        expected = ref.chain_rejection_sample(*chain_args(inp))
+    else:
+        inp = make_tree_inputs(8, 5, 37, with_q=with_q, sharpness=0.3, greedy_mask=torch.arange(8) % 4 == 0)
+        expected = ref.tree_rejection_sample(*tree_args(inp))
+    for b in range(len(expected[-1])):
+        one = {k: (v[b:b + 1] if v is not None else None) for k, v in inp.items()}
+        assert_same(run_guarded(backend, kind, one), [e[b:b + 1] for e in expected])
+    if kind == "chain" and with_q:  # the case that once read past q: sampled chains reaching row K
+        assert ((expected[1] == 3) & (inp["temperature"] > 0)).sum() >= 6
 
 
 # ---------------------------------------------------------------------------------------

@@ -223,8 +223,11 @@ def _race_kernel(logits_ptr, q_ptr, temp_ptr, seed_ptr, offset_ptr, spec_row_ptr
         e = tl.where(mask, tl.exp(x * inv_t - m), 0.0)
         w = e
         if HAS_Q:
+            # coef is 0 unless a draft of this node was rejected, and only then is q read: the
+            # chain's bonus row (node K) has no q row, reading it would leave the tensor.
             coef = tl.load(spec_coef_ptr + b)
-            qv = tl.load(q_ptr + b * q_batch_stride + node * V + idx, mask=mask, other=0.0)
+            q_mask = mask & (tl.zeros([BLOCK], tl.float32) + coef > 0.0)
+            qv = tl.load(q_ptr + b * q_batch_stride + node * V + idx, mask=q_mask, other=0.0)
             w = tl.maximum(e - coef * qv, 0.0)
         else:
             for j in range(0, N):
