@@ -49,6 +49,14 @@ def check_tensor(t, name: str, *, dtype=None, dims=None, device=None, shape=None
         raise ValueError(f"{name} must be on {device}, got {t.device}")
 
 
+def output_tensor(t, name: str, *, dtype, shape, device) -> torch.Tensor:
+    """An op's destination: ``t`` checked against dtype/shape/device, or a new empty tensor."""
+    if t is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    check_tensor(t, name, dtype=dtype, shape=shape, device=device)
+    return t
+
+
 # ---------------------------------------------------------------------------------------
 # Random numbers.
 # ---------------------------------------------------------------------------------------
@@ -141,14 +149,9 @@ def chain_rejection_sample(
     check_tensor(num_draft_tokens, "num_draft_tokens", dtype=torch.int32, shape=(batch,), device=device)
     _check_sampling_common(target_logits, draft_probs, temperature, seed, offset, batch, max_drafts + 1, max_drafts,
                            device)
-    if output_token_ids is None:
-        output_token_ids = torch.empty((batch, max_drafts + 1), dtype=torch.int64, device=device)
-    else:
-        check_tensor(output_token_ids, "output_token_ids", dtype=torch.int64, shape=(batch, max_drafts + 1), device=device)
-    if num_accepted is None:
-        num_accepted = torch.empty((batch,), dtype=torch.int32, device=device)
-    else:
-        check_tensor(num_accepted, "num_accepted", dtype=torch.int32, shape=(batch,), device=device)
+    output_token_ids = output_tensor(output_token_ids, "output_token_ids", dtype=torch.int64,
+                                     shape=(batch, max_drafts + 1), device=device)
+    num_accepted = output_tensor(num_accepted, "num_accepted", dtype=torch.int32, shape=(batch,), device=device)
     torch.ops.specdec.chain_rejection_sample(
         draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed, offset,
         output_token_ids, num_accepted,
@@ -212,18 +215,11 @@ def tree_rejection_sample(
     check_tensor(tree_token_ids, "tree_token_ids", dtype=torch.int64, shape=(batch, max_nodes), device=device)
     check_tensor(num_nodes, "num_nodes", dtype=torch.int32, shape=(batch,), device=device)
     _check_sampling_common(target_logits, draft_probs, temperature, seed, offset, batch, max_nodes, max_nodes, device)
-    if accepted_nodes is None:
-        accepted_nodes = torch.empty((batch, max_nodes - 1), dtype=torch.int32, device=device)
-    else:
-        check_tensor(accepted_nodes, "accepted_nodes", dtype=torch.int32, shape=(batch, max_nodes - 1), device=device)
-    if output_token_ids is None:
-        output_token_ids = torch.empty((batch, max_nodes), dtype=torch.int64, device=device)
-    else:
-        check_tensor(output_token_ids, "output_token_ids", dtype=torch.int64, shape=(batch, max_nodes), device=device)
-    if num_accepted is None:
-        num_accepted = torch.empty((batch,), dtype=torch.int32, device=device)
-    else:
-        check_tensor(num_accepted, "num_accepted", dtype=torch.int32, shape=(batch,), device=device)
+    accepted_nodes = output_tensor(accepted_nodes, "accepted_nodes", dtype=torch.int32,
+                                   shape=(batch, max_nodes - 1), device=device)
+    output_token_ids = output_tensor(output_token_ids, "output_token_ids", dtype=torch.int64,
+                                     shape=(batch, max_nodes), device=device)
+    num_accepted = output_tensor(num_accepted, "num_accepted", dtype=torch.int32, shape=(batch,), device=device)
     torch.ops.specdec.tree_rejection_sample(
         parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature, seed, offset,
         accepted_nodes, output_token_ids, num_accepted,
