@@ -1,4 +1,7 @@
-"""Every op of the specdec library has a CPU (C++), a CUDA (Triton) and a Meta (fake) kernel."""
+"""Every op of the specdec library has a CPU (C++), a CUDA (Triton) and a Meta (fake) kernel;
+the import refuses a CPU the kernels were not compiled for."""
+import platform
+
 import pytest
 import torch
 
@@ -34,3 +37,13 @@ def test_fake_registered(op):
 @pytest.mark.parametrize("op", OPS)
 def test_triton_kernel_registered_for_cuda(op):
     assert torch._C._dispatch_has_kernel_for_dispatch_key(f"specdec::{op}", "CUDA")
+
+
+def test_cpu_feature_check_names_what_is_missing(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse sse2 avx fma\n")
+    expected = ["avx2", "f16c"] if platform.machine() == "x86_64" else []
+    assert specdec_kernels.missing_cpu_features(str(cpuinfo)) == expected
+    cpuinfo.write_text("flags\t\t: fpu avx avx2 fma f16c\n")
+    assert specdec_kernels.missing_cpu_features(str(cpuinfo)) == []
+    assert specdec_kernels.missing_cpu_features() == []  # this machine runs the suite
