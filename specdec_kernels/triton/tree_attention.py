@@ -48,7 +48,11 @@ def _attend_kernel(
 
     q_begin = tl.load(qo_indptr_ptr + b)
     n = tl.load(qo_indptr_ptr + b + 1) - q_begin
-    prefix = tl.maximum(tl.load(prefix_lens_ptr + b), 0)
+    # Keys at positions >= capacity have no table slot (they are skipped), so a prefix past
+    # the capacity is clamped to it: with prefix_lens near 2^31, prefix + node index would
+    # wrap around int32 to a negative position, whose slot lies before block_table's start.
+    capacity = max_blocks * block_size
+    prefix = tl.minimum(tl.maximum(tl.load(prefix_lens_ptr + b), 0), capacity)
 
     rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     node = rows // GROUP
@@ -63,7 +67,9 @@ def _attend_kernel(
     tile_busy = q_tile * BLOCK_M < n * GROUP
     if IS_TREE:
         lo = 0
-        hi = tl.where(tile_busy, n, 0)
+        # Tree keys past the capacity are skipped anyway; stopping there bounds the loop (and
+        # keeps positions from wrapping) when qo_indptr gives a huge n.
+        hi = tl.where(tile_busy, tl.minimum(n, capacity - prefix), 0)
     else:
         lo = split * split_len
         hi = tl.where(tile_busy, tl.minimum(lo + split_len, prefix), lo)
