@@ -457,12 +457,13 @@ def at_the_edges(case, trim_table=True):
 
 def _kv_guard_cases():
     cases = {}
-    # Three requests; the last one's final move reads the last row of the largest block id
+    # Three requests (the first with room after its path: a wrong bound on it reads the next
+    # row's valid entries and makes moves); the last one's final move reads the last row of the largest block id
     # (prefix 4 + 8 nodes = 4 blocks of 3, the table's last slot) and uses the full width of
     # accepted_nodes (6 entries: BLOCK_A = 8, a partial tile; its last element is read);
     # head_dim 6 (BLOCK_D = 16, a partial tile); three heads, three layers.
     paths = [[2, 3], [1, 4, 5], [1, 2, 4, 5, 6, 7]]
-    base = dict(tree_sizes=[5, 7, 8], block_size=3, num_layers=3, heads=3, head_dim=6, spare_blocks=0)
+    base = dict(tree_sizes=[10, 7, 8], block_size=3, num_layers=3, heads=3, head_dim=6, spare_blocks=0)
     for dtype in (torch.float32, torch.uint8):
         for adjacent in (True, False):
             name = f"{str(dtype)[6:]}-{'adjacent' if adjacent else 'strided'}-heads"
@@ -470,23 +471,26 @@ def _kv_guard_cases():
                            None)
     # -1 slots after every request's blocks (the table's last column stays -1).
     cases["spare-slots"] = (at_the_edges(make_case([2, 5, 4], paths, **base), trim_table=False), None)
-    # Faulty data (the CPU kernel raises before any write; Triton skips the move): a source
-    # one past the table (slot max_blocks = one past block_table's end), a destination block
-    # one past the last block, num_accepted past accepted_nodes' width (entries past its end),
-    # a negative prefix (slots before block_table's start).
+    # Faulty data (the CPU kernel raises before any write; Triton skips the move). On the
+    # first request a wrong bound reads the next row of block_table / accepted_nodes (valid
+    # values, so the skipped move would be done); on the last one past the tensor's end:
+    # a source one past the table (slot max_blocks), a destination block one past the last
+    # block (whose source block is valid), num_accepted past accepted_nodes' width, a
+    # negative prefix (slots before block_table's start).
     def faulty(change, message):
         k, v, bt, pl, nodes, counts = at_the_edges(make_case([2, 5, 4], paths, **base))
         change(bt, pl, nodes, counts, num_blocks=k[0].shape[0], capacity=bt.shape[1] * 3)
         return (k, v, bt, pl, nodes, counts), message
 
     def past_table(bt, pl, nodes, counts, num_blocks, capacity):
-        nodes[2, 5] = capacity - int(pl[2])  # node 8: source position 12 = capacity
+        nodes[0, 1] = capacity - int(pl[0])  # source position = capacity
+        nodes[2, 5] = capacity - int(pl[2])
 
     def past_cache(bt, pl, nodes, counts, num_blocks, capacity):
-        bt[2, 3] = num_blocks  # the last request's last slot (its last two moves)
+        bt[2, 2] = num_blocks  # destinations 6..8 of the last request; the source 9 is valid
 
     def past_width(bt, pl, nodes, counts, num_blocks, capacity):
-        counts[2] = nodes.shape[1] + 9
+        counts[0] = counts[2] = nodes.shape[1] + 9
 
     def negative_prefix(bt, pl, nodes, counts, num_blocks, capacity):
         pl[0] = -7  # positions -5..-4 -> -6..-5

@@ -512,15 +512,16 @@ def _tree_guard_cases():
     # mask (causal).
     padded = boundary_case([star(4), chain(3)], [2, 7], Hq=4, Hkv=4, D=24, block_size=3, pad_rows=(2, 3))
     # Faulty data (the CPU kernel raises; Triton skips): block ids -1 and num_blocks (one past
-    # the last block) inside the last request's prefix; its prefix running past the table (slot
-    # max_blocks is one past block_table's end); a prefix near INT32_MAX (position arithmetic
-    # must not wrap); qo_indptr beyond T and before 0 (rows past either end of q).
+    # the last block) inside the last request's prefix; both requests' keys running past the
+    # table (slot max_blocks: request 1's first slot for request 0, one past block_table's end
+    # for request 1); a prefix near INT32_MAX (position arithmetic must not wrap); qo_indptr
+    # beyond T and before 0 (rows past either end of q).
     bad_blocks = boundary_case([chain(3), random_tree(5, gen)], [4, 11], Hq=4, Hkv=2, D=16, block_size=4)
     bad_blocks["block_table"][1, 0] = -1
     bad_blocks["block_table"][1, 2] = bad_blocks["k_cache"].shape[0]
     past_table = boundary_case([star(3), random_tree(6, gen)], [2, 9], Hq=2, Hkv=1, D=16, block_size=4,
                                spare_slots=0)
-    past_table["prefix_lens"][1] += 3
+    past_table["prefix_lens"] = torch.tensor([14, 12], dtype=torch.int32)  # capacity 16; n = 3 and 6
     huge_prefix = boundary_case([star(3), random_tree(6, gen)], [2, 9], Hq=2, Hkv=1, D=16, block_size=4,
                                 spare_slots=0)
     huge_prefix["prefix_lens"][1] = 2**31 - 3
