@@ -29,20 +29,23 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The token-count-dependent arguments (T, num_q_tiles) are runtime values and not
+# specialised (Triton would otherwise compile a variant for T == 1 and for T % 16 == 0):
+# a decode loop whose batch of tree tokens changes size every step reuses one binary.
+@triton.jit(do_not_specialize=["T", "num_q_tiles"])
 def _attend_kernel(
     q_ptr, k_ptr, v_ptr, block_table_ptr, prefix_lens_ptr, qo_indptr_ptr, mask_ptr,
     part_out_ptr, part_lse_ptr,
-    sm_scale, T, num_blocks, max_blocks, block_size, mask_words, split_len, part_index0,
+    sm_scale, T, num_blocks, max_blocks, block_size, mask_words, split_len, part_index0, num_q_tiles,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_Q_TILES: tl.constexpr,
+    HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_TREE: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    q_tile = pid % NUM_Q_TILES
-    bh = pid // NUM_Q_TILES
+    q_tile = pid % num_q_tiles
+    bh = pid // num_q_tiles
     b = bh // HKV
     h = bh % HKV
 
@@ -141,7 +144,7 @@ def _attend_kernel(
     tl.store(part_lse_ptr + row_index, part_lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _merge_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, T, num_parts, stride_ot, stride_oh,
     HQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LSE: tl.constexpr,
@@ -227,15 +230,17 @@ def tree_attention(q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tre
     precision = "ieee" if dot_fp32 else "tf32"
 
     common = dict(
-        HQ=Hq, HKV=Hkv, GROUP=group, HEAD_DIM=D, NUM_Q_TILES=num_q_tiles, BLOCK_M=block_m, BLOCK_N=block_n,
+        HQ=Hq, HKV=Hkv, GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, HAS_MASK=has_mask, DOT_PRECISION=precision, DOT_FP32=dot_fp32,
     )
     args = (q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, mask_arg, part_out, part_lse, float(sm_scale),
             T, num_blocks, max_blocks, block_size, mask_words)
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0))
-    _attend_kernel[(B * Hkv * num_q_tiles, num_splits)](*args, split_len, 0, *strides, IS_TREE=False, **common)
-    _attend_kernel[(B * Hkv * num_q_tiles, 1)](*args, split_len, num_splits, *strides, IS_TREE=True, **common)
+    _attend_kernel[(B * Hkv * num_q_tiles, num_splits)](*args, split_len, 0, num_q_tiles, *strides, IS_TREE=False,
+                                                        **common)
+    _attend_kernel[(B * Hkv * num_q_tiles, 1)](*args, split_len, num_splits, num_q_tiles, *strides, IS_TREE=True,
+                                               **common)
     _merge_kernel[(T,)](
         part_out, part_lse, out, lse if lse is not None else part_lse, T, num_parts, out.stride(0), out.stride(1),
         HQ=Hq, HEAD_DIM=D, BLOCK_H=triton.next_power_of_2(Hq), BLOCK_D=block_d, HAS_LSE=lse is not None,
