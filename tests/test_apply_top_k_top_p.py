@@ -153,3 +153,18 @@ def test_nothing_outside_the_tensors_is_read_or_written(backend, name):
     got = args[0]
     assert torch.equal(got.isnan(), expected.isnan()) and torch.equal(got.nan_to_num(), expected.nan_to_num())
     assert (got.isneginf() & ~logits.isneginf()).any(), "the case masks nothing"
+
+
+@requires_triton
+@pytest.mark.parametrize("logits,params,message", [
+    (torch.randn(8, 3).t(), {}, "logits must be a contiguous"),
+    (torch.randn(3, 8), dict(top_k=torch.tensor([1, 2], dtype=torch.int32)), "top_k must be"),
+    (torch.randn(3, 8), dict(min_p=torch.zeros(3, dtype=torch.float64)), "min_p must be"),
+])
+def test_triton_launcher_checks_shapes_it_indexes_with(logits, params, message):
+    # Through torch.ops on a CUDA tensor the launcher is the kernel: no wrapper checks first.
+    from specdec_kernels.triton import rejection_sampling as tr
+
+    args = {**dict(top_k=None, top_p=None, min_p=None), **params}
+    with pytest.raises(ValueError, match=message):
+        tr.apply_top_k_top_p(logits, args["top_k"], args["top_p"], args["min_p"])

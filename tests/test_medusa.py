@@ -315,3 +315,21 @@ def test_nothing_outside_the_tensors_is_read_or_written(backend, name):
     assert_guard_intact(logprobs)
     check_against_ref(ids, logprobs, inputs, top_k, TOL[dtype])
     assert (ids == V - 1).any(), "the largest id is never chosen"
+
+
+@requires_triton
+@pytest.mark.parametrize("outs,top_k,message", [
+    ((torch.empty(2, 3, 5, dtype=torch.int64), torch.empty(2, 3, 4)), 4, "topk_ids must be"),
+    ((torch.empty(2, 3, 4, dtype=torch.int64), torch.empty(2, 4, 3).transpose(1, 2)), 4, "topk_logprobs must be"),
+    ((torch.empty(2, 3, 41, dtype=torch.int64), torch.empty(2, 3, 41)), 41, r"top_k must be an int in \[1, V = 40\]"),
+])
+def test_triton_launcher_checks_shapes_it_indexes_with(outs, top_k, message):
+    # Through torch.ops on a CUDA tensor the launcher is the kernel: no wrapper checks first.
+    from specdec_kernels.triton import medusa as tm
+
+    args = _bad()
+    with pytest.raises(ValueError, match=message):
+        tm.medusa_topk(args["hidden"], args["res_weight"], args["res_bias"], args["lm_head"], top_k, *outs)
+    with pytest.raises(ValueError, match="res_bias must have shape"):
+        tm.medusa_topk(args["hidden"], args["res_weight"], args["res_bias"][:, :, :7], args["lm_head"], 4,
+                       torch.empty(2, 3, 4, dtype=torch.int64), torch.empty(2, 3, 4))

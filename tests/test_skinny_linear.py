@@ -170,3 +170,17 @@ def test_nothing_outside_the_tensors_is_read_or_written(backend, M, N, H, w_dtyp
         tm.skinny_linear(*args, out)
     assert_guard_intact(out)
     torch.testing.assert_close(out.double(), ref.skinny_linear(x, w, b), **tol(H))
+
+
+@requires_triton
+@pytest.mark.parametrize("w,b,out,message", [
+    (torch.randn(7, 9), None, torch.empty(5, 7), r"weight must have shape \[N, 8\]"),
+    (torch.randn(7, 8), torch.randn(6), torch.empty(5, 7), r"bias must have shape \[7\]"),
+    (torch.randn(7, 8), None, torch.empty(5, 8), r"out must have shape \[5, 7\]"),
+])
+def test_triton_launcher_checks_shapes_it_indexes_with(w, b, out, message):
+    # Through torch.ops on a CUDA tensor the launcher is the kernel: no wrapper checks first.
+    from specdec_kernels.triton import medusa as tm
+
+    with pytest.raises(ValueError, match=message):
+        tm.skinny_linear(torch.randn(5, 8), w, b, out)

@@ -570,3 +570,22 @@ def test_nothing_outside_the_tensors_is_read_or_written(backend, name):
     seen = expected_lse.isfinite()
     assert torch.equal(lse.isfinite(), seen)
     torch.testing.assert_close(lse[seen].double(), expected_lse[seen], atol=LSE_TOL[torch.float32], rtol=0)
+
+
+@requires_triton
+@pytest.mark.parametrize("change,message", [
+    (dict(lse=torch.empty(4, 7).t()), "lse must be contiguous"),
+    (dict(out=torch.empty(7, 4, 64)[:, :, :32]), "out must have shape"),
+    (dict(tree_mask=torch.zeros(7, 2, dtype=torch.int64)[:, :1]), "tree_mask must be contiguous"),
+    (dict(q=torch.randn(7, 4, 128)[:, :, ::2]), "q must be contiguous in its last dimension"),
+])
+def test_triton_launcher_checks_layouts_it_indexes_with(change, message):
+    # Through torch.ops on a CUDA tensor the launcher is the kernel: no wrapper checks first.
+    from specdec_kernels.triton.tree_attention import tree_attention as launcher
+
+    case = _base_case()
+    args = dict(_with(case), out=torch.empty_like(case["q"]), lse=torch.empty(7, 4))
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        launcher(*[args[k] for k in ("q", "k_cache", "v_cache", "block_table", "prefix_lens", "qo_indptr",
+                                     "tree_mask")], 0.125, args["out"], args["lse"])
