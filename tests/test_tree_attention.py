@@ -511,6 +511,9 @@ def _tree_guard_cases():
     # Rows owned by nobody before and after the requests (the first and last rows of q); no
     # mask (causal).
     padded = boundary_case([star(4), chain(3)], [2, 7], Hq=4, Hkv=4, D=24, block_size=3, pad_rows=(2, 3))
+    # A prefix long enough for the CPU kernel to split the key range over work items (partials
+    # merged per row); the keys end on the last row of the largest block id.
+    long_prefix = boundary_case([random_tree(5, gen)], [1099], Hq=2, Hkv=1, D=16, block_size=16, spare_slots=0)
     # Faulty data (the CPU kernel raises; Triton skips): block ids -1 and num_blocks (one past
     # the last block) inside the last request's prefix; both requests' keys running past the
     # table (slot max_blocks: request 1's first slot for request 0, one past block_table's end
@@ -529,6 +532,7 @@ def _tree_guard_cases():
     rows_outside["qo_indptr"] = torch.tensor([-2, 4, 11], dtype=torch.int32)  # T = 9
     return {
         "basic": (basic, True, None), "wide": (wide, True, None), "padded": (padded, False, None),
+        "long_prefix": (long_prefix, True, None),
         "bad_blocks": (bad_blocks, True, "out of range"),
         "past_table": (past_table, True, "cache positions"), "huge_prefix": (huge_prefix, True, "cache positions"),
         "rows_outside": (rows_outside, False, "qo_indptr"),
@@ -558,7 +562,8 @@ def test_nothing_outside_the_tensors_is_read_or_written(backend, name):
     else:
         from specdec_kernels.triton.tree_attention import tree_attention as launcher
 
-        launcher(*args, q.shape[-1] ** -0.5, out, lse, num_splits=2, block_n=32 if name == "wide" else 16)
+        launcher(*args, q.shape[-1] ** -0.5, out, lse, num_splits=2,
+                 block_n={"wide": 32, "long_prefix": 64}.get(name, 16))
     assert_guard_intact(out)
     assert_guard_intact(lse)
     if backend == "cpu" and cpu_error is not None:
