@@ -97,3 +97,74 @@ def test_triton_matches_reference(dtype):
     got = logits.clone()
     tr.apply_top_k_top_p(got, top_k, top_p, min_p)
     assert torch.equal(got.isnan(), expected.isnan()) and torch.equal(got.nan_to_num(), expected.nan_to_num())
+
+
+# ---------------------------------------------------------------------------------------
+# Nothing is read or written outside the tensors (every tensor in guarded storage).
+# ---------------------------------------------------------------------------------------
+
+
+def _guard_cases():
+    gen = torch.Generator().manual_seed(11)
+    # V = 1061: two Triton tiles of BLOCK_V = 1024, the second partial. The largest logit of
+    # every row is its last entry (the row's end; the last row's end is the storage's end);
+    # k = V - 1 (the largest k that masks), k = V and k > V (off), k < 0 (off), top_p = 0
+    # (keeps only the maximum), min_p > 1 (clamped to 1).
+    V = 1061
+    logits = (torch.randn(4, V, generator=gen) * 2).round(decimals=1)
+    logits[:, -1] = 9.0
+    logits[1, -1] = 9.5  # a unique maximum (top-p 0 keeps exactly one)
+    big = (logits, torch.tensor([V - 1, V, V + 7, -2], dtype=torch.int32), torch.tensor([1.0, 0.0, 1.0, 0.7]),
+           torch.tensor([0.0, 0.0, 1.5, 0.05]))
+    # A NaN row and an all -inf row (both left as they are) around an ordinary last row.
+    small = (torch.randn(3, 37, generator=gen), torch.tensor([5, 2, 36], dtype=torch.int32),
+             torch.tensor([0.8, 0.5, 0.6]), torch.tensor([0.1, 0.0, 0.02]))
+    small[0][0, 36] = float("nan")
+    small[0][1] = float("-inf")
+    return {
+        "partial-tile-fp32": big,
+        "partial-tile-bf16": tuple(t[2:] for t in (big[0].to(torch.bfloat16), *big[1:])),
+        "nan-and-inf-rows": small,
+        "top-k-only": (small[0][2:].clone(), small[1][2:], None, None),
+        "top-p-only-fp16": (big[0][-2:].half(), None, big[2][-2:], None),
+    }
+
+
+GUARD_CASES = _guard_cases()
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=requires_triton)])
+@pytest.mark.parametrize("name", list(GUARD_CASES))
+def test_nothing_outside_the_tensors_is_read_or_written(backend, name):
+    from tests.conftest import assert_guard_intact, guarded
+
+    logits, top_k, top_p, min_p = GUARD_CASES[name]
+    expected = ref.apply_top_k_top_p(logits, top_k, top_p, min_p)
+    args = [None if t is None else guarded(t) for t in (logits, top_k, top_p, min_p)]
+    if backend == "cpu":
+        torch.ops.specdec.apply_top_k_top_p(*args)
+    else:
+        from specdec_kernels.triton import rejection_sampling as tr
+
+        tr.apply_top_k_top_p(*args)
+    for t in args:
+        if t is not None:
+            assert_guard_intact(t)
+    got = args[0]
+    assert torch.equal(got.isnan(), expected.isnan()) and torch.equal(got.nan_to_num(), expected.nan_to_num())
+    assert (got.isneginf() & ~logits.isneginf()).any(), "the case masks nothing"
+
+
+@requires_triton
+@pytest.mark.parametrize("logits,params,message", [
+    (torch.randn(8, 3).t(), {}, "logits must be a contiguous"),
+    (torch.randn(3, 8), dict(top_k=torch.tensor([1, 2], dtype=torch.int32)), "top_k must be"),
+    (torch.randn(3, 8), dict(min_p=torch.zeros(3, dtype=torch.float64)), "min_p must be"),
+])
+def test_triton_launcher_checks_shapes_it_indexes_with(logits, params, message):
+    # Through torch.ops on a CUDA tensor the launcher is the kernel: no wrapper checks first.
+    from specdec_kernels.triton import rejection_sampling as tr
+
+    args = {**dict(top_k=None, top_p=None, min_p=None), **params}
+    with pytest.raises(ValueError, match=message):
+        tr.apply_top_k_top_p(logits, args["top_k"], args["top_p"], args["min_p"])

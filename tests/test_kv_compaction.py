@@ -425,3 +425,106 @@ def test_wrapper_traces_with_torch_compile_fullgraph():
 
     step(k, v, *rest)
     assert all(torch.equal(a, b) for a, b in zip(k + v, ek + ev))
+
+
+# ------------------------------------- nothing is read or written outside the tensors
+def guarded_cache(t):
+    """guarded() storage for a cache tensor, keeping its layout (a transposed view of a
+    contiguous guarded tensor when the heads are not adjacent)."""
+    from tests.conftest import guarded
+
+    return guarded(t) if t.is_contiguous() else guarded(t.transpose(1, 2)).transpose(1, 2)
+
+
+def at_the_edges(case, trim_table=True):
+    """Relabels the blocks (a permutation: the data stay valid) so that the first request's
+    first block is block 0 and the last request's last used block is the largest id; with
+    trim_table, drops block_table's -1 column when the last request needs every other slot,
+    so that its last block id is block_table's last element."""
+    k, v, bt, pl, nodes, counts = case
+    bt = bt.clone()
+    last = bt.shape[0] - 1
+    used = int((bt[last] >= 0).sum())
+    for slot, new in (((last, used - 1), k[0].shape[0] - 1), ((0, 0), 0)):
+        old = int(bt[slot])
+        bt[bt == old], bt[bt == new] = -2, old
+        bt[bt == -2] = new
+    if trim_table and used == bt.shape[1] - 1:
+        bt = bt[:, :-1].contiguous()
+    nodes = nodes[:, :int(counts.max())].contiguous()  # the longest path fills accepted_nodes
+    return (k, v, bt, pl, nodes, counts)
+
+
+def _kv_guard_cases():
+    cases = {}
+    # Three requests (the first with room after its path: a wrong bound on it reads the next
+    # row's valid entries and makes moves); the last one's final move reads the last row of the largest block id
+    # (prefix 4 + 8 nodes = 4 blocks of 3, the table's last slot) and uses the full width of
+    # accepted_nodes (6 entries: BLOCK_A = 8, a partial tile; its last element is read);
+    # head_dim 6 (BLOCK_D = 16, a partial tile); three heads, three layers.
+    paths = [[2, 3], [1, 4, 5], [1, 2, 4, 5, 6, 7]]
+    base = dict(tree_sizes=[10, 7, 8], block_size=3, num_layers=3, heads=3, head_dim=6, spare_blocks=0)
+    for dtype in (torch.float32, torch.uint8):
+        for adjacent in (True, False):
+            name = f"{str(dtype)[6:]}-{'adjacent' if adjacent else 'strided'}-heads"
+            cases[name] = (at_the_edges(make_case([2, 5, 4], paths, dtype=dtype, heads_adjacent=adjacent, **base)),
+                           None)
+    # -1 slots after every request's blocks (the table's last column stays -1).
+    cases["spare-slots"] = (at_the_edges(make_case([2, 5, 4], paths, **base), trim_table=False), None)
+    # Faulty data (the CPU kernel raises before any write; Triton skips the move). On the
+    # first request a wrong bound reads the next row of block_table / accepted_nodes (valid
+    # values, so the skipped move would be done); on the last one past the tensor's end:
+    # a source one past the table (slot max_blocks), a destination block one past the last
+    # block (whose source block is valid), num_accepted past accepted_nodes' width, a
+    # negative prefix (slots before block_table's start).
+    def faulty(change, message):
+        k, v, bt, pl, nodes, counts = at_the_edges(make_case([2, 5, 4], paths, **base))
+        change(bt, pl, nodes, counts, num_blocks=k[0].shape[0], capacity=bt.shape[1] * 3)
+        return (k, v, bt, pl, nodes, counts), message
+
+    def past_table(bt, pl, nodes, counts, num_blocks, capacity):
+        nodes[0, 1] = capacity - int(pl[0])  # source position = capacity
+        nodes[2, 5] = capacity - int(pl[2])
+
+    def past_cache(bt, pl, nodes, counts, num_blocks, capacity):
+        bt[2, 2] = num_blocks  # destinations 6..8 of the last request; the source 9 is valid
+
+    def past_width(bt, pl, nodes, counts, num_blocks, capacity):
+        counts[0] = counts[2] = nodes.shape[1] + 9
+
+    def negative_prefix(bt, pl, nodes, counts, num_blocks, capacity):
+        pl[0] = -7  # positions -5..-4 -> -6..-5
+
+    cases["source-past-table"] = faulty(past_table, "outside the block table capacity")
+    cases["block-past-cache"] = faulty(past_cache, "is not a block id")
+    cases["count-past-width"] = faulty(past_width, "exceeds accepted_nodes.size")
+    cases["negative-prefix"] = faulty(negative_prefix, "must be >= 0")
+    return cases
+
+
+KV_GUARD_CASES = _kv_guard_cases()
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=requires_triton)])
+@pytest.mark.parametrize("name", list(KV_GUARD_CASES))
+def test_nothing_outside_the_tensors_is_read_or_written(backend, name):
+    from tests.conftest import assert_guard_intact, guarded
+
+    (k, v, *index_args), cpu_error = KV_GUARD_CASES[name]
+    gk, gv = [guarded_cache(t) for t in k], [guarded_cache(t) for t in v]
+    args = [guarded(t) for t in index_args]
+    ek, ev = clone_caches(k), clone_caches(v)
+    if cpu_error is None:
+        compact_kv_ref(ek, ev, *index_args)
+    elif backend == "triton":
+        valid_move_reference(ek, ev, *index_args, block_size=k[0].shape[1], num_blocks=k[0].shape[0])
+    if backend == "cpu" and cpu_error is not None:
+        with pytest.raises(RuntimeError, match=cpu_error):
+            torch.ops.specdec.compact_kv(gk, gv, *args)
+    elif backend == "cpu":
+        torch.ops.specdec.compact_kv(gk, gv, *args)
+    else:
+        compact_kv_triton(gk, gv, *args)
+    for layer, (got, want) in enumerate(zip(gk + gv, ek + ev)):
+        assert_guard_intact(got)
+        assert torch.equal(got, want), f"cache {layer} differs from the reference"

@@ -271,3 +271,65 @@ def test_inputs_are_not_modified(K, L):
     ops.medusa_topk(*inputs, 4)
     for t, c in zip(inputs, copies):
         assert torch.equal(t, c)
+
+
+# ---------------------------------------------------------------------------------------
+# Nothing is read or written outside the tensors (every tensor in guarded storage).
+# ---------------------------------------------------------------------------------------
+
+GUARD_CASES = {
+    # M, K, L, V, H, top_k, shared, weight dtype. M = 5 (CPU: 3 + 2 activation rows; Triton:
+    # a partial BLOCK_M tile), V = 37 (CPU: 9 groups of 4 weight rows + 1, a partial vocabulary
+    # tile of 32; Triton with block_v 16: 3 tiles, the last partial), H = 19 (a partial 8-wide
+    # vector / 16-wide bf16 vector; a partial BLOCK_K tile). The largest id wins (the last
+    # lm_head row, at the storage's end), and top_k = V takes every id (V = 21: one partial
+    # CPU tile, two Triton tiles), the largest last.
+    "per-head-lm-head": (5, 3, 2, 37, 19, 5, False, torch.float32),
+    "all-ids": (2, 1, 0, 21, 19, 21, True, torch.float32),
+    "bf16-weights": (5, 2, 1, 37, 19, 7, False, torch.bfloat16),
+    "fallback-top-k": (2, 1, 1, 67, 9, 66, True, torch.float32),  # Triton: top_k > 64 path
+}
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=requires_triton)])
+@pytest.mark.parametrize("name", list(GUARD_CASES))
+def test_nothing_outside_the_tensors_is_read_or_written(backend, name):
+    from tests.conftest import assert_guard_intact, guarded
+
+    M, K, L, V, H, top_k, shared, dtype = GUARD_CASES[name]
+    hidden, res_weight, res_bias, lm_head = make_inputs(M, K, L, V, H, shared, seed=5)
+    # The last vocabulary row is the best for every (row, head): a scaled copy of the head's
+    # input direction (ResBlocks change it little: weights / sqrt(H), bias 0.1).
+    lm_head[..., -1, :] = hidden.sum(0) / hidden.sum(0).norm() * 3
+    inputs = [hidden.float(), *(t.to(dtype) for t in (res_weight, res_bias, lm_head))]
+    args = [guarded(t) for t in inputs]
+    ids = guarded(torch.full((M, K, top_k), -7, dtype=torch.int64))
+    logprobs = guarded(torch.full((M, K, top_k), float("nan")))
+    if backend == "cpu":
+        torch.ops.specdec.medusa_topk(*args, top_k, ids, logprobs)
+    else:
+        from specdec_kernels.triton import medusa as tm
+
+        tm.medusa_topk(*args, top_k, ids, logprobs, block_v=16, block_t=2, block_c=16)
+    assert_guard_intact(ids)
+    assert_guard_intact(logprobs)
+    check_against_ref(ids, logprobs, inputs, top_k, TOL[dtype])
+    assert (ids == V - 1).any(), "the largest id is never chosen"
+
+
+@requires_triton
+@pytest.mark.parametrize("outs,top_k,message", [
+    ((torch.empty(2, 3, 5, dtype=torch.int64), torch.empty(2, 3, 4)), 4, "topk_ids must be"),
+    ((torch.empty(2, 3, 4, dtype=torch.int64), torch.empty(2, 4, 3).transpose(1, 2)), 4, "topk_logprobs must be"),
+    ((torch.empty(2, 3, 41, dtype=torch.int64), torch.empty(2, 3, 41)), 41, r"top_k must be an int in \[1, V = 40\]"),
+])
+def test_triton_launcher_checks_shapes_it_indexes_with(outs, top_k, message):
+    # Through torch.ops on a CUDA tensor the launcher is the kernel: no wrapper checks first.
+    from specdec_kernels.triton import medusa as tm
+
+    args = _bad()
+    with pytest.raises(ValueError, match=message):
+        tm.medusa_topk(args["hidden"], args["res_weight"], args["res_bias"], args["lm_head"], top_k, *outs)
+    with pytest.raises(ValueError, match="res_bias must have shape"):
+        tm.medusa_topk(args["hidden"], args["res_weight"], args["res_bias"][:, :, :7], args["lm_head"], 4,
+                       torch.empty(2, 3, 4, dtype=torch.int64), torch.empty(2, 3, 4))

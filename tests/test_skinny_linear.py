@@ -138,3 +138,49 @@ def test_triton_matches_f_linear(M, N, H):
     torch.testing.assert_close(out, expected(x, w, b), **tol(H))
     tm.skinny_linear(x, w, None, out)
     torch.testing.assert_close(out, expected(x, w, None), **tol(H))
+
+
+# ---------------------------------------------------------------------------------------
+# Nothing is read or written outside the tensors (every tensor in guarded storage).
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=requires_triton)])
+@pytest.mark.parametrize("M,N,H,w_dtype,with_bias", [
+    # CPU: M = 5 and 17 -> 3-row micro-tiles plus 2 rows; N = 7 and 70 -> groups of 4 weight
+    # rows plus a partial group; H = 19 and 37 -> an 8-wide (16-wide bf16) vector tail.
+    # Triton: partial BLOCK_M = 16 / BLOCK_N = 64 / BLOCK_K = 32 tiles (M = 17, N = 70, H = 37).
+    (5, 7, 19, torch.float32, True),
+    (17, 70, 37, torch.float32, False),
+    (5, 7, 37, torch.bfloat16, True),
+])
+def test_nothing_outside_the_tensors_is_read_or_written(backend, M, N, H, w_dtype, with_bias):
+    from tests.conftest import assert_guard_intact, guarded
+
+    g = torch.Generator().manual_seed(M * N + H)
+    x, w = torch.randn(M, H, generator=g), torch.randn(N, H, generator=g).to(w_dtype)
+    b = torch.randn(N, generator=g).to(w_dtype) if with_bias else None
+    args = [None if t is None else guarded(t) for t in (x, w, b)]
+    out = guarded(torch.full((M, N), float("nan")))
+    if backend == "cpu":
+        torch.ops.specdec.skinny_linear(*args, out)
+    else:
+        from specdec_kernels.triton import medusa as tm
+
+        tm.skinny_linear(*args, out)
+    assert_guard_intact(out)
+    torch.testing.assert_close(out.double(), ref.skinny_linear(x, w, b), **tol(H))
+
+
+@requires_triton
+@pytest.mark.parametrize("w,b,out,message", [
+    (torch.randn(7, 9), None, torch.empty(5, 7), r"weight must have shape \[N, 8\]"),
+    (torch.randn(7, 8), torch.randn(6), torch.empty(5, 7), r"bias must have shape \[7\]"),
+    (torch.randn(7, 8), None, torch.empty(5, 8), r"out must have shape \[5, 7\]"),
+])
+def test_triton_launcher_checks_shapes_it_indexes_with(w, b, out, message):
+    # Through torch.ops on a CUDA tensor the launcher is the kernel: no wrapper checks first.
+    from specdec_kernels.triton import medusa as tm
+
+    with pytest.raises(ValueError, match=message):
+        tm.skinny_linear(torch.randn(5, 8), w, b, out)

@@ -419,3 +419,178 @@ def test_long_prefix_split_kv(dtype, nodes, Hkv):
     assert_close(out, ref_out, dtype, "split-KV vs python_ref")
     assert_close(out, root_path_sdpa(case), dtype, "split-KV vs root-path SDPA")
     torch.testing.assert_close(lse.double(), ref_lse, atol=LSE_TOL[dtype], rtol=0)
+
+
+# ---------------------------------------------------------------------------------------
+# Nothing is read or written outside the tensors: every tensor argument in guarded
+# (poisoned) storage, boundaries placed next to the guards.
+# ---------------------------------------------------------------------------------------
+
+
+def boundary_case(trees, prefixes, Hq, Hkv, D, block_size, *, spare_slots=2, pad_rows=(0, 0), seed=0):
+    """Like make_case, but with the boundaries next to the storage ends: no spare blocks, the
+    first request's first block is block 0 and the last request's last block the largest id;
+    the last request's keys end on the last row of that block when prefix + n is a multiple of
+    block_size; block-table slots past a request's keys are -1 (spare_slots columns at least
+    on the longest request; 0 puts the last request's keys against the table's end)."""
+    gen = torch.Generator().manual_seed(seed)
+    ns = [len(p) for p in trees]
+    used = [-(-(p + n) // block_size) for p, n in zip(prefixes, ns)]
+    max_blocks = max(used) + spare_slots
+    num_blocks = sum(used)
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    ids.remove(0)
+    ids.remove(num_blocks - 1)
+    ids = [0] + ids + [num_blocks - 1]
+    block_table = torch.full((len(trees), max_blocks), -1, dtype=torch.int32)
+    start = 0
+    for b, count in enumerate(used):
+        block_table[b, :count] = torch.tensor(ids[start:start + count], dtype=torch.int32)
+        start += count
+    T = sum(ns) + sum(pad_rows)
+    offsets = [pad_rows[0]]
+    for n in ns:
+        offsets.append(offsets[-1] + n)
+    words = ref.mask_words_for(max(ns))
+    tree_mask = torch.cat([torch.zeros(pad_rows[0], words, dtype=torch.int64), ref.batch_mask(trees, words),
+                           torch.zeros(pad_rows[1], words, dtype=torch.int64)])
+    return dict(
+        q=torch.randn(T, Hq, D, generator=gen), k_cache=torch.randn(num_blocks, block_size, Hkv, D, generator=gen),
+        v_cache=torch.randn(num_blocks, block_size, Hkv, D, generator=gen), block_table=block_table,
+        prefix_lens=torch.tensor(prefixes, dtype=torch.int32), qo_indptr=torch.tensor(offsets, dtype=torch.int32),
+        tree_mask=tree_mask, trees=trees,
+    )
+
+
+def skipping_reference(case, mask=True):
+    """python_ref's rule extended to the Triton kernel's documented handling of faulty data:
+    keys whose table slot lies past max_blocks or whose block id lies outside [0, num_blocks)
+    are invisible, rows outside [0, T) are not computed (float64 out [T, Hq, D], lse [T, Hq])."""
+    q, k_cache, v_cache, bt = case["q"], case["k_cache"], case["v_cache"], case["block_table"]
+    T, Hq, D = q.shape
+    num_blocks, block_size, Hkv, _ = k_cache.shape
+    group, max_blocks = Hq // Hkv, bt.shape[1]
+    tree_mask = case["tree_mask"] if mask else None
+    out = torch.zeros(T, Hq, D, dtype=torch.float64)
+    lse = torch.full((T, Hq), -math.inf, dtype=torch.float64)
+
+    def key_ok(b, pos):
+        return pos // block_size < max_blocks and 0 <= int(bt[b, pos // block_size]) < num_blocks
+
+    for b in range(bt.shape[0]):
+        begin, n, prefix = int(case["qo_indptr"][b]), int(case["qo_indptr"][b + 1] - case["qo_indptr"][b]), \
+            max(int(case["prefix_lens"][b]), 0)
+        capacity = max_blocks * block_size
+        for i in range(n):
+            t = begin + i
+            if not 0 <= t < T:
+                continue
+            nodes = ref.visible_nodes(None if tree_mask is None else tree_mask[t], i, n)
+            positions = [p for p in range(min(prefix, capacity)) if key_ok(b, p)]
+            positions += [prefix + j for j in nodes if prefix + j < capacity and key_ok(b, prefix + j)]
+            if not positions:
+                continue
+            keys = ref.cache_rows(k_cache, bt, b, positions).double().repeat_interleave(group, 1)
+            values = ref.cache_rows(v_cache, bt, b, positions).double().repeat_interleave(group, 1)
+            scores = torch.einsum("hd,lhd->hl", q[t].double(), keys) * D**-0.5
+            lse[t] = torch.logsumexp(scores, 1)
+            out[t] = torch.einsum("hl,lhd->hd", torch.softmax(scores, 1), values)
+    return out, lse
+
+
+def _tree_guard_cases():
+    gen = torch.Generator().manual_seed(21)
+    # GQA group 3, head_dim 40 (neither a multiple of BLOCK_D = 64 nor of the CPU's 8-wide
+    # vectors), block_size 5; node counts and T * group not multiples of BLOCK_M / BLOCK_N.
+    # The last request's 13 + 7 keys end on the last row of the largest block id.
+    basic = boundary_case([random_tree(6, gen), [-1], random_tree(7, gen)], [3, 0, 13], Hq=3, Hkv=1, D=40,
+                          block_size=5)
+    # 65 nodes (two mask words; the last row's second word is the mask's last element) and a
+    # table without -1 slots: the last request's keys end at the table's end.
+    wide = boundary_case([chain(2), random_tree(65, gen)], [1, 5], Hq=2, Hkv=1, D=16, block_size=7, spare_slots=0)
+    # Rows owned by nobody before and after the requests (the first and last rows of q); no
+    # mask (causal).
+    padded = boundary_case([star(4), chain(3)], [2, 7], Hq=4, Hkv=4, D=24, block_size=3, pad_rows=(2, 3))
+    # A prefix long enough for the CPU kernel to split the key range over work items (partials
+    # merged per row); the keys end on the last row of the largest block id.
+    long_prefix = boundary_case([random_tree(5, gen)], [1099], Hq=2, Hkv=1, D=16, block_size=16, spare_slots=0)
+    # Faulty data (the CPU kernel raises; Triton skips): block ids -1 and num_blocks (one past
+    # the last block) inside the last request's prefix; both requests' keys running past the
+    # table (slot max_blocks: request 1's first slot for request 0, one past block_table's end
+    # for request 1); a prefix near INT32_MAX (position arithmetic must not wrap); qo_indptr
+    # beyond T and before 0 (rows past either end of q).
+    bad_blocks = boundary_case([chain(3), random_tree(5, gen)], [4, 11], Hq=4, Hkv=2, D=16, block_size=4)
+    bad_blocks["block_table"][1, 0] = -1
+    bad_blocks["block_table"][1, 2] = bad_blocks["k_cache"].shape[0]
+    past_table = boundary_case([star(3), random_tree(6, gen)], [2, 9], Hq=2, Hkv=1, D=16, block_size=4,
+                               spare_slots=0)
+    past_table["prefix_lens"] = torch.tensor([14, 12], dtype=torch.int32)  # capacity 16; n = 3 and 6
+    huge_prefix = boundary_case([star(3), random_tree(6, gen)], [2, 9], Hq=2, Hkv=1, D=16, block_size=4,
+                                spare_slots=0)
+    huge_prefix["prefix_lens"][1] = 2**31 - 3
+    rows_outside = boundary_case([chain(4), chain(5)], [3, 6], Hq=2, Hkv=1, D=16, block_size=4)
+    rows_outside["qo_indptr"] = torch.tensor([-2, 4, 11], dtype=torch.int32)  # T = 9
+    return {
+        "basic": (basic, True, None), "wide": (wide, True, None), "padded": (padded, False, None),
+        "long_prefix": (long_prefix, True, None),
+        "bad_blocks": (bad_blocks, True, "out of range"),
+        "past_table": (past_table, True, "cache positions"), "huge_prefix": (huge_prefix, True, "cache positions"),
+        "rows_outside": (rows_outside, False, "qo_indptr"),
+    }
+
+
+TREE_GUARD_CASES = _tree_guard_cases()
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=requires_triton)])
+@pytest.mark.parametrize("name", list(TREE_GUARD_CASES))
+def test_nothing_outside_the_tensors_is_read_or_written(backend, name):
+    from tests.conftest import assert_guard_intact, guarded
+
+    case, mask, cpu_error = TREE_GUARD_CASES[name]
+    q = case["q"]
+    args = [guarded(a) if isinstance(a, torch.Tensor) else a for a in op_args(case, mask)]
+    out = guarded(torch.full_like(q, float("nan")))
+    lse = guarded(torch.full(q.shape[:2], float("nan")))
+    if backend == "cpu":
+        if cpu_error is not None:  # checked before anything is written
+            with pytest.raises(RuntimeError, match=cpu_error):
+                torch.ops.specdec.tree_attention(*args, q.shape[-1] ** -0.5, out, lse)
+            assert out.isnan().all() and lse.isnan().all()
+        else:
+            torch.ops.specdec.tree_attention(*args, q.shape[-1] ** -0.5, out, lse)
+    else:
+        from specdec_kernels.triton.tree_attention import tree_attention as launcher
+
+        launcher(*args, q.shape[-1] ** -0.5, out, lse, num_splits=2,
+                 block_n={"wide": 32, "long_prefix": 64}.get(name, 16))
+    assert_guard_intact(out)
+    assert_guard_intact(lse)
+    if backend == "cpu" and cpu_error is not None:
+        return
+    expected_out, expected_lse = (ref.tree_attention(*op_args(case, mask)) if cpu_error is None
+                                  else skipping_reference(case, mask))
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert_close(out, expected_out, torch.float32, name)
+    seen = expected_lse.isfinite()
+    assert torch.equal(lse.isfinite(), seen)
+    torch.testing.assert_close(lse[seen].double(), expected_lse[seen], atol=LSE_TOL[torch.float32], rtol=0)
+
+
+@requires_triton
+@pytest.mark.parametrize("change,message", [
+    (dict(lse=torch.empty(4, 7).t()), "lse must be contiguous"),
+    (dict(out=torch.empty(7, 4, 64)[:, :, :32]), "out must have shape"),
+    (dict(tree_mask=torch.zeros(7, 2, dtype=torch.int64)[:, :1]), "tree_mask must be contiguous"),
+    (dict(q=torch.randn(7, 4, 128)[:, :, ::2]), "q must be contiguous in its last dimension"),
+])
+def test_triton_launcher_checks_layouts_it_indexes_with(change, message):
+    # Through torch.ops on a CUDA tensor the launcher is the kernel: no wrapper checks first.
+    from specdec_kernels.triton.tree_attention import tree_attention as launcher
+
+    case = _base_case()
+    args = dict(_with(case), out=torch.empty_like(case["q"]), lse=torch.empty(7, 4))
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        launcher(*[args[k] for k in ("q", "k_cache", "v_cache", "block_table", "prefix_lens", "qo_indptr",
+                                     "tree_mask")], 0.125, args["out"], args["lse"])

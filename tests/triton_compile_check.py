@@ -16,7 +16,7 @@ when a kernel needs more shared memory than an sm_90 block may have.
 Run it without TRITON_INTERPRET (tests/test_triton_compile.py does, in a subprocess):
     python tests/triton_compile_check.py [-v] [--full]
 (-v: one line per variant with its compile time and shared memory; --full: also the variants
-that take long to compile, see ATTEND_VARIANTS_FULL and medusa_cases.)
+that take long to compile, see ATTEND_VARIANTS_FULL.)
 Exit status: 0 all compiled; 1 some kernel failed; 77 this Triton cannot compile for CUDA here.
 """
 from __future__ import annotations
@@ -58,7 +58,7 @@ MAX_SHARED_BYTES = 232448  # sm_90: 227 KiB of shared memory per block (opt-in m
 MODULES = (rejection_sampling, tree_attention, kv_compaction, medusa, rng)
 FLOAT_DTYPES = ("fp32", "bf16", "fp16")
 VERBOSE = "-v" in sys.argv[1:]
-FULL = "--full" in sys.argv[1:]  # also the slow-to-compile variants (fp32 attention, top_k 64): minutes
+FULL = "--full" in sys.argv[1:]  # also the slow-to-compile variants (fp32 attention): minutes
 
 
 class Case:
@@ -157,16 +157,15 @@ MERGE_VARIANTS = (
 
 
 def _attention_constexprs(hq, hkv, head_dim, tokens_per_request, dtype):
-    """The constexprs tree_attention() derives on a CUDA device (batch 4, num_splits free)."""
+    """The constexprs tree_attention() derives on a CUDA device (the token count and the number of
+    query tiles are runtime arguments)."""
     group = hq // hkv
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_m = min(64, max(16, triton.next_power_of_2(tokens_per_request * group)))
     block_n = 64 if block_d <= 128 else 32
     dot_fp32 = dtype == "fp32"
-    batch = 4
-    num_q_tiles = triton.cdiv(batch * tokens_per_request * group, block_m)
-    return dict(HQ=hq, HKV=hkv, GROUP=group, HEAD_DIM=head_dim, NUM_Q_TILES=num_q_tiles, BLOCK_M=block_m,
-                BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION="ieee" if dot_fp32 else "tf32", DOT_FP32=dot_fp32)
+    return dict(HQ=hq, HKV=hkv, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+                DOT_PRECISION="ieee" if dot_fp32 else "tf32", DOT_FP32=dot_fp32)
 
 
 def tree_attention_cases():
@@ -177,7 +176,7 @@ def tree_attention_cases():
                      mask_ptr="*i64" if has_mask else "*i32",  # qo_indptr stands in for no mask
                      part_out_ptr="*fp32", part_lse_ptr="*fp32", sm_scale="fp32",
                      **i32("T", "num_blocks", "max_blocks", "block_size", "mask_words", "split_len", "part_index0",
-                           "stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
+                           "num_q_tiles", "stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
                            "stride_vh", "stride_bt"))
         constexprs = dict(_attention_constexprs(hq, hkv, head_dim, tokens, dt), IS_TREE=is_tree, HAS_MASK=has_mask)
         yield Case(m._attend_kernel, types, constexprs,
@@ -229,18 +228,19 @@ def medusa_cases():
             yield Case(m._linear_kernel, types, dict(blocks, HAS_BIAS=has_bias, RESIDUAL_SILU=silu),
                        f"weight {dt}, HAS_BIAS={has_bias} RESIDUAL_SILU={silu}")
     block_v, block_t, block_c = 128, 128, 512  # medusa_topk() defaults
-    # top_k unrolls the candidate extraction: 64 (the fused maximum) takes ~1 min to compile.
-    for top_k in (1, 10) + ((m.MAX_FUSED_TOP_K,) if FULL else ()):
-        for dt in (FLOAT_DTYPES if top_k == 10 else ("bf16",)):
-            yield Case(m._lm_head_topk_kernel, dict(
-                x_ptr="*fp32", w_ptr=f"*{dt}", part_val_ptr="*fp32", part_id_ptr="*i32", part_max_ptr="*fp32",
-                part_sum_ptr="*fp32", **i32("M", "V", "H", "num_tiles", "stride_wh")),
-                dict(TOP_K=top_k, BLOCK_M=16, BLOCK_V=block_v, BLOCK_K=32), f"lm_head {dt}, TOP_K={top_k}")
+    # top_k is a runtime argument: one lm_head kernel per weight dtype, one merge kernel per
+    # power-of-two bound TOP_K_P2 = 1 .. 64 (MAX_FUSED_TOP_K); each compiles in about a second.
+    for dt in FLOAT_DTYPES:
+        yield Case(m._lm_head_topk_kernel, dict(
+            x_ptr="*fp32", w_ptr=f"*{dt}", part_val_ptr="*fp32", part_id_ptr="*i32", part_max_ptr="*fp32",
+            part_sum_ptr="*fp32", **i32("M", "V", "H", "num_tiles", "stride_wh", "top_k")),
+            dict(BLOCK_M=16, BLOCK_V=block_v, BLOCK_K=32), f"lm_head {dt}")
+    bounds = [triton.next_power_of_2(k) for k in range(1, m.MAX_FUSED_TOP_K + 1)]
+    for top_k_p2 in sorted(set(bounds)):
         yield Case(m._merge_kernel, dict(
             part_val_ptr="*fp32", part_id_ptr="*i32", part_max_ptr="*fp32", part_sum_ptr="*fp32", ids_ptr="*i64",
-            logprobs_ptr="*fp32", **i32("M", "K", "V", "num_tiles")),
-            dict(TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_C=block_c),
-            f"TOP_K={top_k}")
+            logprobs_ptr="*fp32", **i32("M", "K", "V", "num_tiles", "top_k")),
+            dict(TOP_K_P2=top_k_p2, BLOCK_T=block_t, BLOCK_C=block_c), f"TOP_K_P2={top_k_p2}")
 
 
 AREAS = (rejection_sampling_cases, tree_attention_cases, kv_compaction_cases, medusa_cases)

@@ -6,6 +6,9 @@ medusa_topk runs in three steps, none of which writes the [M, K, V] logits:
   2. ``_lm_head_topk_kernel``: one program per (vocabulary tile, row block, head) computes
      the tile's logits, its max and sum of exp (log-sum-exp partials), and its top_k
      candidates by iterative max extraction (ties to the lower id); at most 64.
+     top_k is a runtime argument of both kernels (the merge sizes its running list with a
+     power-of-two bound): a new top_k compiles nothing, or one merge variant per power of
+     two, instead of a fully unrolled kernel pair per top_k.
   3. ``_merge_kernel``: one program per (row, head) merges the partials: log-sum-exp,
      then the best top_k of all tiles' candidates, merged chunk by chunk with a running
      top-k list in registers.
@@ -23,7 +26,7 @@ import triton.language as tl
 MAX_FUSED_TOP_K = 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,
     M, N, H,
@@ -59,15 +62,16 @@ def _linear_kernel(
     tl.store(out_ptr + head * stride_oh + rm[:, None] * N + rn[None, :], acc, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "top_k"])
 def _lm_head_topk_kernel(
     x_ptr, w_ptr, part_val_ptr, part_id_ptr, part_max_ptr, part_sum_ptr,
-    M, V, H, num_tiles, stride_wh,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    M, V, H, num_tiles, stride_wh, top_k,
+    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Program (tile t, row block, head k): logits of rows k*M + m (x [K*M, H] fp32) for
     vocabulary ids t*BLOCK_V..; writes per row: tile max, sum of exp(logit - max), and the
-    tile's TOP_K best (logit, id) pairs into part_* [K*M, num_tiles(, TOP_K)]."""
+    tile's top_k best (logit, id) pairs into part_* [K*M, num_tiles(, top_k)]. top_k is a
+    runtime loop bound: one binary serves every top_k."""
     pid_t = tl.program_id(0)
     pid_m = tl.program_id(1)
     head = tl.program_id(2).to(tl.int64)
@@ -94,23 +98,25 @@ def _lm_head_topk_kernel(
     tl.store(part_sum_ptr + part, tile_sum, mask=row_ok)
     # Iterative extraction: the best remaining logit, the lowest id among equal ones.
     ids = rv[None, :] + tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.int32)
-    for i in tl.static_range(TOP_K):
+    for i in range(top_k):
         best = tl.max(logits, axis=1)
         best_id = tl.min(tl.where(logits == best[:, None], ids, V), axis=1)
-        tl.store(part_val_ptr + part * TOP_K + i, best, mask=row_ok)
-        tl.store(part_id_ptr + part * TOP_K + i, best_id, mask=row_ok)
+        tl.store(part_val_ptr + part * top_k + i, best, mask=row_ok)
+        tl.store(part_id_ptr + part * top_k + i, best_id, mask=row_ok)
         logits = tl.where(ids == best_id[:, None], neg_inf, logits)
         ids = tl.where(ids == best_id[:, None], V, ids)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "top_k"])
 def _merge_kernel(
     part_val_ptr, part_id_ptr, part_max_ptr, part_sum_ptr, ids_ptr, logprobs_ptr,
-    M, K, V, num_tiles,
-    TOP_K: tl.constexpr, TOP_K_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    M, K, V, num_tiles, top_k,
+    TOP_K_P2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Program r = k*M + m: log-sum-exp of the tiles' partials and the best TOP_K of the
-    num_tiles*TOP_K candidates; writes ids [M, K, TOP_K] (int64) and log-probs."""
+    """Program r = k*M + m: log-sum-exp of the tiles' partials and the best top_k of the
+    num_tiles*top_k candidates; writes ids [M, K, top_k] (int64) and log-probs. top_k is a
+    runtime value; TOP_K_P2 >= top_k (a power of two) sizes the running list, so one binary
+    serves every top_k up to it."""
     r = tl.program_id(0).to(tl.int64)
     k = r // M
     m = r % M
@@ -132,7 +138,7 @@ def _merge_kernel(
     run_val = tl.full((TOP_K_P2,), neg_inf, tl.float32)
     run_id = tl.full((TOP_K_P2,), V, tl.int32)
     rc = tl.arange(0, BLOCK_C)
-    num_cand = num_tiles * TOP_K
+    num_cand = num_tiles * top_k
     for c0 in range(0, num_cand, BLOCK_C):
         cmask = c0 + rc < num_cand
         c_val = tl.load(part_val_ptr + r * num_cand + c0 + rc, mask=cmask, other=neg_inf)
@@ -141,7 +147,7 @@ def _merge_kernel(
         old_id = run_id
         new_val = tl.full((TOP_K_P2,), neg_inf, tl.float32)
         new_id = tl.full((TOP_K_P2,), V, tl.int32)
-        for i in tl.static_range(TOP_K):
+        for i in range(top_k):
             b1 = tl.max(old_val, axis=0)
             i1 = tl.min(tl.where(old_val == b1, old_id, V), axis=0)
             b2 = tl.max(c_val, axis=0)
@@ -160,10 +166,44 @@ def _merge_kernel(
             c_id = tl.where(hit_c, V, c_id)
         run_val = new_val
         run_id = new_id
-    out = (m * K + k) * TOP_K + rk
-    kmask = rk < TOP_K
+    out = (m * K + k) * top_k + rk
+    kmask = rk < top_k
     tl.store(ids_ptr + out, tl.where(run_id < V, run_id, -1).to(tl.int64), mask=kmask)
     tl.store(logprobs_ptr + out, run_val - lse, mask=kmask)
+
+
+def _check(condition, message):
+    if not condition:
+        raise ValueError(message)
+
+
+def _check_skinny_linear(x, weight, bias, out):
+    """The shapes the launcher indexes with (through torch.ops on a CUDA tensor no wrapper has
+    checked them): a mismatch would read or write past a tensor."""
+    _check(x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1],
+           f"weight must have shape [N, {x.shape[-1]}] (x is {list(x.shape)}), got {list(weight.shape)}")
+    M, N = x.shape[0], weight.shape[0]
+    if bias is not None:
+        _check(tuple(bias.shape) == (N,), f"bias must have shape [{N}], got {list(bias.shape)}")
+    _check(out.dim() == 2 and tuple(out.shape) == (M, N), f"out must have shape [{M}, {N}], got {list(out.shape)}")
+
+
+def _check_medusa_topk(hidden, res_weight, res_bias, lm_head, top_k, topk_ids, topk_logprobs):
+    """As _check_skinny_linear, for medusa_topk (the ops.medusa_topk rules that matter here)."""
+    _check(hidden.dim() == 2, f"hidden must have 2 dimensions, got shape {list(hidden.shape)}")
+    M, H = hidden.shape
+    _check(res_weight.dim() == 4 and res_weight.shape[0] >= 1 and tuple(res_weight.shape[2:]) == (H, H),
+           f"res_weight must have shape [K >= 1, L, {H}, {H}], got {list(res_weight.shape)}")
+    K, L = res_weight.shape[:2]
+    _check(tuple(res_bias.shape) == (K, L, H), f"res_bias must have shape [{K}, {L}, {H}], got {list(res_bias.shape)}")
+    _check((lm_head.dim() == 2 and lm_head.shape[1] == H) or (lm_head.dim() == 3 and tuple(lm_head.shape[::2]) == (K, H)),
+           f"lm_head must have shape [V, {H}] (shared) or [{K}, V, {H}] (per head), got {list(lm_head.shape)}")
+    V = lm_head.shape[-2]
+    _check(isinstance(top_k, int) and 1 <= top_k <= V, f"top_k must be an int in [1, V = {V}], got {top_k!r}")
+    for t, name, dtype in ((topk_ids, "topk_ids", torch.int64), (topk_logprobs, "topk_logprobs", torch.float32)):
+        _check(t.dtype == dtype and tuple(t.shape) == (M, K, top_k) and t.is_contiguous(),
+               f"{name} must be a contiguous {dtype} tensor of shape [{M}, {K}, {top_k}], got {t.dtype} "
+               f"{list(t.shape)} (contiguous: {t.is_contiguous()})")
 
 
 def _linear(x, weight, bias, out, *, heads=1, stride_xh=0, stride_wh=0, stride_bh=0, stride_oh=0,
@@ -182,6 +222,7 @@ def _linear(x, weight, bias, out, *, heads=1, stride_xh=0, stride_wh=0, stride_b
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor) -> None:
     """Launcher of specdec::skinny_linear: out [M, N] = x [M, H] @ weight [N, H]^T + bias."""
+    _check_skinny_linear(x, weight, bias, out)
     M, N = out.shape
     if M == 0 or N == 0:
         return
@@ -214,6 +255,7 @@ def medusa_topk(hidden, res_weight, res_bias, lm_head, top_k: int, topk_ids, top
     """Launcher of specdec::medusa_topk (argument meaning: ops.medusa_topk). block_v: vocabulary
     tile; block_t, block_c: tiles / candidates per merge step (small values let the tests
     exercise multi-step merges on small vocabularies)."""
+    _check_medusa_topk(hidden, res_weight, res_bias, lm_head, top_k, topk_ids, topk_logprobs)
     M, H = hidden.shape
     K = res_weight.shape[0]
     shared = lm_head.dim() == 2
@@ -244,13 +286,13 @@ def medusa_topk(hidden, res_weight, res_bias, lm_head, top_k: int, topk_ids, top
     grid = (num_tiles, triton.cdiv(M, BLOCK_M), K)
     _lm_head_topk_kernel[grid](
         xs, lm_head, part_val, part_id, part_max, part_sum,
-        M, V, H, num_tiles, 0 if shared else V * H,
-        TOP_K=top_k, BLOCK_M=BLOCK_M, BLOCK_V=BLOCK_V, BLOCK_K=BLOCK_K,
+        M, V, H, num_tiles, 0 if shared else V * H, top_k,
+        BLOCK_M=BLOCK_M, BLOCK_V=BLOCK_V, BLOCK_K=BLOCK_K,
     )
     _merge_kernel[(R,)](
         part_val, part_id, part_max, part_sum, topk_ids, topk_logprobs,
-        M, K, V, num_tiles,
-        TOP_K=top_k, TOP_K_P2=triton.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_C=block_c,
+        M, K, V, num_tiles, top_k,
+        TOP_K_P2=triton.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_C=block_c,
     )
 
 

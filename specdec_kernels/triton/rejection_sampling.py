@@ -454,6 +454,16 @@ def _top_k_top_p_kernel(logits_ptr, top_k_ptr, top_p_ptr, min_p_ptr, V, BLOCK: t
 
 def apply_top_k_top_p(logits, top_k, top_p, min_p):
     """Triton launcher of ``specdec::apply_top_k_top_p`` (in place on logits [R, V])."""
+    # Checked here too (through torch.ops on a CUDA tensor no wrapper has): the kernel
+    # indexes row r at r * V and reads one parameter per row.
+    if logits.dim() != 2 or not logits.is_contiguous():
+        raise ValueError(f"logits must be a contiguous [R, V] tensor, got shape {list(logits.shape)} "
+                         f"(contiguous: {logits.is_contiguous()})")
+    for t, name, dtype in ((top_k, "top_k", torch.int32), (top_p, "top_p", torch.float32),
+                           (min_p, "min_p", torch.float32)):
+        if t is not None and (t.dtype != dtype or tuple(t.shape) != (logits.shape[0],)):
+            raise ValueError(f"{name} must be a {dtype} tensor of shape [{logits.shape[0]}], got {t.dtype} "
+                             f"{list(t.shape)}")
     rows, vocab = logits.shape
     if rows == 0:
         return

@@ -29,26 +29,33 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The token-count-dependent arguments (T, num_q_tiles) are runtime values and not
+# specialised (Triton would otherwise compile a variant for T == 1 and for T % 16 == 0):
+# a decode loop whose batch of tree tokens changes size every step reuses one binary.
+@triton.jit(do_not_specialize=["T", "num_q_tiles"])
 def _attend_kernel(
     q_ptr, k_ptr, v_ptr, block_table_ptr, prefix_lens_ptr, qo_indptr_ptr, mask_ptr,
     part_out_ptr, part_lse_ptr,
-    sm_scale, T, num_blocks, max_blocks, block_size, mask_words, split_len, part_index0,
+    sm_scale, T, num_blocks, max_blocks, block_size, mask_words, split_len, part_index0, num_q_tiles,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_Q_TILES: tl.constexpr,
+    HQ: tl.constexpr, HKV: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     IS_TREE: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    q_tile = pid % NUM_Q_TILES
-    bh = pid // NUM_Q_TILES
+    q_tile = pid % num_q_tiles
+    bh = pid // num_q_tiles
     b = bh // HKV
     h = bh % HKV
 
     q_begin = tl.load(qo_indptr_ptr + b)
     n = tl.load(qo_indptr_ptr + b + 1) - q_begin
-    prefix = tl.maximum(tl.load(prefix_lens_ptr + b), 0)
+    # Keys at positions >= capacity have no table slot (they are skipped), so a prefix past
+    # the capacity is clamped to it: with prefix_lens near 2^31, prefix + node index would
+    # wrap around int32 to a negative position, whose slot lies before block_table's start.
+    capacity = max_blocks * block_size
+    prefix = tl.minimum(tl.maximum(tl.load(prefix_lens_ptr + b), 0), capacity)
 
     rows = q_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     node = rows // GROUP
@@ -63,7 +70,9 @@ def _attend_kernel(
     tile_busy = q_tile * BLOCK_M < n * GROUP
     if IS_TREE:
         lo = 0
-        hi = tl.where(tile_busy, n, 0)
+        # Tree keys past the capacity are skipped anyway; stopping there bounds the loop (and
+        # keeps positions from wrapping) when qo_indptr gives a huge n.
+        hi = tl.where(tile_busy, tl.minimum(n, capacity - prefix), 0)
     else:
         lo = split * split_len
         hi = tl.where(tile_busy, tl.minimum(lo + split_len, prefix), lo)
@@ -135,7 +144,7 @@ def _attend_kernel(
     tl.store(part_lse_ptr + row_index, part_lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _merge_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, T, num_parts, stride_ot, stride_oh,
     HQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, HAS_LSE: tl.constexpr,
@@ -184,6 +193,12 @@ def tree_attention(q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tre
     ``num_splits``/``block_n`` override the heuristics (tests use them to exercise the
     merge with several splits).
     """
+    from ..ops import _check_tree_attention
+
+    # The wrapper's shape/layout checks, also here: through torch.ops on a CUDA tensor this
+    # launcher is the kernel, and it indexes with the strides and shapes it assumes (a
+    # non-contiguous lse or tree_mask, a mis-shaped out would be read or written past).
+    _check_tree_attention(q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tree_mask, out, lse)
     T, Hq, D = q.shape
     num_blocks, block_size, Hkv, _ = k_cache.shape
     B, max_blocks = block_table.shape
@@ -221,15 +236,17 @@ def tree_attention(q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tre
     precision = "ieee" if dot_fp32 else "tf32"
 
     common = dict(
-        HQ=Hq, HKV=Hkv, GROUP=group, HEAD_DIM=D, NUM_Q_TILES=num_q_tiles, BLOCK_M=block_m, BLOCK_N=block_n,
+        HQ=Hq, HKV=Hkv, GROUP=group, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=block_d, HAS_MASK=has_mask, DOT_PRECISION=precision, DOT_FP32=dot_fp32,
     )
     args = (q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, mask_arg, part_out, part_lse, float(sm_scale),
             T, num_blocks, max_blocks, block_size, mask_words)
     strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0))
-    _attend_kernel[(B * Hkv * num_q_tiles, num_splits)](*args, split_len, 0, *strides, IS_TREE=False, **common)
-    _attend_kernel[(B * Hkv * num_q_tiles, 1)](*args, split_len, num_splits, *strides, IS_TREE=True, **common)
+    _attend_kernel[(B * Hkv * num_q_tiles, num_splits)](*args, split_len, 0, num_q_tiles, *strides, IS_TREE=False,
+                                                        **common)
+    _attend_kernel[(B * Hkv * num_q_tiles, 1)](*args, split_len, num_splits, num_q_tiles, *strides, IS_TREE=True,
+                                               **common)
     _merge_kernel[(T,)](
         part_out, part_lse, out, lse if lse is not None else part_lse, T, num_parts, out.stride(0), out.stride(1),
         HQ=Hq, HEAD_DIM=D, BLOCK_H=triton.next_power_of_2(Hq), BLOCK_D=block_d, HAS_LSE=lse is not None,
