@@ -98,6 +98,42 @@ def _check_sampling_common(target_logits, draft_probs, temperature, seed, offset
     check_tensor(offset, "offset", dtype=torch.int64, shape=(batch,), device=device)
 
 
+def check_chain_rejection_args(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed,
+                               offset, output_token_ids=None, num_accepted=None):
+    """Validates ``chain_rejection_sample``'s arguments (also called by the Triton launcher,
+    which ``torch.ops`` reaches without this wrapper); returns the destinations, allocated
+    where None."""
+    check_tensor(draft_token_ids, "draft_token_ids", dtype=torch.int64, dims=2)
+    batch, max_drafts = draft_token_ids.shape
+    device = draft_token_ids.device
+    check_tensor(num_draft_tokens, "num_draft_tokens", dtype=torch.int32, shape=(batch,), device=device)
+    _check_sampling_common(target_logits, draft_probs, temperature, seed, offset, batch, max_drafts + 1, max_drafts,
+                           device)
+    output_token_ids = output_tensor(output_token_ids, "output_token_ids", dtype=torch.int64,
+                                     shape=(batch, max_drafts + 1), device=device)
+    num_accepted = output_tensor(num_accepted, "num_accepted", dtype=torch.int32, shape=(batch,), device=device)
+    return output_token_ids, num_accepted
+
+
+def check_tree_rejection_args(parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature, seed,
+                              offset, accepted_nodes=None, output_token_ids=None, num_accepted=None):
+    """Validates ``tree_rejection_sample``'s arguments (as ``check_chain_rejection_args``)."""
+    check_tensor(parents, "parents", dtype=torch.int32, dims=2)
+    batch, max_nodes = parents.shape
+    if max_nodes < 1:
+        raise ValueError(f"parents must have at least one node per request, got shape {list(parents.shape)}")
+    device = parents.device
+    check_tensor(tree_token_ids, "tree_token_ids", dtype=torch.int64, shape=(batch, max_nodes), device=device)
+    check_tensor(num_nodes, "num_nodes", dtype=torch.int32, shape=(batch,), device=device)
+    _check_sampling_common(target_logits, draft_probs, temperature, seed, offset, batch, max_nodes, max_nodes, device)
+    accepted_nodes = output_tensor(accepted_nodes, "accepted_nodes", dtype=torch.int32,
+                                   shape=(batch, max_nodes - 1), device=device)
+    output_token_ids = output_tensor(output_token_ids, "output_token_ids", dtype=torch.int64,
+                                     shape=(batch, max_nodes), device=device)
+    num_accepted = output_tensor(num_accepted, "num_accepted", dtype=torch.int32, shape=(batch,), device=device)
+    return accepted_nodes, output_token_ids, num_accepted
+
+
 def chain_rejection_sample(
     draft_token_ids: torch.Tensor,
     num_draft_tokens: torch.Tensor,
@@ -143,15 +179,9 @@ def chain_rejection_sample(
     clamps the count into 0..K and treats an out-of-range draft as rejected with
     p(x) = 0 (never reading out of bounds).
     """
-    check_tensor(draft_token_ids, "draft_token_ids", dtype=torch.int64, dims=2)
-    batch, max_drafts = draft_token_ids.shape
-    device = draft_token_ids.device
-    check_tensor(num_draft_tokens, "num_draft_tokens", dtype=torch.int32, shape=(batch,), device=device)
-    _check_sampling_common(target_logits, draft_probs, temperature, seed, offset, batch, max_drafts + 1, max_drafts,
-                           device)
-    output_token_ids = output_tensor(output_token_ids, "output_token_ids", dtype=torch.int64,
-                                     shape=(batch, max_drafts + 1), device=device)
-    num_accepted = output_tensor(num_accepted, "num_accepted", dtype=torch.int32, shape=(batch,), device=device)
+    output_token_ids, num_accepted = check_chain_rejection_args(
+        draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed, offset,
+        output_token_ids, num_accepted)
     torch.ops.specdec.chain_rejection_sample(
         draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed, offset,
         output_token_ids, num_accepted,
@@ -207,19 +237,9 @@ def tree_rejection_sample(
     never visits a node whose parent is not an earlier node, and treats an out-of-range
     token as rejected with p(x) = 0 (it never reads out of bounds).
     """
-    check_tensor(parents, "parents", dtype=torch.int32, dims=2)
-    batch, max_nodes = parents.shape
-    if max_nodes < 1:
-        raise ValueError(f"parents must have at least one node per request, got shape {list(parents.shape)}")
-    device = parents.device
-    check_tensor(tree_token_ids, "tree_token_ids", dtype=torch.int64, shape=(batch, max_nodes), device=device)
-    check_tensor(num_nodes, "num_nodes", dtype=torch.int32, shape=(batch,), device=device)
-    _check_sampling_common(target_logits, draft_probs, temperature, seed, offset, batch, max_nodes, max_nodes, device)
-    accepted_nodes = output_tensor(accepted_nodes, "accepted_nodes", dtype=torch.int32,
-                                   shape=(batch, max_nodes - 1), device=device)
-    output_token_ids = output_tensor(output_token_ids, "output_token_ids", dtype=torch.int64,
-                                     shape=(batch, max_nodes), device=device)
-    num_accepted = output_tensor(num_accepted, "num_accepted", dtype=torch.int32, shape=(batch,), device=device)
+    accepted_nodes, output_token_ids, num_accepted = check_tree_rejection_args(
+        parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature, seed, offset,
+        accepted_nodes, output_token_ids, num_accepted)
     torch.ops.specdec.tree_rejection_sample(
         parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature, seed, offset,
         accepted_nodes, output_token_ids, num_accepted,

@@ -509,3 +509,21 @@ def test_torch_compile_fullgraph():
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     got = compiled(chain_args(inp), tree_args(tin))
     assert_same(got, fn(chain_args(inp), tree_args(tin)))
+
+
+@requires_triton
+def test_triton_launchers_check_the_shapes_they_index_with():
+    # Through torch.ops on a CUDA tensor no wrapper runs first: the launchers check too.
+    inp = make_chain_inputs(2, 3, 16)
+    short = dict(inp, target_logits=inp["target_logits"][:, :3])
+    with pytest.raises(ValueError, match="target_logits"):
+        triton_chain(*chain_args(short))
+    with pytest.raises(ValueError, match="draft_probs"):
+        triton_chain(*chain_args(dict(inp, draft_probs=inp["draft_probs"][:, :2])))
+    tin = make_tree_inputs(2, 4, 16)
+    with pytest.raises(ValueError, match="target_logits"):
+        triton_tree(*tree_args(dict(tin, target_logits=tin["target_logits"][:1])))
+    from specdec_kernels.triton import rejection_sampling as tr
+    with pytest.raises(ValueError, match="output_token_ids"):
+        tr.tree_rejection_sample(*tree_args(tin), torch.empty(2, 3, dtype=torch.int32),
+                                 torch.empty(2, 3, dtype=torch.int64), torch.empty(2, dtype=torch.int32))

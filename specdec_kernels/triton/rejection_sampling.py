@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..ops import check_chain_rejection_args, check_tree_rejection_args
 from .rng import philox_uniform
 
 BLOCK_V = 1024
@@ -335,6 +336,10 @@ def _write_outputs(path, num_acc, final, node_tokens, output_token_ids, accepted
 def chain_rejection_sample(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed, offset,
                            output_token_ids, num_accepted):
     """Triton launcher of ``specdec::chain_rejection_sample`` (the chain as the tree [-1, 0, 1, ...])."""
+    # Checked here too: through torch.ops on a CUDA tensor no wrapper has checked the
+    # shapes the kernels index with.
+    check_chain_rejection_args(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed,
+                               offset, output_token_ids, num_accepted)
     batch, max_drafts = draft_token_ids.shape
     device = draft_token_ids.device
     parents = torch.arange(-1, max_drafts, dtype=torch.int32, device=device).unsqueeze(0).expand(batch, -1)
@@ -349,7 +354,9 @@ def chain_rejection_sample(draft_token_ids, num_draft_tokens, target_logits, dra
 
 def tree_rejection_sample(parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature, seed, offset,
                           accepted_nodes, output_token_ids, num_accepted):
-    """Triton launcher of ``specdec::tree_rejection_sample``."""
+    """Triton launcher of ``specdec::tree_rejection_sample`` (arguments checked as for chains)."""
+    check_tree_rejection_args(parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature, seed,
+                              offset, accepted_nodes, output_token_ids, num_accepted)
     n_max = parents.shape[1]
     vocab = target_logits.shape[-1]
     path, num_acc, final = _sample_tree(parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature,
