@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <vector>
 
@@ -77,11 +78,19 @@ inline const float* load_chunk(const scalar_t* src, int64_t n, float* buf) {
   }
 }
 
-// Max of x[0..n) * scale, NaN-propagating (a NaN anywhere gives NaN).
+// Max of x[0..n) * scale, NaN-propagating (a NaN anywhere gives NaN). Four accumulators
+// hide the latency of at::vec::maximum (a max is exact: the order does not matter).
 inline float chunk_max(const float* x, int64_t n, float scale) {
-  Vec acc(-kInf);
+  Vec acc(-kInf), a1(-kInf), a2(-kInf), a3(-kInf);
   const Vec s(scale);
   int64_t i = 0;
+  for (; i + 4 * Vec::size() <= n; i += 4 * Vec::size()) {
+    acc = at::vec::maximum(acc, Vec::loadu(x + i) * s);
+    a1 = at::vec::maximum(a1, Vec::loadu(x + i + Vec::size()) * s);
+    a2 = at::vec::maximum(a2, Vec::loadu(x + i + 2 * Vec::size()) * s);
+    a3 = at::vec::maximum(a3, Vec::loadu(x + i + 3 * Vec::size()) * s);
+  }
+  acc = at::vec::maximum(at::vec::maximum(acc, a1), at::vec::maximum(a2, a3));
   for (; i + Vec::size() <= n; i += Vec::size()) acc = at::vec::maximum(acc, Vec::loadu(x + i) * s);
   if (i < n) acc = at::vec::maximum(acc, Vec::set(Vec(-kInf), Vec::loadu(x + i, n - i) * s, n - i));
   float lanes[Vec::size()];
@@ -172,29 +181,14 @@ RowStats row_stats(const scalar_t* row, int64_t vocab, float temperature) {
 template <typename scalar_t>
 bool row_valid(const scalar_t* row, int64_t vocab, float scale) {
   float buf[kChunk];
-  const Vec s(scale);
-  Vec a0(-kInf), a1(-kInf), a2(-kInf), a3(-kInf);  // four chains hide the max latency
+  float m = -kInf;
   for (int64_t begin = 0; begin < vocab; begin += kChunk) {
     const int64_t n = std::min(kChunk, vocab - begin);
-    const float* x = load_chunk(row + begin, n, buf);
-    int64_t i = 0;
-    for (; i + 4 * Vec::size() <= n; i += 4 * Vec::size()) {
-      a0 = at::vec::maximum(a0, Vec::loadu(x + i) * s);
-      a1 = at::vec::maximum(a1, Vec::loadu(x + i + Vec::size()) * s);
-      a2 = at::vec::maximum(a2, Vec::loadu(x + i + 2 * Vec::size()) * s);
-      a3 = at::vec::maximum(a3, Vec::loadu(x + i + 3 * Vec::size()) * s);
-    }
-    if (i < n) a0 = at::vec::maximum(a0, Vec(chunk_max(x + i, n - i, scale)));
+    const float cm = chunk_max(load_chunk(row + begin, n, buf), n, scale);
+    if (std::isnan(cm) || cm == kInf) return false;
+    m = std::max(m, cm);
   }
-  // at::vec::maximum propagates NaN, so a NaN anywhere survives to the end.
-  float lanes[Vec::size()];
-  at::vec::maximum(at::vec::maximum(a0, a1), at::vec::maximum(a2, a3)).store(lanes);
-  float m = -kInf;
-  for (int l = 0; l < Vec::size(); ++l) {
-    if (std::isnan(lanes[l])) return false;
-    m = std::max(m, lanes[l]);
-  }
-  return std::isfinite(m);
+  return m > -kInf;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -386,9 +380,11 @@ SPECDEC_AVX512 int64_t compact_positive_avx512(const float* w, int64_t n, uint32
   return m;
 }
 
+// SPECDEC_DISABLE_AVX512=1 (read once) forces the AVX2 kernels, e.g. to test them.
 inline bool cpu_has_avx512() {
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw");
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
+                          !(std::getenv("SPECDEC_DISABLE_AVX512") && std::getenv("SPECDEC_DISABLE_AVX512")[0] == '1');
   return has;
 }
 #else
