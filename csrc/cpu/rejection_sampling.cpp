@@ -120,6 +120,13 @@ inline Vec chunk_sum_exp(const float* x, int64_t n, float scale, float m) {
   return acc;
 }
 
+// Hardware prefetchers stop at 4 KiB pages, and a chunk of fp32 logits is one page: the
+// kernels ask for the next chunk of each row they stream while computing on this one.
+template <typename T>
+inline void prefetch(const T* p) {
+  __builtin_prefetch(static_cast<const void*>(p), 0, 3);
+}
+
 inline float hsum(const Vec& v) {
   float lanes[Vec::size()];
   v.store(lanes);
@@ -137,12 +144,13 @@ struct RowStats {
   float sum = 0.0f;      // sum exp(l / T - max) (sampled only)
   int64_t argmax = -1;   // first argmax of l (greedy only)
   bool valid = false;    // no NaN, no +inf, not all -inf
-  bool full = false;     // max, sum and argmax computed (else only `valid`)
+  bool full = false;     // computed by row_stats (else nothing is known yet)
 };
 
 template <typename scalar_t>
 RowStats row_stats(const scalar_t* row, int64_t vocab, float temperature) {
   RowStats st;
+  st.full = true;  // also when the row turns out invalid
   const bool greedy = !(temperature > 0.0f);
   const float scale = greedy ? 1.0f : 1.0f / temperature;
   float buf[kChunk];
@@ -151,6 +159,9 @@ RowStats row_stats(const scalar_t* row, int64_t vocab, float temperature) {
   int64_t best = -1;
   for (int64_t begin = 0; begin < vocab; begin += kChunk) {
     const int64_t n = std::min(kChunk, vocab - begin);
+    if (begin + kChunk < vocab)
+      for (int64_t i = 0; i < std::min(kChunk, vocab - begin - kChunk); i += 64 / sizeof(scalar_t))
+        prefetch(row + begin + kChunk + i);
     const float* x = load_chunk(row + begin, n, buf);
     const float cm = chunk_max(x, n, scale);
     if (std::isnan(cm) || cm == kInf) return st;  // invalid
@@ -170,25 +181,7 @@ RowStats row_stats(const scalar_t* row, int64_t vocab, float temperature) {
   st.sum = greedy ? 0.0f : hsum(acc);
   st.argmax = best;
   st.valid = greedy || (st.sum > 0.0f && std::isfinite(st.sum));
-  st.full = true;
   return st;
-}
-
-// Whether row_stats(row, vocab, temperature).valid holds for a sampled row (temperature
-// > 0), without its exponentials: the max of l / T is finite exactly when the row has no
-// NaN, no +inf (after scaling) and is not all -inf, and then its sum is positive and
-// finite. Memory-bound; used for the rows in use that the walk may never reach.
-template <typename scalar_t>
-bool row_valid(const scalar_t* row, int64_t vocab, float scale) {
-  float buf[kChunk];
-  float m = -kInf;
-  for (int64_t begin = 0; begin < vocab; begin += kChunk) {
-    const int64_t n = std::min(kChunk, vocab - begin);
-    const float cm = chunk_max(load_chunk(row + begin, n, buf), n, scale);
-    if (std::isnan(cm) || cm == kInf) return false;
-    m = std::max(m, cm);
-  }
-  return m > -kInf;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -416,12 +409,24 @@ struct RaceSpec {
   const float* q = nullptr;
   float coef = 0.0f;
   std::vector<int64_t> excluded;
+  // Rows in use that the walk did not reach (flat indices): their validity check (a
+  // memory-bound max) runs inside the race, hidden behind its arithmetic.
+  std::vector<int64_t> unchecked;
 };
 
 struct RaceResult {
   float score = -1.0f;
   int64_t index = -1;
 };
+
+// Running max of chunk maxima (chunk_max with scale 1 / T) of an unchecked row, NaN once
+// a NaN or +inf was seen: the row is valid iff the final value is finite. This is exactly
+// row_stats(...).valid of a sampled row without its exponentials (when the max is finite
+// the sum holds exp(0) and is finite).
+inline float combine_check(float acc, float chunk) {
+  if (std::isnan(acc) || std::isnan(chunk) || chunk == kInf) return std::numeric_limits<float>::quiet_NaN();
+  return std::max(acc, chunk);
+}
 
 // Pruning the race. An entry scores w / E with E = -log(u) >= 1 - u (u in (0, 1], 1 - u
 // exact in fp32), so it cannot beat the best score S found before it (a tie goes to the
@@ -449,9 +454,11 @@ inline bool any_lane(const Vec& mask) {
 }
 
 // Race over vocabulary entries [begin, end) of the spec's row.
+// check_max (spec.unchecked.size() entries, when check) receives the running maxima of
+// the unchecked rows over [begin, end) (see combine_check).
 template <typename scalar_t>
 RaceResult race_tile(const scalar_t* logits, int64_t vocab, const RaceSpec& spec, const PhiloxPlan& plan,
-                     int64_t begin, int64_t end, bool ignore_q) {
+                     int64_t begin, int64_t end, bool ignore_q, bool check, float* check_max) {
   const scalar_t* row = logits + spec.row * vocab;
   const float* q = ignore_q ? nullptr : spec.q;
   const bool use_excluded = !ignore_q;
@@ -463,11 +470,23 @@ RaceResult race_tile(const scalar_t* logits, int64_t vocab, const RaceSpec& spec
   RaceResult res;
   const Vec s(spec.inv_t), vm(spec.max), zero(0.0f), minus_one(-1.0f), one(1.0f), coef(spec.coef);
   const Vec slack(kPruneSlack), min_weight(kPruneMinWeight);
+  const int64_t num_check = check ? static_cast<int64_t>(spec.unchecked.size()) : 0;
+  for (int64_t j = 0; j < num_check; ++j) check_max[j] = -kInf;
   for (int64_t c0 = begin; c0 < end; c0 += kChunk) {
     const int64_t n = std::min(kChunk, end - c0);
+    for (int64_t j = 0; j < num_check; ++j)
+      check_max[j] = combine_check(
+          check_max[j], chunk_max(load_chunk(logits + spec.unchecked[j] * vocab + c0, n, buf), n, spec.inv_t));
     const float* x = load_chunk(row + c0, n, buf);
+    const bool ahead = c0 + kChunk < vocab;  // prefetch the next chunk of every stream
     int64_t i = 0;
     for (; i < n; i += Vec::size()) {
+      if (ahead && (i & 15) == 0) {  // one 64-byte line of each fp32 stream per 16 entries
+        const int64_t a = std::min(c0 + kChunk + i, vocab - 1);
+        prefetch(row + a);
+        if (q) prefetch(q + a);
+        for (int64_t j = 0; j < num_check; ++j) prefetch(logits + spec.unchecked[j] * vocab + a);
+      }
       const int64_t cnt = std::min<int64_t>(Vec::size(), n - i);
       Vec e = (Vec::loadu(x + i, cnt) * s - vm).exp_u20();
       if (q) e = at::vec::maximum(e - coef * Vec::loadu(q + c0 + i, cnt), zero);
@@ -529,18 +548,24 @@ RaceResult race_tile(const scalar_t* logits, int64_t vocab, const RaceSpec& spec
 // a request has no spec). When the weights are all zero, races over p of the same row.
 template <typename scalar_t>
 std::vector<int64_t> run_races(const scalar_t* logits, int64_t vocab, const std::vector<RaceSpec>& specs,
-                               const int64_t* seed, const int64_t* offset) {
+                               const int64_t* seed, const int64_t* offset, std::vector<char>& valid) {
   const int64_t batch = static_cast<int64_t>(specs.size());
   const int64_t tiles = (vocab + kRaceTile - 1) / kRaceTile;
   std::vector<RaceResult> partial(batch * tiles);
+  // Maxima of the unchecked rows per (request, tile): request b's start at check_at[b].
+  std::vector<int64_t> check_at(batch + 1, 0);
+  for (int64_t b = 0; b < batch; ++b)
+    check_at[b + 1] = check_at[b] + tiles * static_cast<int64_t>(specs[b].unchecked.size());
+  std::vector<float> check_max(check_at[batch]);
   auto run = [&](bool ignore_q, const std::vector<char>& todo) {
     at::parallel_for(0, batch * tiles, grain_for(kRaceTile), [&](int64_t lo, int64_t hi) {
       for (int64_t t = lo; t < hi; ++t) {
         const int64_t b = t / tiles, tile = t % tiles;
         if (!todo[b]) continue;
         const PhiloxPlan plan(make_key(seed[b], offset[b], specs[b].position, kPurposeSample));
-        partial[t] = race_tile(logits, vocab, specs[b], plan, tile * kRaceTile,
-                               std::min(vocab, (tile + 1) * kRaceTile), ignore_q);
+        partial[t] = race_tile(logits, vocab, specs[b], plan, tile * kRaceTile, std::min(vocab, (tile + 1) * kRaceTile),
+                               ignore_q, !ignore_q,
+                               check_max.data() + check_at[b] + tile * static_cast<int64_t>(specs[b].unchecked.size()));
       }
     });
   };
@@ -556,6 +581,13 @@ std::vector<int64_t> run_races(const scalar_t* logits, int64_t vocab, const std:
   std::vector<int64_t> winner(batch, -1);
   bool fallback = false;
   for (int64_t b = 0; b < batch; ++b) {
+    if (!todo[b]) continue;
+    const int64_t num_check = static_cast<int64_t>(specs[b].unchecked.size());
+    for (int64_t j = 0; j < num_check; ++j) {
+      float m = -kInf;
+      for (int64_t tile = 0; tile < tiles; ++tile) m = combine_check(m, check_max[check_at[b] + tile * num_check + j]);
+      if (!std::isfinite(m)) valid[b] = 0, todo[b] = 0;
+    }
     if (!todo[b]) continue;
     winner[b] = reduce(b);
     todo[b] = winner[b] < 0;  // residual without mass (rounding only): draw from p
@@ -611,6 +643,7 @@ struct WalkResult {
   std::vector<int64_t> path;  // accepted nodes, root excluded
   int64_t final_token = -1;   // set for greedy requests
   RaceSpec race;              // set for sampled requests
+  bool invalid = false;       // a row the walk reached is invalid (the request gives -1)
 };
 
 // `row0`: flat index of this request's row 0; `stats`: its rows' statistics;
@@ -639,8 +672,12 @@ WalkResult walk(const TreeView& tree, const scalar_t* logits, int64_t vocab, int
   }
   const float inv_t = 1.0f / temperature;
   while (true) {
-    // Rows below the root get their exponentials only when the walk reaches them.
+    // Rows below the root get their statistics only when the walk reaches them.
     if (!stats[node].full) stats[node] = row_stats(logits + (row0 + node) * vocab, vocab, temperature);
+    if (!stats[node].valid) {
+      res.invalid = true;
+      return res;
+    }
     const RowStats& st = stats[node];
     const scalar_t* row = logits + (row0 + node) * vocab;
     const float* q = q_rows ? q_rows + node * vocab : nullptr;
@@ -719,44 +756,46 @@ void sample_requests(const std::vector<Request>& reqs, const at::Tensor& logits,
   const int64_t batch = static_cast<int64_t>(reqs.size());
   const int64_t vocab = logits.size(-1);
   const scalar_t* data = logits.data_ptr<scalar_t>();
-  // Phase 1. Every row in use decides whether the request is valid, but the walk stops at
-  // the first rejection, so of a sampled request only the root row surely needs its
-  // exponentials: the other rows are only checked here (a memory-bound max) and get their
-  // statistics in the walk if it reaches them. Greedy rows need no exponentials at all.
+  // Phase 1. Any invalid row in use makes the request invalid, but the walk stops at the
+  // first rejection, so of a sampled request only the root row surely needs its
+  // statistics (exponentials): the walk computes those of the rows it reaches, and the
+  // rows it does not reach are checked (a memory-bound max) inside the race, where the
+  // race's arithmetic hides the memory traffic. Greedy rows need no exponentials: all are
+  // done here.
   std::vector<RowStats> stats(batch * rows_per_request);
   at::parallel_for(0, batch * rows_per_request, grain_for(vocab), [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {
       const int64_t b = r / rows_per_request, k = r % rows_per_request;
-      if (k >= reqs[b].num_rows) continue;
-      const scalar_t* row = data + (reqs[b].row0 + k) * vocab;
-      const float t = temperature[b];
-      if (k == 0 || !(t > 0.0f))
-        stats[r] = row_stats(row, vocab, t);
-      else
-        stats[r].valid = row_valid(row, vocab, 1.0f / t);
+      if (k >= reqs[b].num_rows || (k > 0 && temperature[b] > 0.0f)) continue;
+      stats[r] = row_stats(data + (reqs[b].row0 + k) * vocab, vocab, temperature[b]);
     }
   });
   // Phase 2.
   walks.assign(batch, WalkResult());
   valid.assign(batch, 0);
-  // A walk passes over the rows it reaches (their statistics, tree residual masses).
   at::parallel_for(0, batch, grain_for(vocab), [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b) {
       RowStats* st = stats.data() + b * rows_per_request;
-      if (reqs[b].num_rows == 0) continue;
+      const int64_t num_rows = reqs[b].num_rows;
+      if (num_rows == 0) continue;
       bool ok = true;
-      for (int64_t k = 0; k < reqs[b].num_rows; ++k) ok &= st[k].valid;
+      for (int64_t k = 0; k < num_rows; ++k) ok &= !st[k].full || st[k].valid;
       if (!ok) continue;
+      WalkResult w = walk(reqs[b].tree, data, vocab, reqs[b].row0, st,
+                          q_base ? q_base + b * q_rows_per_request * vocab : nullptr, temperature[b], seed[b], offset[b]);
+      if (w.invalid) continue;
+      if (w.race.row >= 0)
+        for (int64_t k = 0; k < num_rows; ++k)
+          if (!st[k].full) w.race.unchecked.push_back(reqs[b].row0 + k);
+      walks[b] = std::move(w);
       valid[b] = 1;
-      walks[b] = walk(reqs[b].tree, data, vocab, reqs[b].row0, st,
-                      q_base ? q_base + b * q_rows_per_request * vocab : nullptr, temperature[b], seed[b], offset[b]);
     }
   });
-  // Phase 3.
+  // Phase 3 (also drops the requests with an invalid unchecked row).
   std::vector<RaceSpec> specs(batch);
   for (int64_t b = 0; b < batch; ++b)
     if (valid[b]) specs[b] = walks[b].race;
-  std::vector<int64_t> winner = run_races(data, vocab, specs, seed, offset);
+  std::vector<int64_t> winner = run_races(data, vocab, specs, seed, offset, valid);
   for (int64_t b = 0; b < batch; ++b)
     if (valid[b] && specs[b].row >= 0) walks[b].final_token = winner[b];
 }
