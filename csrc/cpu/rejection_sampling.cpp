@@ -110,21 +110,34 @@ inline int64_t first_equal(const float* x, int64_t n, float scale, float value) 
   return 0;
 }
 
-// sum_i exp(x[i] * scale - m) as a vector accumulator (padding lanes contribute 0).
-inline Vec chunk_sum_exp(const float* x, int64_t n, float scale, float m) {
-  Vec acc(0.0f);
-  const Vec s(scale), vm(m);
-  int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) acc = acc + (Vec::loadu(x + i) * s - vm).exp_u20();
-  if (i < n) acc = acc + Vec::set(Vec(0.0f), (Vec::loadu(x + i, n - i) * s - vm).exp_u20(), n - i);
-  return acc;
-}
-
 // Hardware prefetchers stop at 4 KiB pages, and a chunk of fp32 logits is one page: the
 // kernels ask for the next chunk of each row they stream while computing on this one.
 template <typename T>
 inline void prefetch(const T* p) {
   __builtin_prefetch(static_cast<const void*>(p), 0, 3);
+}
+
+// Issues the prefetches of [p, p + bytes) one line at a time, spread over a loop.
+struct PrefetchStream {
+  const char* p = nullptr;
+  const char* end = nullptr;
+  void step() {
+    if (p < end) prefetch(p), p += 64;
+  }
+};
+
+// sum_i exp(x[i] * scale - m) as a vector accumulator (padding lanes contribute 0); one
+// line of `ahead` is prefetched per 16 entries.
+inline Vec chunk_sum_exp(const float* x, int64_t n, float scale, float m, PrefetchStream ahead) {
+  Vec acc(0.0f);
+  const Vec s(scale), vm(m);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    if ((i & 15) == 0) ahead.step();
+    acc = acc + (Vec::loadu(x + i) * s - vm).exp_u20();
+  }
+  if (i < n) acc = acc + Vec::set(Vec(0.0f), (Vec::loadu(x + i, n - i) * s - vm).exp_u20(), n - i);
+  return acc;
 }
 
 inline float hsum(const Vec& v) {
@@ -159,9 +172,13 @@ RowStats row_stats(const scalar_t* row, int64_t vocab, float temperature) {
   int64_t best = -1;
   for (int64_t begin = 0; begin < vocab; begin += kChunk) {
     const int64_t n = std::min(kChunk, vocab - begin);
-    if (begin + kChunk < vocab)
-      for (int64_t i = 0; i < std::min(kChunk, vocab - begin - kChunk); i += 64 / sizeof(scalar_t))
-        prefetch(row + begin + kChunk + i);
+    PrefetchStream ahead;  // the next chunk
+    if (begin + kChunk < vocab) {
+      ahead.p = reinterpret_cast<const char*>(row + begin + kChunk);
+      ahead.end = reinterpret_cast<const char*>(row + std::min(vocab, begin + 2 * kChunk));
+    }
+    if (greedy)  // memory-bound: nothing to spread the prefetches over
+      for (PrefetchStream all = ahead; all.p < all.end;) all.step();
     const float* x = load_chunk(row + begin, n, buf);
     const float cm = chunk_max(x, n, scale);
     if (std::isnan(cm) || cm == kInf) return st;  // invalid
@@ -174,7 +191,7 @@ RowStats row_stats(const scalar_t* row, int64_t vocab, float temperature) {
       }
       m = cm;
     }
-    if (!greedy) acc = acc + chunk_sum_exp(x, n, scale, m);
+    if (!greedy) acc = acc + chunk_sum_exp(x, n, scale, m, ahead);
   }
   if (m == -kInf) return st;  // all -inf
   st.max = m;
