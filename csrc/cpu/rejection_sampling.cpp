@@ -320,6 +320,11 @@ inline void philox_uniforms_avx2(const PhiloxPlan& p, uint32_t base, const uint3
 }
 
 #define SPECDEC_AVX512 __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,popcnt")))
+// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized (their _mm512_undefined_*), and
+// -Wpsabi notes that these internal helpers pass 512-bit vectors: both harmless here.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 // The same with 16 indices per step and three-way XORs in one instruction.
 // (Lambdas would not inherit the target attribute.)
@@ -389,6 +394,8 @@ SPECDEC_AVX512 int64_t compact_positive_avx512(const float* w, int64_t n, uint32
   }
   return m;
 }
+
+#pragma GCC diagnostic pop
 
 // SPECDEC_DISABLE_AVX512=1 (read once) forces the AVX2 kernels, e.g. to test them.
 inline bool cpu_has_avx512() {
