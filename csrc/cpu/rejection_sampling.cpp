@@ -119,10 +119,20 @@ inline void prefetch(const T* p) {
 
 // Issues the prefetches of [p, p + bytes) one line at a time, spread over a loop.
 struct PrefetchStream {
-  const char* p = nullptr;
-  const char* end = nullptr;
-  void step() {
-    if (p < end) prefetch(p), p += 64;
+  static constexpr int kMax = 8;
+  const char* p[kMax];
+  const char* end[kMax];
+  int n = 0;
+  void add(const void* begin, const void* stop) {
+    p[n] = static_cast<const char*>(begin), end[n] = static_cast<const char*>(stop), ++n;
+  }
+  void step() {  // one line of every stream
+    for (int j = 0; j < n; ++j)
+      if (p[j] < end[j]) prefetch(p[j]), p[j] += 64;
+  }
+  void all() const {
+    for (int j = 0; j < n; ++j)
+      for (const char* a = p[j]; a < end[j]; a += 64) prefetch(a);
   }
 };
 
@@ -152,16 +162,30 @@ inline float hsum(const Vec& v) {
 // Phase 1: row statistics.
 // ---------------------------------------------------------------------------------------
 
+// Running max of chunk maxima (chunk_max with scale 1 / T) of an unchecked row, NaN once
+// a NaN or +inf was seen: the row is valid iff the final value is finite. This is exactly
+// row_stats(...).valid of a sampled row without its exponentials (when the max is finite
+// the sum holds exp(0) and is finite).
+inline float combine_check(float acc, float chunk) {
+  if (std::isnan(acc) || std::isnan(chunk) || chunk == kInf) return std::numeric_limits<float>::quiet_NaN();
+  return std::max(acc, chunk);
+}
+
 struct RowStats {
   float max = 0.0f;      // max of l / T (sampled) or of l (greedy)
   float sum = 0.0f;      // sum exp(l / T - max) (sampled only)
   int64_t argmax = -1;   // first argmax of l (greedy only)
   bool valid = false;    // no NaN, no +inf, not all -inf
-  bool full = false;     // computed by row_stats (else nothing is known yet)
+  bool full = false;     // computed by row_stats
+  bool checked = false;  // not full, but `valid` is known (checked alongside another row)
 };
 
+// check_rows (num_check < PrefetchStream::kMax of them, sampled rows only) are checked in
+// the same pass (combine_check maxima into check_max), their memory traffic hidden behind
+// the exponentials. The checks are incomplete when the row itself is invalid.
 template <typename scalar_t>
-RowStats row_stats(const scalar_t* row, int64_t vocab, float temperature) {
+RowStats row_stats(const scalar_t* row, int64_t vocab, float temperature, const scalar_t* const* check_rows = nullptr,
+                   int num_check = 0, float* check_max = nullptr) {
   RowStats st;
   st.full = true;  // also when the row turns out invalid
   const bool greedy = !(temperature > 0.0f);
@@ -170,15 +194,18 @@ RowStats row_stats(const scalar_t* row, int64_t vocab, float temperature) {
   float m = -kInf;
   Vec acc(0.0f);
   int64_t best = -1;
+  for (int j = 0; j < num_check; ++j) check_max[j] = -kInf;
   for (int64_t begin = 0; begin < vocab; begin += kChunk) {
     const int64_t n = std::min(kChunk, vocab - begin);
     PrefetchStream ahead;  // the next chunk
     if (begin + kChunk < vocab) {
-      ahead.p = reinterpret_cast<const char*>(row + begin + kChunk);
-      ahead.end = reinterpret_cast<const char*>(row + std::min(vocab, begin + 2 * kChunk));
+      const int64_t next_end = std::min(vocab, begin + 2 * kChunk);
+      ahead.add(row + begin + kChunk, row + next_end);
+      for (int j = 0; j < num_check; ++j) ahead.add(check_rows[j] + begin + kChunk, check_rows[j] + next_end);
     }
-    if (greedy)  // memory-bound: nothing to spread the prefetches over
-      for (PrefetchStream all = ahead; all.p < all.end;) all.step();
+    if (greedy) ahead.all();  // memory-bound: nothing to spread the prefetches over
+    for (int j = 0; j < num_check; ++j)
+      check_max[j] = combine_check(check_max[j], chunk_max(load_chunk(check_rows[j] + begin, n, buf), n, scale));
     const float* x = load_chunk(row + begin, n, buf);
     const float cm = chunk_max(x, n, scale);
     if (std::isnan(cm) || cm == kInf) return st;  // invalid
@@ -443,14 +470,6 @@ struct RaceResult {
   int64_t index = -1;
 };
 
-// Running max of chunk maxima (chunk_max with scale 1 / T) of an unchecked row, NaN once
-// a NaN or +inf was seen: the row is valid iff the final value is finite. This is exactly
-// row_stats(...).valid of a sampled row without its exponentials (when the max is finite
-// the sum holds exp(0) and is finite).
-inline float combine_check(float acc, float chunk) {
-  if (std::isnan(acc) || std::isnan(chunk) || chunk == kInf) return std::numeric_limits<float>::quiet_NaN();
-  return std::max(acc, chunk);
-}
 
 // Pruning the race. An entry scores w / E with E = -log(u) >= 1 - u (u in (0, 1], 1 - u
 // exact in fp32), so it cannot beat the best score S found before it (a tie goes to the
@@ -782,16 +801,35 @@ void sample_requests(const std::vector<Request>& reqs, const at::Tensor& logits,
   const scalar_t* data = logits.data_ptr<scalar_t>();
   // Phase 1. Any invalid row in use makes the request invalid, but the walk stops at the
   // first rejection, so of a sampled request only the root row surely needs its
-  // statistics (exponentials): the walk computes those of the rows it reaches, and the
-  // rows it does not reach are checked (a memory-bound max) inside the race, where the
-  // race's arithmetic hides the memory traffic. Greedy rows need no exponentials: all are
-  // done here.
+  // statistics (exponentials): the walk computes those of the rows it reaches. The other
+  // rows only need a validity check (a memory-bound max), done where arithmetic hides the
+  // memory traffic: the last ~40% of them (the least likely to be reached) alongside the
+  // root's exponentials here, the rest that the walk did not reach inside the race (which
+  // has more arithmetic per byte: Philox). Greedy rows need no exponentials: all are done
+  // here.
   std::vector<RowStats> stats(batch * rows_per_request);
   at::parallel_for(0, batch * rows_per_request, grain_for(vocab), [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {
       const int64_t b = r / rows_per_request, k = r % rows_per_request;
-      if (k >= reqs[b].num_rows || (k > 0 && temperature[b] > 0.0f)) continue;
-      stats[r] = row_stats(data + (reqs[b].row0 + k) * vocab, vocab, temperature[b]);
+      const int64_t num_rows = reqs[b].num_rows;
+      const float t = temperature[b];
+      if (k >= num_rows || (k > 0 && t > 0.0f)) continue;
+      const scalar_t* row = data + (reqs[b].row0 + k) * vocab;
+      if (!(t > 0.0f)) {
+        stats[r] = row_stats(row, vocab, t);
+        continue;
+      }
+      const int num_check = static_cast<int>(std::min<int64_t>(PrefetchStream::kMax - 1, (num_rows - 1) * 2 / 5));
+      const int64_t first = num_rows - num_check;
+      const scalar_t* check_rows[PrefetchStream::kMax];
+      float check_max[PrefetchStream::kMax];
+      for (int j = 0; j < num_check; ++j) check_rows[j] = data + (reqs[b].row0 + first + j) * vocab;
+      stats[r] = row_stats(row, vocab, t, check_rows, num_check, check_max);
+      for (int j = 0; j < num_check; ++j) {
+        RowStats& checked = stats[b * rows_per_request + first + j];  // only this task writes it
+        checked.checked = true;
+        checked.valid = std::isfinite(check_max[j]);
+      }
     }
   });
   // Phase 2.
@@ -803,14 +841,14 @@ void sample_requests(const std::vector<Request>& reqs, const at::Tensor& logits,
       const int64_t num_rows = reqs[b].num_rows;
       if (num_rows == 0) continue;
       bool ok = true;
-      for (int64_t k = 0; k < num_rows; ++k) ok &= !st[k].full || st[k].valid;
+      for (int64_t k = 0; k < num_rows; ++k) ok &= !(st[k].full || st[k].checked) || st[k].valid;
       if (!ok) continue;
       WalkResult w = walk(reqs[b].tree, data, vocab, reqs[b].row0, st,
                           q_base ? q_base + b * q_rows_per_request * vocab : nullptr, temperature[b], seed[b], offset[b]);
       if (w.invalid) continue;
       if (w.race.row >= 0)
         for (int64_t k = 0; k < num_rows; ++k)
-          if (!st[k].full) w.race.unchecked.push_back(reqs[b].row0 + k);
+          if (!st[k].full && !st[k].checked) w.race.unchecked.push_back(reqs[b].row0 + k);
       walks[b] = std::move(w);
       valid[b] = 1;
     }
