@@ -1,19 +1,29 @@
 // CPU kernels of specdec::chain_rejection_sample, specdec::tree_rejection_sample and
 // specdec::apply_top_k_top_p (semantics: DESIGN.md and the docstrings in ops.py).
 //
-// Rejection sampling runs in three phases, none of which materialises a softmax:
-//   1. row statistics, parallel over (request, row): for sampled requests the max m and
-//      Z = sum_v exp(l_v / T - m) in one pass (chunk max, then sum of exponentials over the
-//      chunk while it is in L1); for greedy requests the first argmax; NaN / +inf /
-//      all -inf rows mark the request invalid;
+// Rejection sampling runs in three phases, none of which materialises a softmax. Every
+// row in use must be checked (NaN / +inf / all -inf make the request -1), but the walk
+// stops at the first rejection, so exponentials are computed only for the rows it
+// reaches, and each row in use is read once unless the walk reaches it:
+//   1. parallel over requests: the root row's statistics, the max m and Z = sum_v
+//      exp(l_v / T - m) in one pass (chunk max, then sum of exponentials over the chunk
+//      while it is in L1), with the validity check (a max) of the last ~40% of the other
+//      rows in use fused in; greedy requests: the first argmax of every row in use;
 //   2. the acceptance walk per request: p(x) = exp(l_x / T - m) / Z for the drafted token
-//      x, compared with the uniform of (position of x, PURPOSE_ACCEPT); the walk ends with
-//      a "race spec" saying from which unnormalised weights the last token is drawn:
-//      w_v = max(exp(l_v / T - m) - C q_v, 0) with some tokens zeroed (C = 0 and no q for
-//      the bonus token);
+//      x, compared with the uniform of (position of x, PURPOSE_ACCEPT), computing the
+//      statistics of each row it reaches; the walk ends with a "race spec" saying from
+//      which unnormalised weights the last token is drawn: w_v = max(exp(l_v / T - m) -
+//      C q_v, 0) with some tokens zeroed (C = 0 and no q for the bonus token);
 //   3. the exponential race argmax_v w_v / (-log u_v), parallel over (request, vocabulary
-//      tile), with Philox uniforms computed 8 lanes at a time, then a reduction over tiles
-//      (ties to the lower index). Only the row the walk stopped at is read again.
+//      tile), with the validity checks of the remaining unreached rows fused in (their
+//      memory traffic hidden behind Philox); the positive weights are compacted, Philox
+//      runs 16 (AVX-512) or 8 (AVX2) lanes at a time with the index-independent parts of
+//      rounds 1-2 precomputed, and the log is skipped where -log(u) >= 1 - u proves an
+//      entry cannot win (see kPruneSlack); then a reduction over tiles (ties to the lower
+//      index).
+// Streams are prefetched a 4 KiB chunk ahead (hardware prefetchers stop at pages).
+// Results are bit-identical to the plain three-pass algorithm (all statistics first, no
+// pruning), which tests/test_rejection_sampling*.py check through python_ref.
 // Tree residuals after an i.i.d. rejection need the residual's mass; it is computed by one
 // extra pass over the row per rejected sibling (never for the last one).
 
