@@ -7,7 +7,7 @@
 // reaches, and each row in use is read once unless the walk reaches it:
 //   1. parallel over requests: the root row's statistics, the max m and Z = sum_v
 //      exp(l_v / T - m) in one pass (chunk max, then sum of exponentials over the chunk
-//      while it is in L1), with the validity check (a max) of the last ~40% of the other
+//      while it is in L1), with the validity check (a max) of the last ~60% of the other
 //      rows in use fused in; greedy requests: the first argmax of every row in use;
 //   2. the acceptance walk per request: p(x) = exp(l_x / T - m) / Z for the drafted token
 //      x, compared with the uniform of (position of x, PURPOSE_ACCEPT), computing the
@@ -813,10 +813,10 @@ void sample_requests(const std::vector<Request>& reqs, const at::Tensor& logits,
   // first rejection, so of a sampled request only the root row surely needs its
   // statistics (exponentials): the walk computes those of the rows it reaches. The other
   // rows only need a validity check (a memory-bound max), done where arithmetic hides the
-  // memory traffic: the last ~40% of them (the least likely to be reached) alongside the
+  // memory traffic: the last ~60% of them (the least likely to be reached) alongside the
   // root's exponentials here, the rest that the walk did not reach inside the race (which
-  // has more arithmetic per byte: Philox). Greedy rows need no exponentials: all are done
-  // here.
+  // also streams q: the split keeps the number of streams of both passes close; measured
+  // best among 40 / 60%). Greedy rows need no exponentials: all are done here.
   std::vector<RowStats> stats(batch * rows_per_request);
   at::parallel_for(0, batch * rows_per_request, grain_for(vocab), [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {
@@ -829,7 +829,7 @@ void sample_requests(const std::vector<Request>& reqs, const at::Tensor& logits,
         stats[r] = row_stats(row, vocab, t);
         continue;
       }
-      const int num_check = static_cast<int>(std::min<int64_t>(PrefetchStream::kMax - 1, (num_rows - 1) * 2 / 5));
+      const int num_check = static_cast<int>(std::min<int64_t>(PrefetchStream::kMax - 1, (num_rows - 1) * 3 / 5));
       const int64_t first = num_rows - num_check;
       const scalar_t* check_rows[PrefetchStream::kMax];
       float check_max[PrefetchStream::kMax];
