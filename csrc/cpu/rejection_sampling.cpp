@@ -1,19 +1,29 @@
 // CPU kernels of specdec::chain_rejection_sample, specdec::tree_rejection_sample and
 // specdec::apply_top_k_top_p (semantics: DESIGN.md and the docstrings in ops.py).
 //
-// Rejection sampling runs in three phases, none of which materialises a softmax:
-//   1. row statistics, parallel over (request, row): for sampled requests the max m and
-//      Z = sum_v exp(l_v / T - m) in one pass (chunk max, then sum of exponentials over the
-//      chunk while it is in L1); for greedy requests the first argmax; NaN / +inf /
-//      all -inf rows mark the request invalid;
+// Rejection sampling runs in three phases, none of which materialises a softmax. Every
+// row in use must be checked (NaN / +inf / all -inf make the request -1), but the walk
+// stops at the first rejection, so exponentials are computed only for the rows it
+// reaches, and each row in use is read once unless the walk reaches it:
+//   1. parallel over requests: the root row's statistics, the max m and Z = sum_v
+//      exp(l_v / T - m) in one pass (chunk max, then sum of exponentials over the chunk
+//      while it is in L1), with the validity check (a max) of the last ~60% of the other
+//      rows in use fused in; greedy requests: the first argmax of every row in use;
 //   2. the acceptance walk per request: p(x) = exp(l_x / T - m) / Z for the drafted token
-//      x, compared with the uniform of (position of x, PURPOSE_ACCEPT); the walk ends with
-//      a "race spec" saying from which unnormalised weights the last token is drawn:
-//      w_v = max(exp(l_v / T - m) - C q_v, 0) with some tokens zeroed (C = 0 and no q for
-//      the bonus token);
+//      x, compared with the uniform of (position of x, PURPOSE_ACCEPT), computing the
+//      statistics of each row it reaches; the walk ends with a "race spec" saying from
+//      which unnormalised weights the last token is drawn: w_v = max(exp(l_v / T - m) -
+//      C q_v, 0) with some tokens zeroed (C = 0 and no q for the bonus token);
 //   3. the exponential race argmax_v w_v / (-log u_v), parallel over (request, vocabulary
-//      tile), with Philox uniforms computed 8 lanes at a time, then a reduction over tiles
-//      (ties to the lower index). Only the row the walk stopped at is read again.
+//      tile), with the validity checks of the remaining unreached rows fused in (their
+//      memory traffic hidden behind Philox); the positive weights are compacted, Philox
+//      runs 16 (AVX-512) or 8 (AVX2) lanes at a time with the index-independent parts of
+//      rounds 1-2 precomputed, and the log is skipped where -log(u) >= 1 - u proves an
+//      entry cannot win (see kPruneSlack); then a reduction over tiles (ties to the lower
+//      index).
+// Streams are prefetched a 4 KiB chunk ahead (hardware prefetchers stop at pages).
+// Results are bit-identical to the plain three-pass algorithm (all statistics first, no
+// pruning), which tests/test_rejection_sampling*.py check through python_ref.
 // Tree residuals after an i.i.d. rejection need the residual's mass; it is computed by one
 // extra pass over the row per rejected sibling (never for the last one).
 
@@ -29,6 +39,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <vector>
 
@@ -77,11 +88,19 @@ inline const float* load_chunk(const scalar_t* src, int64_t n, float* buf) {
   }
 }
 
-// Max of x[0..n) * scale, NaN-propagating (a NaN anywhere gives NaN).
+// Max of x[0..n) * scale, NaN-propagating (a NaN anywhere gives NaN). Four accumulators
+// hide the latency of at::vec::maximum (a max is exact: the order does not matter).
 inline float chunk_max(const float* x, int64_t n, float scale) {
-  Vec acc(-kInf);
+  Vec acc(-kInf), a1(-kInf), a2(-kInf), a3(-kInf);
   const Vec s(scale);
   int64_t i = 0;
+  for (; i + 4 * Vec::size() <= n; i += 4 * Vec::size()) {
+    acc = at::vec::maximum(acc, Vec::loadu(x + i) * s);
+    a1 = at::vec::maximum(a1, Vec::loadu(x + i + Vec::size()) * s);
+    a2 = at::vec::maximum(a2, Vec::loadu(x + i + 2 * Vec::size()) * s);
+    a3 = at::vec::maximum(a3, Vec::loadu(x + i + 3 * Vec::size()) * s);
+  }
+  acc = at::vec::maximum(at::vec::maximum(acc, a1), at::vec::maximum(a2, a3));
   for (; i + Vec::size() <= n; i += Vec::size()) acc = at::vec::maximum(acc, Vec::loadu(x + i) * s);
   if (i < n) acc = at::vec::maximum(acc, Vec::set(Vec(-kInf), Vec::loadu(x + i, n - i) * s, n - i));
   float lanes[Vec::size()];
@@ -101,12 +120,42 @@ inline int64_t first_equal(const float* x, int64_t n, float scale, float value) 
   return 0;
 }
 
-// sum_i exp(x[i] * scale - m) as a vector accumulator (padding lanes contribute 0).
-inline Vec chunk_sum_exp(const float* x, int64_t n, float scale, float m) {
+// Hardware prefetchers stop at 4 KiB pages, and a chunk of fp32 logits is one page: the
+// kernels ask for the next chunk of each row they stream while computing on this one.
+template <typename T>
+inline void prefetch(const T* p) {
+  __builtin_prefetch(static_cast<const void*>(p), 0, 3);
+}
+
+// Issues the prefetches of [p, p + bytes) one line at a time, spread over a loop.
+struct PrefetchStream {
+  static constexpr int kMax = 8;
+  const char* p[kMax];
+  const char* end[kMax];
+  int n = 0;
+  void add(const void* begin, const void* stop) {
+    p[n] = static_cast<const char*>(begin), end[n] = static_cast<const char*>(stop), ++n;
+  }
+  void step() {  // one line of every stream
+    for (int j = 0; j < n; ++j)
+      if (p[j] < end[j]) prefetch(p[j]), p[j] += 64;
+  }
+  void all() const {
+    for (int j = 0; j < n; ++j)
+      for (const char* a = p[j]; a < end[j]; a += 64) prefetch(a);
+  }
+};
+
+// sum_i exp(x[i] * scale - m) as a vector accumulator (padding lanes contribute 0); one
+// line of `ahead` is prefetched per 16 entries.
+inline Vec chunk_sum_exp(const float* x, int64_t n, float scale, float m, PrefetchStream ahead) {
   Vec acc(0.0f);
   const Vec s(scale), vm(m);
   int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) acc = acc + (Vec::loadu(x + i) * s - vm).exp_u20();
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    if ((i & 15) == 0) ahead.step();
+    acc = acc + (Vec::loadu(x + i) * s - vm).exp_u20();
+  }
   if (i < n) acc = acc + Vec::set(Vec(0.0f), (Vec::loadu(x + i, n - i) * s - vm).exp_u20(), n - i);
   return acc;
 }
@@ -123,24 +172,50 @@ inline float hsum(const Vec& v) {
 // Phase 1: row statistics.
 // ---------------------------------------------------------------------------------------
 
+// Running max of chunk maxima (chunk_max with scale 1 / T) of an unchecked row, NaN once
+// a NaN or +inf was seen: the row is valid iff the final value is finite. This is exactly
+// row_stats(...).valid of a sampled row without its exponentials (when the max is finite
+// the sum holds exp(0) and is finite).
+inline float combine_check(float acc, float chunk) {
+  if (std::isnan(acc) || std::isnan(chunk) || chunk == kInf) return std::numeric_limits<float>::quiet_NaN();
+  return std::max(acc, chunk);
+}
+
 struct RowStats {
   float max = 0.0f;      // max of l / T (sampled) or of l (greedy)
   float sum = 0.0f;      // sum exp(l / T - max) (sampled only)
   int64_t argmax = -1;   // first argmax of l (greedy only)
   bool valid = false;    // no NaN, no +inf, not all -inf
+  bool full = false;     // computed by row_stats
+  bool checked = false;  // not full, but `valid` is known (checked alongside another row)
 };
 
+// check_rows (num_check < PrefetchStream::kMax of them, sampled rows only) are checked in
+// the same pass (combine_check maxima into check_max), their memory traffic hidden behind
+// the exponentials. The checks are incomplete when the row itself is invalid.
 template <typename scalar_t>
-RowStats row_stats(const scalar_t* row, int64_t vocab, float temperature) {
+RowStats row_stats(const scalar_t* row, int64_t vocab, float temperature, const scalar_t* const* check_rows = nullptr,
+                   int num_check = 0, float* check_max = nullptr) {
   RowStats st;
+  st.full = true;  // also when the row turns out invalid
   const bool greedy = !(temperature > 0.0f);
   const float scale = greedy ? 1.0f : 1.0f / temperature;
   float buf[kChunk];
   float m = -kInf;
   Vec acc(0.0f);
   int64_t best = -1;
+  for (int j = 0; j < num_check; ++j) check_max[j] = -kInf;
   for (int64_t begin = 0; begin < vocab; begin += kChunk) {
     const int64_t n = std::min(kChunk, vocab - begin);
+    PrefetchStream ahead;  // the next chunk
+    if (begin + kChunk < vocab) {
+      const int64_t next_end = std::min(vocab, begin + 2 * kChunk);
+      ahead.add(row + begin + kChunk, row + next_end);
+      for (int j = 0; j < num_check; ++j) ahead.add(check_rows[j] + begin + kChunk, check_rows[j] + next_end);
+    }
+    if (greedy) ahead.all();  // memory-bound: nothing to spread the prefetches over
+    for (int j = 0; j < num_check; ++j)
+      check_max[j] = combine_check(check_max[j], chunk_max(load_chunk(check_rows[j] + begin, n, buf), n, scale));
     const float* x = load_chunk(row + begin, n, buf);
     const float cm = chunk_max(x, n, scale);
     if (std::isnan(cm) || cm == kInf) return st;  // invalid
@@ -153,7 +228,7 @@ RowStats row_stats(const scalar_t* row, int64_t vocab, float temperature) {
       }
       m = cm;
     }
-    if (!greedy) acc = acc + chunk_sum_exp(x, n, scale, m);
+    if (!greedy) acc = acc + chunk_sum_exp(x, n, scale, m, ahead);
   }
   if (m == -kInf) return st;  // all -inf
   st.max = m;
@@ -164,7 +239,7 @@ RowStats row_stats(const scalar_t* row, int64_t vocab, float temperature) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Philox uniforms for 8 consecutive vocabulary indices.
+// Philox uniforms for a chunk of vocabulary indices.
 // ---------------------------------------------------------------------------------------
 
 struct PhiloxKey {
@@ -178,59 +253,205 @@ inline PhiloxKey make_key(int64_t seed, int64_t offset, int64_t position, uint32
           static_cast<uint32_t>(c >> 32)};
 }
 
-// out[l] = philox_uniform(indices[l]) for l < 8.
-inline void philox_uniform8(const PhiloxKey& key, const uint32_t* indices, float* out) {
-#if defined(CPU_CAPABILITY_AVX2)
-  __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(indices));
-  __m256i x1 = _mm256_set1_epi32(static_cast<int>(key.c1));
-  __m256i x2 = _mm256_set1_epi32(static_cast<int>(key.c2));
-  __m256i x3 = _mm256_set1_epi32(static_cast<int>(key.c3));
-  __m256i k0 = _mm256_set1_epi32(static_cast<int>(key.k0));
-  __m256i k1 = _mm256_set1_epi32(static_cast<int>(key.k1));
-  const __m256i m0 = _mm256_set1_epi32(static_cast<int>(0xD2511F53u));
-  const __m256i m1 = _mm256_set1_epi32(static_cast<int>(0xCD9E8D57u));
-  const __m256i w0 = _mm256_set1_epi32(static_cast<int>(0x9E3779B9u));
-  const __m256i w1 = _mm256_set1_epi32(static_cast<int>(0xBB67AE85u));
-  // 32 x 32 -> 64-bit products of all 8 lanes: even lanes directly, odd lanes shifted down;
-  // hi and lo words are then blended back into lane order.
-  auto mulhilo = [](__m256i m, __m256i x, __m256i& hi, __m256i& lo) {
-    const __m256i pe = _mm256_mul_epu32(m, x);
-    const __m256i po = _mm256_mul_epu32(m, _mm256_srli_epi64(x, 32));
-    hi = _mm256_blend_epi32(_mm256_srli_epi64(pe, 32), po, 0xAA);
-    lo = _mm256_blend_epi32(pe, _mm256_slli_epi64(po, 32), 0xAA);
-  };
-  for (int round = 0; round < 10; ++round) {
-    if (round > 0) {
-      k0 = _mm256_add_epi32(k0, w0);
-      k1 = _mm256_add_epi32(k1, w1);
+// Everything of Philox4x32-10 (csrc/philox.h) that is the same for all vocabulary indices
+// of one race: the round keys and, as only counter word 0 (the index) varies, the parts
+// of rounds 1 and 2 that do not depend on it. Only word 0 of the output is used, so the
+// last round computes one product.
+struct PhiloxPlan {
+  uint32_t k0[10], k1[10];
+  uint32_t r1_x2;   // round 1: x2 = hi(M0 * index) ^ r1_x2
+  uint32_t r2_x0;   // round 2: x0 = hi(M1 * x2) ^ r2_x0
+  uint32_t r2_x2;   // round 2: x2 = x3 ^ r2_x2
+  uint32_t r3_x2;   // round 3: x2 = hi(M0 * x0) ^ r3_x2 (x3 is constant after round 2)
+  explicit PhiloxPlan(const PhiloxKey& key) {
+    for (int r = 0; r < 10; ++r) {
+      k0[r] = key.k0 + static_cast<uint32_t>(r) * 0x9E3779B9u;
+      k1[r] = key.k1 + static_cast<uint32_t>(r) * 0xBB67AE85u;
     }
-    __m256i hi0, lo0, hi1, lo1;
-    mulhilo(m0, x0, hi0, lo0);
-    mulhilo(m1, x2, hi1, lo1);
-    x0 = _mm256_xor_si256(_mm256_xor_si256(hi1, x1), k0);
-    x1 = lo1;
-    x2 = _mm256_xor_si256(_mm256_xor_si256(hi0, x3), k1);
-    x3 = lo0;
+    uint32_t hi, lo;
+    mulhilo32(0xCD9E8D57u, key.c2, hi, lo);  // round 1, word 2 is constant
+    const uint32_t x0 = hi ^ key.c1 ^ k0[0], x1 = lo;
+    r1_x2 = key.c3 ^ k1[0];
+    r2_x0 = x1 ^ k0[1];
+    mulhilo32(0xD2511F53u, x0, hi, lo);  // round 2, word 0 is constant
+    r2_x2 = hi ^ k1[1];
+    r3_x2 = lo ^ k1[2];
   }
-  const __m256i bits = _mm256_add_epi32(_mm256_srli_epi32(x0, 8), _mm256_set1_epi32(1));
-  // (bits in [1, 2^24]) exactly representable: convert as signed int.
-  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(bits), _mm256_set1_ps(1.0f / 16777216.0f)));
-#else
-  for (uint32_t l = 0; l < 8; ++l) {
-    Philox4x32 r = philox4x32_10(indices[l], key.c1, key.c2, key.c3, key.k0, key.k1);
-    out[l] = uniform_from_bits(r.v[0]);
+};
+
+// Scalar twin of the vector kernels below (for the fallback and the tail).
+inline float philox_plan_uniform(const PhiloxPlan& p, uint32_t index) {
+  uint32_t hi0, lo0, hi1, lo1;
+  mulhilo32(0xD2511F53u, index, hi0, lo0);
+  uint32_t x2 = hi0 ^ p.r1_x2, x3 = lo0;
+  mulhilo32(0xCD9E8D57u, x2, hi1, lo1);
+  uint32_t x0 = hi1 ^ p.r2_x0, x1 = lo1;
+  x2 = x3 ^ p.r2_x2;
+  mulhilo32(0xD2511F53u, x0, hi0, lo0);
+  mulhilo32(0xCD9E8D57u, x2, hi1, lo1);
+  x0 = hi1 ^ x1 ^ p.k0[2], x1 = lo1, x2 = hi0 ^ p.r3_x2, x3 = lo0;
+  for (int r = 3; r < 9; ++r) {
+    mulhilo32(0xD2511F53u, x0, hi0, lo0);
+    mulhilo32(0xCD9E8D57u, x2, hi1, lo1);
+    x0 = hi1 ^ x1 ^ p.k0[r], x1 = lo1, x2 = hi0 ^ x3 ^ p.k1[r], x3 = lo0;
   }
-#endif
+  mulhilo32(0xCD9E8D57u, x2, hi1, lo1);
+  return uniform_from_bits(hi1 ^ x1 ^ p.k0[9]);
 }
 
-// Number of positive entries among w[0..8).
-inline int count_positive8(const float* w) {
-#if defined(CPU_CAPABILITY_AVX2)
-  return __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(w), _mm256_setzero_ps(), _CMP_GT_OQ)));
+#if defined(CPU_CAPABILITY_AVX2) && defined(__GNUC__)
+#define SPECDEC_RS_X86 1
+
+// The vector kernels keep 32-bit words in the low halves of 64-bit lanes: a 32 x 32 ->
+// 64-bit product (vpmuludq) then yields lo in place and hi one dword shuffle away, and
+// the high halves (garbage) are never read by vpmuludq. The even lanes of 8 (16) indices
+// form one such vector, the odd lanes (shifted down) the other.
+
+// out[i] = uniform(base + (idx ? idx[i] : i)) for i < n, n a multiple of 8.
+inline void philox_uniforms_avx2(const PhiloxPlan& p, uint32_t base, const uint32_t* idx, int64_t n, float* out) {
+  const __m256i m0 = _mm256_set1_epi64x(0xD2511F53u), m1 = _mm256_set1_epi64x(0xCD9E8D57u);
+  auto hi = [](__m256i v) { return _mm256_shuffle_epi32(v, 0xB1); };
+  auto x3 = [](__m256i a, __m256i b, __m256i c) { return _mm256_xor_si256(_mm256_xor_si256(a, b), c); };
+  __m256i k0[10], k1[10];
+  for (int r = 0; r < 10; ++r) k0[r] = _mm256_set1_epi32(static_cast<int>(p.k0[r])), k1[r] = _mm256_set1_epi32(static_cast<int>(p.k1[r]));
+  const __m256i r1_x2 = _mm256_set1_epi32(static_cast<int>(p.r1_x2)), r2_x0 = _mm256_set1_epi32(static_cast<int>(p.r2_x0));
+  const __m256i r2_x2 = _mm256_set1_epi32(static_cast<int>(p.r2_x2)), r3_x2 = _mm256_set1_epi32(static_cast<int>(p.r3_x2));
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), vbase = _mm256_set1_epi32(static_cast<int>(base));
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256 scale = _mm256_set1_ps(1.0f / 16777216.0f);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256i index = _mm256_add_epi32(
+        vbase, idx ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx + i))
+                   : _mm256_add_epi32(iota, _mm256_set1_epi32(static_cast<int>(i))));
+    __m256i x0[2], x1[2], x2[2], x3v[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m256i c0 = h == 0 ? index : _mm256_srli_epi64(index, 32);
+      const __m256i q0 = _mm256_mul_epu32(m0, c0);  // round 1
+      x2[h] = _mm256_xor_si256(hi(q0), r1_x2);
+      x3v[h] = q0;
+      const __m256i q1 = _mm256_mul_epu32(m1, x2[h]);  // round 2
+      x0[h] = _mm256_xor_si256(hi(q1), r2_x0);
+      x1[h] = q1;
+      x2[h] = _mm256_xor_si256(x3v[h], r2_x2);
+    }
+    for (int h = 0; h < 2; ++h) {  // round 3
+      const __m256i q0 = _mm256_mul_epu32(m0, x0[h]), q1 = _mm256_mul_epu32(m1, x2[h]);
+      x0[h] = x3(hi(q1), x1[h], k0[2]);
+      x1[h] = q1;
+      x2[h] = _mm256_xor_si256(hi(q0), r3_x2);
+      x3v[h] = q0;
+    }
+    for (int r = 3; r < 9; ++r)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i q0 = _mm256_mul_epu32(m0, x0[h]), q1 = _mm256_mul_epu32(m1, x2[h]);
+        x0[h] = x3(hi(q1), x1[h], k0[r]);
+        x1[h] = q1;
+        x2[h] = x3(hi(q0), x3v[h], k1[r]);
+        x3v[h] = q0;
+      }
+    for (int h = 0; h < 2; ++h) x0[h] = x3(hi(_mm256_mul_epu32(m1, x2[h])), x1[h], k0[9]);  // round 10
+    const __m256i word0 = _mm256_blend_epi32(x0[0], _mm256_slli_epi64(x0[1], 32), 0xAA);
+    const __m256i bits = _mm256_add_epi32(_mm256_srli_epi32(word0, 8), one);  // in [1, 2^24]: exact
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(bits), scale));
+  }
+}
+
+#define SPECDEC_AVX512 __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,popcnt")))
+// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized (their _mm512_undefined_*), and
+// -Wpsabi notes that these internal helpers pass 512-bit vectors: both harmless here.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+// The same with 16 indices per step and three-way XORs in one instruction.
+// (Lambdas would not inherit the target attribute.)
+SPECDEC_AVX512 inline __m512i avx512_hi(__m512i v) { return _mm512_shuffle_epi32(v, _MM_PERM_CDAB); }
+SPECDEC_AVX512 inline __m512i avx512_xor3(__m512i a, __m512i b, __m512i c) {
+  return _mm512_ternarylogic_epi32(a, b, c, 0x96);
+}
+
+SPECDEC_AVX512 void philox_uniforms_avx512(const PhiloxPlan& p, uint32_t base, const uint32_t* idx, int64_t n,
+                                           float* out) {
+  const __m512i m0 = _mm512_set1_epi64(0xD2511F53u), m1 = _mm512_set1_epi64(0xCD9E8D57u);
+  __m512i k0[10], k1[10];
+  for (int r = 0; r < 10; ++r) k0[r] = _mm512_set1_epi32(static_cast<int>(p.k0[r])), k1[r] = _mm512_set1_epi32(static_cast<int>(p.k1[r]));
+  const __m512i r1_x2 = _mm512_set1_epi32(static_cast<int>(p.r1_x2)), r2_x0 = _mm512_set1_epi32(static_cast<int>(p.r2_x0));
+  const __m512i r2_x2 = _mm512_set1_epi32(static_cast<int>(p.r2_x2)), r3_x2 = _mm512_set1_epi32(static_cast<int>(p.r3_x2));
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i vbase = _mm512_set1_epi32(static_cast<int>(base)), one = _mm512_set1_epi32(1);
+  const __m512 scale = _mm512_set1_ps(1.0f / 16777216.0f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512i index = _mm512_add_epi32(
+        vbase, idx ? _mm512_loadu_si512(idx + i) : _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int>(i))));
+    __m512i x0[2], x1[2], x2[2], x3v[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m512i c0 = h == 0 ? index : _mm512_srli_epi64(index, 32);
+      const __m512i q0 = _mm512_mul_epu32(m0, c0);  // round 1
+      x2[h] = _mm512_xor_si512(avx512_hi(q0), r1_x2);
+      x3v[h] = q0;
+      const __m512i q1 = _mm512_mul_epu32(m1, x2[h]);  // round 2
+      x0[h] = _mm512_xor_si512(avx512_hi(q1), r2_x0);
+      x1[h] = q1;
+      x2[h] = _mm512_xor_si512(x3v[h], r2_x2);
+    }
+    for (int h = 0; h < 2; ++h) {  // round 3
+      const __m512i q0 = _mm512_mul_epu32(m0, x0[h]), q1 = _mm512_mul_epu32(m1, x2[h]);
+      x0[h] = avx512_xor3(avx512_hi(q1), x1[h], k0[2]);
+      x1[h] = q1;
+      x2[h] = _mm512_xor_si512(avx512_hi(q0), r3_x2);
+      x3v[h] = q0;
+    }
+    for (int r = 3; r < 9; ++r)
+      for (int h = 0; h < 2; ++h) {
+        const __m512i q0 = _mm512_mul_epu32(m0, x0[h]), q1 = _mm512_mul_epu32(m1, x2[h]);
+        x0[h] = avx512_xor3(avx512_hi(q1), x1[h], k0[r]);
+        x1[h] = q1;
+        x2[h] = avx512_xor3(avx512_hi(q0), x3v[h], k1[r]);
+        x3v[h] = q0;
+      }
+    for (int h = 0; h < 2; ++h) x0[h] = avx512_xor3(avx512_hi(_mm512_mul_epu32(m1, x2[h])), x1[h], k0[9]);  // round 10
+    const __m512i word0 = _mm512_mask_blend_epi32(0xAAAA, x0[0], _mm512_slli_epi64(x0[1], 32));
+    const __m512i bits = _mm512_add_epi32(_mm512_srli_epi32(word0, 8), one);  // in [1, 2^24]: exact
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_cvtepi32_ps(bits), scale));
+  }
+}
+
+// Appends the indices i < n (n a multiple of 16) with w[i] > 0 to pos and their weights to
+// wc, in order; returns how many. pos and wc need 16 entries of room beyond the count,
+// which are left undefined.
+SPECDEC_AVX512 int64_t compact_positive_avx512(const float* w, int64_t n, uint32_t* pos, float* wc) {
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  int64_t m = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 wv = _mm512_loadu_ps(w + i);
+    const __mmask16 k = _mm512_cmp_ps_mask(wv, _mm512_setzero_ps(), _CMP_GT_OQ);
+    _mm512_storeu_si512(pos + m, _mm512_maskz_compress_epi32(k, _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int>(i)))));
+    _mm512_storeu_ps(wc + m, _mm512_maskz_compress_ps(k, wv));
+    m += __builtin_popcount(static_cast<unsigned>(k));
+  }
+  return m;
+}
+
+#pragma GCC diagnostic pop
+
+// SPECDEC_DISABLE_AVX512=1 (read once) forces the AVX2 kernels, e.g. to test them.
+inline bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
+                          !(std::getenv("SPECDEC_DISABLE_AVX512") && std::getenv("SPECDEC_DISABLE_AVX512")[0] == '1');
+  return has;
+}
 #else
-  int c = 0;
-  for (int l = 0; l < 8; ++l) c += w[l] > 0.0f;
-  return c;
+inline bool cpu_has_avx512() { return false; }
+#endif
+
+// out[i] = philox uniform of index base + (idx ? idx[i] : i), i < n (n a multiple of 16).
+inline void philox_uniforms(const PhiloxPlan& p, uint32_t base, const uint32_t* idx, int64_t n, float* out) {
+#if defined(SPECDEC_RS_X86)
+  if (cpu_has_avx512()) return philox_uniforms_avx512(p, base, idx, n, out);
+  return philox_uniforms_avx2(p, base, idx, n, out);
+#else
+  for (int64_t i = 0; i < n; ++i) out[i] = philox_plan_uniform(p, base + (idx ? idx[i] : static_cast<uint32_t>(i)));
 #endif
 }
 
@@ -249,6 +470,9 @@ struct RaceSpec {
   const float* q = nullptr;
   float coef = 0.0f;
   std::vector<int64_t> excluded;
+  // Rows in use that the walk did not reach (flat indices): their validity check (a
+  // memory-bound max) runs inside the race, hidden behind its arithmetic.
+  std::vector<int64_t> unchecked;
 };
 
 struct RaceResult {
@@ -256,73 +480,118 @@ struct RaceResult {
   int64_t index = -1;
 };
 
+
+// Pruning the race. An entry scores w / E with E = -log(u) >= 1 - u (u in (0, 1], 1 - u
+// exact in fp32), so it cannot beat the best score S found before it (a tie goes to the
+// earlier entry) when (1 - u) S >= w: its log and division are then skipped. After the
+// first few entries S is about the total weight, so only an entry with 1 - u below about
+// its probability w / S remains a candidate: nearly none. The test is made conservative
+// for fp32 rounding: with 1 - u >= 2^-24, S >= kPruneMinScore and w >= kPruneMinWeight all
+// products stay normal, and the slack kPruneSlack (1e-3) dwarfs the relative errors of the
+// score (log within 1 ulp, one division, one product each side: < 2^-21 together), so a
+// skipped entry's computed score is <= S and the winner is bit-for-bit the unpruned one.
+constexpr float kPruneSlack = 1.001f;
+constexpr float kPruneMinScore = 0x1p-60f;
+constexpr float kPruneMinWeight = 0x1p-100f;
+
+inline bool any_lane(const Vec& mask) {
+#if defined(SPECDEC_RS_X86)
+  return _mm256_movemask_ps(mask) != 0;
+#else
+  float lanes[Vec::size()];
+  mask.store(lanes);
+  for (int l = 0; l < Vec::size(); ++l)
+    if (lanes[l] != 0.0f || std::signbit(lanes[l])) return true;
+  return false;
+#endif
+}
+
 // Race over vocabulary entries [begin, end) of the spec's row.
+// check_max (spec.unchecked.size() entries, when check) receives the running maxima of
+// the unchecked rows over [begin, end) (see combine_check).
 template <typename scalar_t>
-RaceResult race_tile(const scalar_t* logits, int64_t vocab, const RaceSpec& spec, const PhiloxKey& key, int64_t begin,
-                     int64_t end, bool ignore_q) {
+RaceResult race_tile(const scalar_t* logits, int64_t vocab, const RaceSpec& spec, const PhiloxPlan& plan,
+                     int64_t begin, int64_t end, bool ignore_q, bool check, float* check_max) {
   const scalar_t* row = logits + spec.row * vocab;
   const float* q = ignore_q ? nullptr : spec.q;
   const bool use_excluded = !ignore_q;
-  float buf[kChunk], w[kChunk], u[kChunk], wc[kChunk + 8];
-  uint32_t pos[kChunk + 8];
-  static_assert(Vec::size() == 8, "the race processes 8 lanes (one philox_uniform8) per vector");
+  constexpr int64_t kPad = 16;  // Philox runs 16 (AVX-512) or 8 lanes at a time
+  alignas(64) float buf[kChunk], w[kChunk + kPad], wc[kChunk + kPad], u[kChunk + kPad];
+  alignas(64) uint32_t pos[kChunk + kPad];
+  static_assert(Vec::size() == 8, "the race scores 8 lanes per vector");
+  const bool avx512 = cpu_has_avx512();
   RaceResult res;
-  const Vec s(spec.inv_t), vm(spec.max), zero(0.0f), minus_one(-1.0f), coef(spec.coef);
+  const Vec s(spec.inv_t), vm(spec.max), zero(0.0f), minus_one(-1.0f), one(1.0f), coef(spec.coef);
+  const Vec slack(kPruneSlack), min_weight(kPruneMinWeight);
+  const int64_t num_check = check ? static_cast<int64_t>(spec.unchecked.size()) : 0;
+  for (int64_t j = 0; j < num_check; ++j) check_max[j] = -kInf;
   for (int64_t c0 = begin; c0 < end; c0 += kChunk) {
     const int64_t n = std::min(kChunk, end - c0);
+    for (int64_t j = 0; j < num_check; ++j)
+      check_max[j] = combine_check(
+          check_max[j], chunk_max(load_chunk(logits + spec.unchecked[j] * vocab + c0, n, buf), n, spec.inv_t));
     const float* x = load_chunk(row + c0, n, buf);
+    const bool ahead = c0 + kChunk < vocab;  // prefetch the next chunk of every stream
     int64_t i = 0;
     for (; i < n; i += Vec::size()) {
+      if (ahead && (i & 15) == 0) {  // one 64-byte line of each fp32 stream per 16 entries
+        const int64_t a = std::min(c0 + kChunk + i, vocab - 1);
+        prefetch(row + a);
+        if (q) prefetch(q + a);
+        for (int64_t j = 0; j < num_check; ++j) prefetch(logits + spec.unchecked[j] * vocab + a);
+      }
       const int64_t cnt = std::min<int64_t>(Vec::size(), n - i);
       Vec e = (Vec::loadu(x + i, cnt) * s - vm).exp_u20();
       if (q) e = at::vec::maximum(e - coef * Vec::loadu(q + c0 + i, cnt), zero);
       if (cnt < Vec::size()) e = Vec::set(zero, e, cnt);
       e.store(w + i);
     }
+    const int64_t padded = (n + kPad - 1) / kPad * kPad;  // lanes beyond n hold 0
+    for (; i < padded; ++i) w[i] = 0.0f;
     if (use_excluded)
       for (int64_t t : spec.excluded)
         if (t >= c0 && t < c0 + n) w[t - c0] = 0.0f;
     // Zero weights never win, so uniforms are only drawn for positive ones. A residual
     // max(p - q, 0) or a top-k-masked row is mostly zeros: then the positive entries are
-    // compacted first and Philox runs on them alone.
-    const int64_t padded = (n + 7) / 8 * 8;  // lanes beyond n hold 0
-    int64_t num_pos = 0;
-    for (i = 0; i < padded; i += 8) num_pos += count_positive8(w + i);
-    const bool compact = num_pos * 4 < padded * 3;
+    // compacted first and Philox runs on them alone (always with AVX-512, where the
+    // compaction costs little).
     int64_t m = padded;
-    if (compact) {
-      m = 0;
-      for (i = 0; i < n; ++i) {  // branch-free append of the positive entries
-        pos[m] = static_cast<uint32_t>(i);
-        wc[m] = w[i];
-        m += w[i] > 0.0f;
+    const uint32_t* idx = nullptr;
+    const float* wp = w;
+#if defined(SPECDEC_RS_X86)
+    if (avx512) {
+      m = compact_positive_avx512(w, padded, pos, wc);
+      for (; m % kPad != 0; ++m) pos[m] = 0, wc[m] = 0.0f;  // inert: weight 0
+      idx = pos, wp = wc;
+    }
+#endif
+    if (!avx512) {
+      int64_t num_pos = 0;
+      for (i = 0; i < padded; ++i) num_pos += w[i] > 0.0f;
+      if (num_pos * 4 < padded * 3) {
+        m = 0;
+        for (i = 0; i < n; ++i) {  // branch-free append of the positive entries
+          pos[m] = static_cast<uint32_t>(i);
+          wc[m] = w[i];
+          m += w[i] > 0.0f;
+        }
+        for (; m % kPad != 0; ++m) pos[m] = 0, wc[m] = 0.0f;  // inert: weight 0
+        idx = pos, wp = wc;
       }
-      for (int64_t j = m; j < (m + 7) / 8 * 8; ++j) pos[j] = 0, wc[j] = 0.0f;
-      m = (m + 7) / 8 * 8;
-    } else {
-      for (i = 0; i < padded; ++i) pos[i] = static_cast<uint32_t>(i), wc[i] = w[i];
     }
-    Vec vmax(-1.0f);
-    for (i = 0; i < m; i += 8) {
-      const Vec wv = Vec::loadu(wc + i);
-      uint32_t idx[8];
-      for (int l = 0; l < 8; ++l) idx[l] = static_cast<uint32_t>(c0) + pos[i + l];
-      float ub[8];
-      philox_uniform8(key, idx, ub);
+    if (m == 0) continue;
+    philox_uniforms(plan, static_cast<uint32_t>(c0), idx, m, u);
+    for (i = 0; i < m; i += Vec::size()) {
+      const Vec wv = Vec::loadu(wp + i), uv = Vec::loadu(u + i);
+      const Vec best(res.score >= kPruneMinScore ? res.score : 0.0f);
+      const Vec positive = wv > zero;
+      if (!any_lane(positive & (((one - uv) * best < wv * slack) | (wv < min_weight)))) continue;
       // 0 - log(u) (not -log(u)): u = 1 gives +0 and w / +0 = +inf, the winner.
-      const Vec score = Vec::blendv(minus_one, wv / (zero - Vec::loadu(ub).log()), wv > zero);
-      score.store(u + i);  // u is the score buffer (in compacted order)
-      vmax = at::vec::maximum(vmax, score);
-    }
-    float lanes[Vec::size()];
-    vmax.store(lanes);
-    float cmax = -1.0f;
-    for (int l = 0; l < Vec::size(); ++l) cmax = std::max(cmax, lanes[l]);
-    if (cmax > res.score) {
-      res.score = cmax;
-      for (i = 0; i < m; ++i)  // compaction keeps the order: the first is the lowest index
-        if (u[i] == cmax) break;
-      res.index = c0 + pos[i];
+      const Vec score = Vec::blendv(minus_one, wv / (zero - uv.log()), positive);
+      float lanes[Vec::size()];
+      score.store(lanes);
+      for (int l = 0; l < Vec::size(); ++l)  // in index order: ties go to the lower index
+        if (lanes[l] > res.score) res.score = lanes[l], res.index = c0 + (idx ? idx[i + l] : i + l);
     }
   }
   return res;
@@ -332,18 +601,24 @@ RaceResult race_tile(const scalar_t* logits, int64_t vocab, const RaceSpec& spec
 // a request has no spec). When the weights are all zero, races over p of the same row.
 template <typename scalar_t>
 std::vector<int64_t> run_races(const scalar_t* logits, int64_t vocab, const std::vector<RaceSpec>& specs,
-                               const int64_t* seed, const int64_t* offset) {
+                               const int64_t* seed, const int64_t* offset, std::vector<char>& valid) {
   const int64_t batch = static_cast<int64_t>(specs.size());
   const int64_t tiles = (vocab + kRaceTile - 1) / kRaceTile;
   std::vector<RaceResult> partial(batch * tiles);
+  // Maxima of the unchecked rows per (request, tile): request b's start at check_at[b].
+  std::vector<int64_t> check_at(batch + 1, 0);
+  for (int64_t b = 0; b < batch; ++b)
+    check_at[b + 1] = check_at[b] + tiles * static_cast<int64_t>(specs[b].unchecked.size());
+  std::vector<float> check_max(check_at[batch]);
   auto run = [&](bool ignore_q, const std::vector<char>& todo) {
     at::parallel_for(0, batch * tiles, grain_for(kRaceTile), [&](int64_t lo, int64_t hi) {
       for (int64_t t = lo; t < hi; ++t) {
         const int64_t b = t / tiles, tile = t % tiles;
         if (!todo[b]) continue;
-        const PhiloxKey key = make_key(seed[b], offset[b], specs[b].position, kPurposeSample);
-        partial[t] = race_tile(logits, vocab, specs[b], key, tile * kRaceTile,
-                               std::min(vocab, (tile + 1) * kRaceTile), ignore_q);
+        const PhiloxPlan plan(make_key(seed[b], offset[b], specs[b].position, kPurposeSample));
+        partial[t] = race_tile(logits, vocab, specs[b], plan, tile * kRaceTile, std::min(vocab, (tile + 1) * kRaceTile),
+                               ignore_q, !ignore_q,
+                               check_max.data() + check_at[b] + tile * static_cast<int64_t>(specs[b].unchecked.size()));
       }
     });
   };
@@ -359,6 +634,13 @@ std::vector<int64_t> run_races(const scalar_t* logits, int64_t vocab, const std:
   std::vector<int64_t> winner(batch, -1);
   bool fallback = false;
   for (int64_t b = 0; b < batch; ++b) {
+    if (!todo[b]) continue;
+    const int64_t num_check = static_cast<int64_t>(specs[b].unchecked.size());
+    for (int64_t j = 0; j < num_check; ++j) {
+      float m = -kInf;
+      for (int64_t tile = 0; tile < tiles; ++tile) m = combine_check(m, check_max[check_at[b] + tile * num_check + j]);
+      if (!std::isfinite(m)) valid[b] = 0, todo[b] = 0;
+    }
     if (!todo[b]) continue;
     winner[b] = reduce(b);
     todo[b] = winner[b] < 0;  // residual without mass (rounding only): draw from p
@@ -414,12 +696,13 @@ struct WalkResult {
   std::vector<int64_t> path;  // accepted nodes, root excluded
   int64_t final_token = -1;   // set for greedy requests
   RaceSpec race;              // set for sampled requests
+  bool invalid = false;       // a row the walk reached is invalid (the request gives -1)
 };
 
 // `row0`: flat index of this request's row 0; `stats`: its rows' statistics;
 // `q_rows`: this request's draft_probs rows (nullptr: deterministic / one-hot drafts).
 template <typename scalar_t>
-WalkResult walk(const TreeView& tree, const scalar_t* logits, int64_t vocab, int64_t row0, const RowStats* stats,
+WalkResult walk(const TreeView& tree, const scalar_t* logits, int64_t vocab, int64_t row0, RowStats* stats,
                 const float* q_rows, float temperature, int64_t seed, int64_t offset) {
   WalkResult res;
   int64_t node = 0;
@@ -442,6 +725,12 @@ WalkResult walk(const TreeView& tree, const scalar_t* logits, int64_t vocab, int
   }
   const float inv_t = 1.0f / temperature;
   while (true) {
+    // Rows below the root get their statistics only when the walk reaches them.
+    if (!stats[node].full) stats[node] = row_stats(logits + (row0 + node) * vocab, vocab, temperature);
+    if (!stats[node].valid) {
+      res.invalid = true;
+      return res;
+    }
     const RowStats& st = stats[node];
     const scalar_t* row = logits + (row0 + node) * vocab;
     const float* q = q_rows ? q_rows + node * vocab : nullptr;
@@ -520,37 +809,65 @@ void sample_requests(const std::vector<Request>& reqs, const at::Tensor& logits,
   const int64_t batch = static_cast<int64_t>(reqs.size());
   const int64_t vocab = logits.size(-1);
   const scalar_t* data = logits.data_ptr<scalar_t>();
-  // Phase 1.
+  // Phase 1. Any invalid row in use makes the request invalid, but the walk stops at the
+  // first rejection, so of a sampled request only the root row surely needs its
+  // statistics (exponentials): the walk computes those of the rows it reaches. The other
+  // rows only need a validity check (a memory-bound max), done where arithmetic hides the
+  // memory traffic: the last ~60% of them (the least likely to be reached) alongside the
+  // root's exponentials here, the rest that the walk did not reach inside the race (which
+  // also streams q: the split keeps the number of streams of both passes close; measured
+  // best among 40 / 60%). Greedy rows need no exponentials: all are done here.
   std::vector<RowStats> stats(batch * rows_per_request);
   at::parallel_for(0, batch * rows_per_request, grain_for(vocab), [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {
       const int64_t b = r / rows_per_request, k = r % rows_per_request;
-      if (k >= reqs[b].num_rows) continue;
-      stats[r] = row_stats(data + (reqs[b].row0 + k) * vocab, vocab, temperature[b]);
+      const int64_t num_rows = reqs[b].num_rows;
+      const float t = temperature[b];
+      if (k >= num_rows || (k > 0 && t > 0.0f)) continue;
+      const scalar_t* row = data + (reqs[b].row0 + k) * vocab;
+      if (!(t > 0.0f)) {
+        stats[r] = row_stats(row, vocab, t);
+        continue;
+      }
+      const int num_check = static_cast<int>(std::min<int64_t>(PrefetchStream::kMax - 1, (num_rows - 1) * 3 / 5));
+      const int64_t first = num_rows - num_check;
+      const scalar_t* check_rows[PrefetchStream::kMax];
+      float check_max[PrefetchStream::kMax];
+      for (int j = 0; j < num_check; ++j) check_rows[j] = data + (reqs[b].row0 + first + j) * vocab;
+      stats[r] = row_stats(row, vocab, t, check_rows, num_check, check_max);
+      for (int j = 0; j < num_check; ++j) {
+        RowStats& checked = stats[b * rows_per_request + first + j];  // only this task writes it
+        checked.checked = true;
+        checked.valid = std::isfinite(check_max[j]);
+      }
     }
   });
   // Phase 2.
   walks.assign(batch, WalkResult());
   valid.assign(batch, 0);
-  // A chain walk reads a few scalars per request; a tree walk may pass over rows.
-  const bool is_chain = batch > 0 && reqs[0].tree.chain;
-  at::parallel_for(0, batch, is_chain ? std::max<int64_t>(batch, 1) : grain_for(vocab), [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, batch, grain_for(vocab), [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b) {
-      const RowStats* st = stats.data() + b * rows_per_request;
-      if (reqs[b].num_rows == 0) continue;
+      RowStats* st = stats.data() + b * rows_per_request;
+      const int64_t num_rows = reqs[b].num_rows;
+      if (num_rows == 0) continue;
       bool ok = true;
-      for (int64_t k = 0; k < reqs[b].num_rows; ++k) ok &= st[k].valid;
+      for (int64_t k = 0; k < num_rows; ++k) ok &= !(st[k].full || st[k].checked) || st[k].valid;
       if (!ok) continue;
+      WalkResult w = walk(reqs[b].tree, data, vocab, reqs[b].row0, st,
+                          q_base ? q_base + b * q_rows_per_request * vocab : nullptr, temperature[b], seed[b], offset[b]);
+      if (w.invalid) continue;
+      if (w.race.row >= 0)
+        for (int64_t k = 0; k < num_rows; ++k)
+          if (!st[k].full && !st[k].checked) w.race.unchecked.push_back(reqs[b].row0 + k);
+      walks[b] = std::move(w);
       valid[b] = 1;
-      walks[b] = walk(reqs[b].tree, data, vocab, reqs[b].row0, st,
-                      q_base ? q_base + b * q_rows_per_request * vocab : nullptr, temperature[b], seed[b], offset[b]);
     }
   });
-  // Phase 3.
+  // Phase 3 (also drops the requests with an invalid unchecked row).
   std::vector<RaceSpec> specs(batch);
   for (int64_t b = 0; b < batch; ++b)
     if (valid[b]) specs[b] = walks[b].race;
-  std::vector<int64_t> winner = run_races(data, vocab, specs, seed, offset);
+  std::vector<int64_t> winner = run_races(data, vocab, specs, seed, offset, valid);
   for (int64_t b = 0; b < batch; ++b)
     if (valid[b] && specs[b].row >= 0) walks[b].final_token = winner[b];
 }
