@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     g.add_argument("--prompt", required=True)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--schedule", default="constant", choices=("constant", "heuristic", "adaptive"))
+    g.add_argument("--schedule", default="constant", choices=("constant", "heuristic", "adaptive", "max"))
     g.add_argument("--k", type=int, default=4, help="(initial) speculation length")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)

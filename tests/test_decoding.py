@@ -141,7 +141,7 @@ def test_sampling_distribution_equals_target(drafter, params):
     m = Llama.random(tiny_config(vocab_size=8, num_layers=2), seed=3)
     make = {"ngram": lambda: NgramDrafter(min_ngram=1),
             # Every token of the prompt recurs: the first draft is a tree with 3 children of the root.
-            "ngram-tree": lambda: NgramTreeDrafter(min_score=0.0),
+            "ngram-tree": lambda: NgramTreeDrafter(verify_cost=[1.0] * 32),  # free rows: keep every node
             "draft": lambda: ModelDrafter(Llama.random(tiny_config(vocab_size=8, num_layers=1), seed=4)),
             "draft-tree": lambda: ModelDrafter(m.truncated(1), tree_width=2),
             "self-spec": lambda: SelfSpecDrafter(m, 1)}[drafter]
@@ -178,6 +178,9 @@ def test_schedules():
     c = SpecSchedule("constant", 3)
     c.update(2, 3, 0)
     assert c.length(2) == 3
+    m = SpecSchedule("max", 3, max_k=12)
+    m.update(2, 3, 0)
+    assert m.length(2) == 12
     with pytest.raises(ValueError, match="schedule must be one of"):
         SpecSchedule("bogus")
 
@@ -256,7 +259,7 @@ def _paths(parents, tokens):
 
 
 def test_ngram_tree_merges_matches_into_a_trie():
-    d = NgramTreeDrafter(max_nodes=32, min_score=0.0)
+    d = NgramTreeDrafter(max_nodes=32, verify_cost=[1.0] * 64)  # free rows: keep every node
     # The last tokens (2, 3) occur three times before: [1 2 3] once (match length 3), [2 3] twice.
     toks = [1, 2, 3, 4, 5, 9, 2, 3, 6, 7, 8, 2, 3, 4, 9, 1, 2, 3]
     ends, lengths = d.matches(np.asarray(toks))
@@ -267,25 +270,33 @@ def test_ngram_tree_merges_matches_into_a_trie():
     paths = _paths(parents, tokens)
     assert len(set(paths)) == len(paths)  # a trie: distinct siblings
     assert set(paths) == {(), (4,), (4, 5), (4, 5, 9), (4, 9), (4, 9, 1), (6,), (6, 7), (6, 7, 8)}
-    # The two continuations that start with 4 outweigh the one that starts with 6.
-    assert paths[1] == (4,)
-    # Budget: the best nodes, still a tree, and no deeper than k.
-    parents, tokens = NgramTreeDrafter(max_nodes=4, min_score=0.0).build(toks, 3)
-    # score x depth_decay^depth: (4,) 1.08, (4, 5) 0.57, (4, 5, 9) 0.51, (6,) 0.45, (4, 9) 0.41
-    assert set(_paths(parents, tokens)) == {(), (4,), (4, 5), (4, 5, 9)}
-    parents, tokens = NgramTreeDrafter(max_nodes=5, min_score=0.0).build(toks, 3)
-    assert set(_paths(parents, tokens)) == {(), (4,), (4, 5), (4, 5, 9), (6,)}
-    assert max(len(p) for p in _paths(*NgramTreeDrafter().build(toks, 2))) <= 2
+    # Node probabilities (noisy-or of FIRST[m] * RANK[rank] * NEXT[m]^(i-1) over its matches):
+    # (4,) 0.81, (4, 5) 0.46, (6,) 0.39, (4, 5, 9) 0.33, (4, 9) 0.31, ...
+    _, _, _, ranked = d.candidates(toks, 3)
+    assert [round(p, 2) for p, _ in ranked[:5]] == [0.81, 0.46, 0.39, 0.33, 0.31]
+    # Budget per request: the most probable nodes, still a tree, and no deeper than k.
+    parents, tokens = NgramTreeDrafter(max_nodes=4, verify_cost=[1.0] * 64).build(toks, 3)
+    assert set(_paths(parents, tokens)) == {(), (4,), (4, 5), (6,)}
+    parents, tokens = NgramTreeDrafter(max_nodes=5, verify_cost=[1.0] * 64).build(toks, 3)
+    assert set(_paths(parents, tokens)) == {(), (4,), (4, 5), (6,), (4, 5, 9)}
+    assert max(len(p) for p in _paths(*d.build(toks, 2))) == 2
 
 
-def test_ngram_tree_drafts_nothing_without_a_match():
+def test_ngram_tree_size_follows_the_verification_cost():
     d = NgramTreeDrafter()
     assert d.build([5, 6, 7], 4) == ([-1], [7])  # 7 never occurred before
     assert d.build([5], 4) == ([-1], [5])
     assert d.build([5, 6, 5], 0) == ([-1], [5])  # k = 0
-    # A lone one-token match scores WEIGHTS[0] * depth_decay: below min_score it is dropped.
-    assert NgramTreeDrafter(min_score=0.2).build([5, 6, 5], 4) == ([-1], [5])
-    assert NgramTreeDrafter(min_score=0.0).build([5, 6, 5], 4) == ([-1, 0, 1], [5, 6, 5])
+    # A lone one-token match (p = 0.21, then 0.13): worth two extra rows at the default cost...
+    assert d.build([5, 6, 5], 4) == ([-1, 0, 1], [5, 6, 5])
+    # ... not at 50% more per row: a plain autoregressive step.
+    assert NgramTreeDrafter(verify_cost=[1.0, 1.5, 2.0, 2.5]).build([5, 6, 5], 4) == ([-1], [5])
+    # Batch: the rows go to the most probable nodes of the batch, while they pay for themselves
+    # (B = 2 rows cost 1.08; + 0.9 -> 1.14, + 0.8 -> 1.17, + 0.05 -> 1.24 does not pay).
+    assert d.select([[(0.9, 1), (0.8, 2)], [(0.05, 1)]]) == [2, 0]
+    assert d.select([[], []]) == [0, 0]
+    # Many requests: one more row still pays when its node is likely enough.
+    assert NgramTreeDrafter().select([[(0.95, 1)]] * 4) == [1, 1, 1, 1]
 
 
 def test_ngram_tree_accepts_repeated_text(model, prompts):
@@ -293,6 +304,6 @@ def test_ngram_tree_accepts_repeated_text(model, prompts):
     ar = Generator(model).generate([prompts[2]], 40)[0].output
     prompt = prompts[2] + ar  # the greedy continuation of this text tends to repeat ar's patterns
     base = Generator(model).generate([prompt], 30)[0].output
-    spec = Generator(model, NgramTreeDrafter(), SpecSchedule("heuristic", 4)).generate([prompt], 30)[0]
+    spec = Generator(model, NgramTreeDrafter(), SpecSchedule("max")).generate([prompt], 30)[0]
     assert spec.output == base
     assert spec.stats.drafted > 0
