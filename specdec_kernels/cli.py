@@ -9,18 +9,21 @@ import argparse
 import sys
 import time
 
-DRAFTERS = ("none", "ngram", "self-spec", "medusa", "draft", "draft-tree")
+DRAFTERS = ("none", "ngram", "ngram-tree", "self-spec", "medusa", "draft", "draft-tree")
 
 
 def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: str | None = None,
                  medusa_checkpoint: str | None = None, max_k: int = 16):
     """A drafter by name for ``model`` (None for plain autoregressive decoding)."""
-    from .decoding import MedusaDrafter, ModelDrafter, NgramDrafter, SelfSpecDrafter, medusa_heads_for
+    from .decoding import (MedusaDrafter, ModelDrafter, NgramDrafter, NgramTreeDrafter, SelfSpecDrafter,
+                           medusa_heads_for)
 
     if name in ("none", "ar", None):
         return None
     if name == "ngram":
         return NgramDrafter(max_k=max_k)
+    if name == "ngram-tree":
+        return NgramTreeDrafter(max_k=max_k)
     if name == "self-spec":
         return SelfSpecDrafter(model, self_spec_layers, max_k=max_k)
     if name == "medusa":
@@ -89,7 +92,7 @@ def main(argv=None) -> int:
     g.add_argument("--prompt", required=True)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--schedule", default="constant", choices=("constant", "heuristic", "adaptive"))
+    g.add_argument("--schedule", default="constant", choices=("constant", "heuristic", "adaptive", "max"))
     g.add_argument("--k", type=int, default=4, help="(initial) speculation length")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)

@@ -1,11 +1,12 @@
 """The speculative decode loop: exactness of greedy decoding for every drafter, the sampled
 distribution, EOS / max_new_tokens, schedules and statistics (small random models)."""
+import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec_kernels.decoding import (Generator, MedusaDrafter, ModelDrafter, NgramDrafter, SamplingParams,
-                                      SelfSpecDrafter, SpecSchedule)
+from specdec_kernels.decoding import (Generator, MedusaDrafter, ModelDrafter, NgramDrafter, NgramTreeDrafter,
+                                      SamplingParams, SelfSpecDrafter, SpecSchedule)
 from specdec_kernels.decoding.stats import RequestStats
 from specdec_kernels.models import Llama, tiny_config
 
@@ -25,6 +26,7 @@ def prompts():
 
 DRAFTERS = {
     "ngram": lambda m: NgramDrafter(),
+    "ngram-tree": lambda m: NgramTreeDrafter(),
     "draft-chain": lambda m: ModelDrafter(Llama.random(tiny_config(num_layers=1), seed=5)),
     "draft-good": lambda m: ModelDrafter(m.truncated(2)),
     "draft-tree": lambda m: ModelDrafter(m.truncated(1), tree_width=3),
@@ -95,15 +97,15 @@ def test_streaming_callback(model, prompts):
     assert [seen[r.rid] for r in reqs] == [r.output for r in reqs]
 
 
-def _sampled_pairs(model, drafter, n, params):
+def _sampled_pairs(model, drafter, n, params, prompt=(3, 1, 4)):
     """(x1, x2) of n requests sampled with seeds 0..n-1, all in one batch."""
-    prompt = [3, 1, 4]
+    prompt = list(prompt)
     sampling = [SamplingParams(seed=s, **params) for s in range(n)]
     reqs = Generator(model, drafter, SpecSchedule("constant", 2)).generate([prompt] * n, 2, sampling)
     return [tuple(r.output) for r in reqs]
 
 
-def _exact_pair_probs(model, params):
+def _exact_pair_probs(model, params, prompt=(3, 1, 4)):
     """The target's distribution of (x1, x2) after the prompt, with the same filtering."""
     from specdec_kernels import ops
 
@@ -116,17 +118,19 @@ def _exact_pair_probs(model, params):
                                            torch.tensor([params.get("top_p", 1.0)]))
         return logits[0].softmax(-1)
 
-    p1 = probs([3, 1, 4])
+    p1 = probs(list(prompt))
     V = p1.shape[0]
     joint = torch.zeros(V, V, dtype=torch.float64)
     for a in range(V):
         if p1[a] > 0:
-            joint[a] = p1[a].double() * probs([3, 1, 4, a]).double()
+            joint[a] = p1[a].double() * probs(list(prompt) + [a]).double()
     return joint
 
 
 @pytest.mark.parametrize("drafter,params", [
     ("ngram", dict(temperature=1.0)),
+    ("ngram-tree", dict(temperature=1.0)),
+    ("ngram-tree", dict(temperature=0.7, top_p=0.8)),
     ("draft", dict(temperature=0.8)),
     ("draft-tree", dict(temperature=1.0, top_k=5)),
     ("self-spec", dict(temperature=1.0, top_p=0.9)),
@@ -136,12 +140,15 @@ def test_sampling_distribution_equals_target(drafter, params):
     distribution (vocabulary 8; fixed seeds, so the test is deterministic)."""
     m = Llama.random(tiny_config(vocab_size=8, num_layers=2), seed=3)
     make = {"ngram": lambda: NgramDrafter(min_ngram=1),
+            # Every token of the prompt recurs: the first draft is a tree with 3 children of the root.
+            "ngram-tree": lambda: NgramTreeDrafter(verify_cost=[1.0] * 32),  # free rows: keep every node
             "draft": lambda: ModelDrafter(Llama.random(tiny_config(vocab_size=8, num_layers=1), seed=4)),
             "draft-tree": lambda: ModelDrafter(m.truncated(1), tree_width=2),
             "self-spec": lambda: SelfSpecDrafter(m, 1)}[drafter]
     n = 1500
-    pairs = _sampled_pairs(m, make(), n, params)
-    joint = _exact_pair_probs(m, params).flatten()
+    prompt = (1, 2, 1, 3, 1, 4, 1) if drafter == "ngram-tree" else (3, 1, 4)
+    pairs = _sampled_pairs(m, make(), n, params, prompt)
+    joint = _exact_pair_probs(m, params, prompt).flatten()
     counts = torch.zeros_like(joint)
     for a, b in pairs:
         counts[a * 8 + b] += 1
@@ -171,6 +178,9 @@ def test_schedules():
     c = SpecSchedule("constant", 3)
     c.update(2, 3, 0)
     assert c.length(2) == 3
+    m = SpecSchedule("max", 3, max_k=12)
+    m.update(2, 3, 0)
+    assert m.length(2) == 12
     with pytest.raises(ValueError, match="schedule must be one of"):
         SpecSchedule("bogus")
 
@@ -238,3 +248,71 @@ def test_medusa_checkpoint_through_cli(model, prompts, tmp_path):
     ar = Generator(model, None).generate(prompts, 12)
     spec = Generator(model, drafter, SpecSchedule("constant", 3)).generate(prompts, 12)
     assert [r.output for r in spec] == [r.output for r in ar]
+
+
+def _paths(parents, tokens):
+    """Root-to-node token paths (root excluded) of a draft tree."""
+    paths = [()]
+    for i in range(1, len(parents)):
+        paths.append(paths[parents[i]] + (tokens[i],))
+    return paths
+
+
+class _TreeDrafter(NgramTreeDrafter):
+    """Fixed acceptance tables, so that the expectations below do not move when the package's
+    tables are retuned."""
+    FIRST = (0.21, 0.46, 0.64, 0.70, 0.70, 0.85)
+    NEXT = (0.60, 0.68, 0.72, 0.75, 0.78, 0.86)
+    RANK = (1.0, 0.85, 0.75, 0.55)
+    VERIFY_COST = (1.0, 1.08, 1.14, 1.17, 1.24, 1.31, 1.36, 1.41, 1.46, 1.52, 1.56, 1.61)
+
+
+def test_ngram_tree_merges_matches_into_a_trie():
+    d = _TreeDrafter(max_nodes=32, verify_cost=[1.0] * 64)  # free rows: keep every node
+    # The last tokens (2, 3) occur three times before: [1 2 3] once (match length 3), [2 3] twice.
+    toks = [1, 2, 3, 4, 5, 9, 2, 3, 6, 7, 8, 2, 3, 4, 9, 1, 2, 3]
+    ends, lengths = d.matches(np.asarray(toks))
+    assert ends.tolist() == [2, 12, 7] and lengths.tolist() == [3, 2, 2]  # longest, then most recent
+    parents, tokens = d.build(toks, 3)
+    assert tokens[0] == 3 and parents[0] == -1
+    assert all(p < i for i, p in enumerate(parents[1:], 1))
+    paths = _paths(parents, tokens)
+    assert len(set(paths)) == len(paths)  # a trie: distinct siblings
+    assert set(paths) == {(), (4,), (4, 5), (4, 5, 9), (4, 9), (4, 9, 1), (6,), (6, 7), (6, 7, 8)}
+    # Node probabilities (noisy-or of FIRST[m] * RANK[rank] * NEXT[m]^(i-1) over its matches):
+    # (4,) 0.81, (4, 5) 0.46, (6,) 0.39, (4, 5, 9) 0.33, (4, 9) 0.31, ...
+    _, _, _, ranked = d.candidates(toks, 3)
+    assert [round(p, 2) for p, _ in ranked[:5]] == [0.81, 0.46, 0.39, 0.33, 0.31]
+    # Budget per request: the most probable nodes, still a tree, and no deeper than k.
+    parents, tokens = _TreeDrafter(max_nodes=4, verify_cost=[1.0] * 64).build(toks, 3)
+    assert set(_paths(parents, tokens)) == {(), (4,), (4, 5), (6,)}
+    parents, tokens = _TreeDrafter(max_nodes=5, verify_cost=[1.0] * 64).build(toks, 3)
+    assert set(_paths(parents, tokens)) == {(), (4,), (4, 5), (6,), (4, 5, 9)}
+    assert max(len(p) for p in _paths(*d.build(toks, 2))) == 2
+
+
+def test_ngram_tree_size_follows_the_verification_cost():
+    d = _TreeDrafter()
+    assert d.build([5, 6, 7], 4) == ([-1], [7])  # 7 never occurred before
+    assert d.build([5], 4) == ([-1], [5])
+    assert d.build([5, 6, 5], 0) == ([-1], [5])  # k = 0
+    # A lone one-token match (p = 0.21, then 0.13): worth two extra rows at the default cost...
+    assert d.build([5, 6, 5], 4) == ([-1, 0, 1], [5, 6, 5])
+    # ... not at 50% more per row: a plain autoregressive step.
+    assert _TreeDrafter(verify_cost=[1.0, 1.5, 2.0, 2.5]).build([5, 6, 5], 4) == ([-1], [5])
+    # Batch: the rows go to the most probable nodes of the batch, while they pay for themselves
+    # (B = 2 rows cost 1.08; + 0.9 -> 1.14, + 0.8 -> 1.17, + 0.05 -> 1.24 does not pay).
+    assert d.select([[(0.9, 1), (0.8, 2)], [(0.05, 1)]]) == [2, 0]
+    assert d.select([[], []]) == [0, 0]
+    # Many requests: one more row still pays when its node is likely enough.
+    assert _TreeDrafter().select([[(0.95, 1)]] * 4) == [1, 1, 1, 1]
+
+
+def test_ngram_tree_accepts_repeated_text(model, prompts):
+    """A prompt the model continues by repeating itself: the tree drafts get accepted."""
+    ar = Generator(model).generate([prompts[2]], 40)[0].output
+    prompt = prompts[2] + ar  # the greedy continuation of this text tends to repeat ar's patterns
+    base = Generator(model).generate([prompt], 30)[0].output
+    spec = Generator(model, NgramTreeDrafter(), SpecSchedule("max")).generate([prompt], 30)[0]
+    assert spec.output == base
+    assert spec.stats.drafted > 0

@@ -7,9 +7,11 @@ class SpecSchedule:
     were all accepted, -1 otherwise (within [1, max_k]). ``adaptive``: an exponential moving
     average of the acceptance rate (accepted / drafted) moves the length by one per step
     towards the rate ``target`` (up while the average is above it, down while below), within
-    [2, 8]."""
+    [2, 8]. ``max``: always ``max_k`` — for drafters that size their own drafts
+    (``NgramTreeDrafter`` keeps only the nodes worth their verification cost, so the length is
+    only a cap on its depth)."""
 
-    KINDS = ("constant", "heuristic", "adaptive")
+    KINDS = ("constant", "heuristic", "adaptive", "max")
 
     def __init__(self, kind: str = "constant", k: int = 4, *, max_k: int = 16, target: float = 0.75,
                  ema: float = 0.3, min_k: int = 1):
@@ -22,10 +24,12 @@ class SpecSchedule:
         self._rate: dict[int, float] = {}
 
     def length(self, rid: int) -> int:
+        if self.kind == "max":
+            return self.max_k
         return self._k.get(rid, self.k0)
 
     def update(self, rid: int, drafted: int, accepted: int) -> None:
-        if self.kind == "constant" or drafted <= 0:
+        if self.kind in ("constant", "max") or drafted <= 0:
             return
         k = self.length(rid)
         if self.kind == "heuristic":
