@@ -10,7 +10,7 @@ import argparse
 import sys
 import time
 
-DRAFTERS = ("none", "ngram", "self-spec", "medusa", "medusa-untrained", "draft", "draft-tree")
+DRAFTERS = ("none", "ngram", "self-spec", "medusa", "medusa+ngram", "medusa-untrained", "draft", "draft-tree")
 
 
 def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: str | None = None,
@@ -26,6 +26,8 @@ def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: st
         return SelfSpecDrafter(model, self_spec_layers, max_k=max_k)
     if name == "medusa":  # the package's trained heads for the model unless a checkpoint is given
         return MedusaDrafter(model, medusa_heads_for(model, medusa_checkpoint))
+    if name == "medusa+ngram":  # the trained heads' tree plus the prompt-lookup chain as one more branch
+        return MedusaDrafter(model, medusa_heads_for(model, medusa_checkpoint), ngram=NgramDrafter(max_k=max_k))
     if name == "medusa-untrained":  # for comparison: zero ResBlocks, the static small tree
         from .decoding.drafters import MEDUSA_SMALL_CHOICES
 

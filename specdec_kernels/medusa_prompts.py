@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import random
 import re
+import warnings
 
 CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
               "translation", "summarization", "qa", "math_reasoning", "rag")
@@ -315,29 +316,35 @@ def _local_docs() -> list:
     global _DOCS
     if _DOCS is None:
         docs = []
-        for mod_name in _DOC_MODULES:
-            try:
-                mod = importlib.import_module(mod_name)
-            except Exception:  # a module missing from this build of Python
-                continue
-            if mod.__doc__ and len(mod.__doc__) > 200:
-                docs.append((mod_name, mod.__doc__.strip()))
-            for attr in sorted(dir(mod)):
-                obj = getattr(mod, attr, None)
-                doc = getattr(obj, "__doc__", None)
-                if attr.startswith("_") or not callable(obj) or not isinstance(doc, str) or len(doc) < 150:
-                    continue
-                if getattr(obj, "__module__", None) != mod.__name__:
-                    continue
-                docs.append((f"{mod_name}.{attr}", doc.strip()))
-        try:
-            from pydoc_data.topics import topics
-
-            docs += [(k, v.strip()) for k, v in sorted(topics.items()) if len(v) > 300]
-        except ImportError:
-            pass
+        with warnings.catch_warnings():  # deprecated names (e.g. in typing) warn when looked up
+            warnings.simplefilter("ignore")
+            _collect_docs(docs)
         _DOCS = docs
     return _DOCS
+
+
+def _collect_docs(docs: list) -> None:
+    for mod_name in _DOC_MODULES:
+        try:
+            mod = importlib.import_module(mod_name)
+        except Exception:  # a module missing from this build of Python
+            continue
+        if mod.__doc__ and len(mod.__doc__) > 200:
+            docs.append((mod_name, mod.__doc__.strip()))
+        for attr in sorted(dir(mod)):
+            obj = getattr(mod, attr, None)
+            doc = getattr(obj, "__doc__", None)
+            if attr.startswith("_") or not callable(obj) or not isinstance(doc, str) or len(doc) < 150:
+                continue
+            if getattr(obj, "__module__", None) != mod.__name__:
+                continue
+            docs.append((f"{mod_name}.{attr}", doc.strip()))
+    try:
+        from pydoc_data.topics import topics
+
+        docs += [(k, v.strip()) for k, v in sorted(topics.items()) if len(v) > 300]
+    except ImportError:
+        pass
 
 
 def _doc_passage(r: random.Random, max_chars: int) -> str:

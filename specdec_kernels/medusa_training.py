@@ -123,6 +123,41 @@ def load_or_generate(model, tok, num_prompts: int, *, max_new_tokens: int, batch
     return concat_data(shards)
 
 
+# Validation prompts: the package's default prompt file plus these, written by hand unlike
+# the templates (the template-held-out sequences overrate the heads: their prompts are near
+# copies of training ones). Never the benchmark's prompts.
+VALIDATION_PROMPTS = [
+    "Explain how a refrigerator keeps food cold.",
+    "What are the benefits of regular exercise for older adults?",
+    "Write a Python function that returns the sum of the squares of a list, with a docstring.",
+    "Give me three tips for writing a good cover letter.",
+    "Describe the water cycle in a short paragraph.",
+    "My tomato plants have yellow leaves. What could be wrong?",
+    "Translate to English: Je voudrais réserver une table pour deux personnes ce soir.",
+    "A car travels 150 km in 2.5 hours. What is its average speed? Explain the steps.",
+    "Write a short thank-you note to a colleague who helped me move house.",
+    "Compare cats and dogs as pets in a few sentences.",
+    "Pretend you are a museum guide and introduce a painting of a stormy sea.",
+    "What is the difference between a virus and a bacterium?",
+]
+
+
+def validation_data(model, tok, *, max_new_tokens: int, cache_dir, progress: bool = True) -> dict:
+    """Self-distillation data for the package's prompts.jsonl + VALIDATION_PROMPTS (cached)."""
+    from importlib import resources
+
+    path = Path(cache_dir) / f"validation_t{max_new_tokens}.pt"
+    if path.exists():
+        return torch.load(path, weights_only=True)
+    lines = resources.files("specdec_kernels").joinpath("data/prompts.jsonl").read_text().splitlines()
+    texts = [json.loads(line)["prompt"] for line in lines if line.strip()] + VALIDATION_PROMPTS
+    data = collect_self_distillation(model, [tok.chat_prompt(t) for t in texts], max_new_tokens=max_new_tokens,
+                                     batch_size=len(texts), progress=progress)
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    torch.save(data, path)
+    return data
+
+
 def concat_data(shards: list[dict]) -> dict:
     """Concatenate data dicts of :func:`collect_self_distillation`."""
     starts, offset = [torch.zeros(1, dtype=torch.int64)], 0
@@ -203,13 +238,18 @@ def head_accuracy(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tenso
 def train_heads(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.Tensor, *, num_layers: int = 1,
                 root_ids: torch.Tensor | None = None, embed: torch.Tensor | None = None,
                 epochs: int = 3, batch_size: int = 256, lr: float = 1e-3, weight_decay: float = 0.0,
-                decay: float = 0.8, seed: int = 0, progress: bool = True, log=print) -> MedusaHeads:
+                decay: float = 0.8, seed: int = 0, progress: bool = True, log=print,
+                validation: tuple | None = None) -> MedusaHeads:
     """Train ``targets.shape[1]`` Medusa heads on (hidden fp16/fp32 [N, H], targets int64 [N, K]).
 
     The LM head ``lm_head`` [V, H] is shared and frozen; the softmax runs over the tokens
     that occur in ``targets`` (see the module docstring). With ``embed`` [V, H] (the base
     model's embedding) and ``root_ids`` [N] (the token each row produced) the heads are
-    root-conditioned (``MedusaHeads.head_input``). Returns fp32 heads (eval mode).
+    root-conditioned (``MedusaHeads.head_input``). ``validation`` = (hidden, targets,
+    root_ids) of held-out sequences: scored after every epoch (full-vocabulary top-1 per
+    head), and the epoch with the best sum_k decay^k top1_k is kept (early stopping: with
+    a few tens of thousands of tokens the ResBlocks overfit within a few epochs).
+    Returns fp32 heads (eval mode).
     """
     from tqdm import tqdm
 
@@ -237,6 +277,7 @@ def train_heads(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.Tens
     weights = torch.tensor([decay ** k for k in range(K)])
     bar = tqdm(total=total, desc="train heads", unit="step", disable=not progress)
     heads.train()
+    best = None
     for epoch in range(epochs):
         perm = torch.randperm(N, generator=g)
         run_loss, run_acc, n_seen = torch.zeros(K), torch.zeros(K), 0
@@ -261,9 +302,21 @@ def train_heads(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.Tens
                 n_seen += idx.shape[0]
             bar.update(1)
             bar.set_postfix(epoch=epoch, loss=f"{float(loss.detach()):.3f}")
-        log(f"epoch {epoch}: train loss per head {[round(v, 3) for v in (run_loss / n_seen).tolist()]}, "
-            f"top-1 (data vocab) {[round(v, 3) for v in (run_acc / n_seen).tolist()]}")
+        msg = (f"epoch {epoch}: train loss per head {[round(v, 3) for v in (run_loss / n_seen).tolist()]}, "
+               f"top-1 (data vocab) {[round(v, 3) for v in (run_acc / n_seen).tolist()]}")
+        if validation is not None:
+            heads.eval()
+            acc = head_accuracy(heads, validation[0], validation[1], root_ids=validation[2])["top1"]
+            heads.train()
+            score = sum(decay ** k * a for k, a in enumerate(acc))
+            msg += f"; validation top-1 {[round(v, 3) for v in acc]}"
+            if best is None or score > best[0]:
+                best = (score, epoch, {k: v.detach().clone() for k, v in heads.state_dict().items()})
+        log(msg)
     bar.close()
+    if best is not None and best[1] != epochs - 1:
+        log(f"keeping epoch {best[1]} (best validation)")
+        heads.load_state_dict(best[2])
     return heads.eval().requires_grad_(False)
 
 
@@ -315,8 +368,9 @@ def choose_tree(ranks: torch.Tensor, *, max_nodes: int = 32, top_k: int = 10) ->
 def pick_tree_size(scored: list, *, cost_per_node: float, draft_cost: float) -> tuple[int, list]:
     """(n, table): the number of nodes maximising predicted speedup = E[tokens per step] /
     (1 + cost_per_node * n + draft_cost), step costs relative to an autoregressive step
-    (measure them: at batch 1 on a CPU each verified node adds ~5% — the forward turns
-    compute-bound beyond a few tokens — and the heads' LM pass ~5% with a draft vocabulary)."""
+    (measure them: SmolLM2-135M at batch 1 on one shared CPU thread, each verified node
+    added 5-10% of an autoregressive step — the forward turns compute-bound beyond a few
+    tokens — and the heads ~7% with a 4k-token draft vocabulary, ~20% without)."""
     table, acc = [], 1.0
     best = (1.0, 0)
     for n, (_, v) in enumerate(scored, start=1):
@@ -353,25 +407,27 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--out", default=None, help="output .safetensors (default: the package's file for the model)")
     p.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where the generated data is cached")
-    p.add_argument("--num-prompts", type=int, default=1200)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=512)
+    p.add_argument("--max-new-tokens", type=int, default=160)
     p.add_argument("--gen-batch-size", type=int, default=64)
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-layers", type=int, default=1)
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--held-out", type=float, default=0.05, help="fraction of sequences held out")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--held-out", type=float, default=0.08, help="fraction of sequences held out")
     p.add_argument("--eval-rows", type=int, default=4000, help="rows scored for the full-vocabulary accuracies")
-    p.add_argument("--draft-vocab-size", type=int, default=8192,
+    p.add_argument("--draft-vocab-size", type=int, default=4096,
                    help="tokens the heads draft from (0 = the whole vocabulary), see MedusaHeads.set_draft_vocab")
     p.add_argument("--max-tree-nodes", type=int, default=32)
     p.add_argument("--tree-nodes", type=int, default=0, help="force the tree size (default: best predicted)")
-    p.add_argument("--cost-per-node", type=float, default=0.055,
+    p.add_argument("--cost-per-node", type=float, default=0.09,
                    help="verification cost of one more tree node, relative to an autoregressive step")
-    p.add_argument("--draft-cost", type=float, default=0.05, help="the heads' cost relative to an autoregressive step")
+    p.add_argument("--draft-cost", type=float, default=0.07, help="the heads' cost relative to an autoregressive step")
     p.add_argument("--root-conditioned", type=int, default=1,
                    help="1: the heads also see the root token's embedding (MedusaHeads.head_input); 0: plain Medusa")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--early-stop", type=int, default=1, help="1: keep the epoch with the best validation accuracy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--regenerate", action="store_true", help="regenerate the data even if cached")
@@ -399,29 +455,39 @@ def main(argv=None) -> int:
     train_rows, held_rows = split_sequences(data["seq_start"], args.held_out, args.seed)
     t1 = time.perf_counter()
     roots = data["tokens"]  # row i's hidden state produced tokens[i]: the root at decode time
+    val = validation_data(model, tok, max_new_tokens=96, cache_dir=Path(args.cache_dir) / Path(args.model).stem)
+    val_targets = medusa_targets(val["tokens"], val["seq_start"], args.num_heads)
+    print(f"validation: {val['tokens'].shape[0]} tokens in {val['seq_start'].shape[0] - 1} sequences")
     heads = train_heads(data["hidden"][train_rows], targets[train_rows], model.lm_head, num_layers=args.num_layers,
                         root_ids=roots[train_rows] if args.root_conditioned else None,
                         embed=model.embed if args.root_conditioned else None,
-                        epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+                        epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                        weight_decay=args.weight_decay,
+                        validation=(val["hidden"], val_targets, val["tokens"]) if args.early_stop else None)
     print(f"trained in {time.perf_counter() - t1:.0f}s")
     g = torch.Generator().manual_seed(args.seed)
     accuracy = {}
-    for name, rows in (("train", train_rows), ("held-out", held_rows)):
+    for name, hid, tgt, rts in (("train", data["hidden"][train_rows], targets[train_rows], roots[train_rows]),
+                                ("held-out", data["hidden"][held_rows], targets[held_rows], roots[held_rows]),
+                                ("validation", val["hidden"], val_targets, val["tokens"])):
+        rows = torch.arange(hid.shape[0])
         if rows.numel() > args.eval_rows:
             rows = rows[torch.randperm(rows.numel(), generator=g)[: args.eval_rows]]
-        acc = head_accuracy(heads, data["hidden"][rows], targets[rows], root_ids=roots[rows])
+        acc = head_accuracy(heads, hid[rows], tgt[rows], root_ids=rts[rows])
         accuracy[name] = acc
         print(f"{name} accuracy per head (full vocabulary, {rows.numel()} rows): top-1 "
               f"{[round(v, 3) for v in acc['top1']]}, top-5 {[round(v, 3) for v in acc['top5']]}")
     vocab = draft_vocabulary(targets[train_rows], model.config.vocab_size, args.draft_vocab_size)
     if vocab is not None:
         heads.set_draft_vocab(vocab)
-    ranks = target_ranks(heads, data["hidden"][held_rows], targets[held_rows], root_ids=roots[held_rows])
+    # The tree is chosen on the validation prompts (and the template held-out sequences).
+    ranks = torch.cat([target_ranks(heads, val["hidden"], val_targets, root_ids=val["tokens"]),
+                       target_ranks(heads, data["hidden"][held_rows], targets[held_rows], root_ids=roots[held_rows])])
     scored = choose_tree(ranks, max_nodes=args.max_tree_nodes)
     n, table = pick_tree_size(scored, cost_per_node=args.cost_per_node, draft_cost=args.draft_cost)
     if args.tree_nodes:
         n = args.tree_nodes
-    print("tree size vs expected tokens per step (held-out rows) and predicted speedup:")
+    print("tree size vs expected tokens per step (validation + held-out rows) and predicted speedup:")
     for row in table:
         mark = "  <- chosen" if row["nodes"] == n else ""
         print(f"  {row['nodes']:3d} nodes: {row['expected_tokens_per_step']:.3f} tokens/step, "
@@ -433,6 +499,8 @@ def main(argv=None) -> int:
                                 "max_new_tokens": str(args.max_new_tokens), "epochs": str(args.epochs),
                                 "lr": str(args.lr), "seed": str(args.seed), "train_tokens": str(int(train_rows.numel())),
                                 "held_out_top1": json.dumps([round(v, 4) for v in accuracy["held-out"]["top1"]]),
+                                "validation_top1": json.dumps([round(v, 4) for v in accuracy["validation"]["top1"]]),
+                                "weight_decay": str(args.weight_decay),
                                 "medusa_choices": json.dumps(choices),
                                 "trained_by": "specdec train-medusa (self-distillation on synthetic prompts)"})
     print(f"wrote {out} ({os.path.getsize(out) / 1e6:.1f} MB)")

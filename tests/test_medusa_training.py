@@ -217,3 +217,31 @@ def test_shipped_heads_accept_on_the_real_model(smollm2):
     assert [r.output for r in trained] == ar
     mal = trained[0].stats.mean_accepted_length
     assert mal > MAL_FLOOR, (mal, MAL_FLOOR)
+
+
+# ---------------------------------------------------------------------------------------
+# Medusa + prompt lookup in one tree.
+# ---------------------------------------------------------------------------------------
+
+
+def test_merge_chain_reuses_matching_nodes():
+    parents, tokens = [-1, 0, 0, 1], [7, 3, 4, 5]  # root 7 -> 3 -> 5, root -> 4
+    p, t = MedusaDrafter.merge_chain(parents, tokens, [3, 5, 9, 1])
+    assert (p, t) == ([-1, 0, 0, 1, 3, 4], [7, 3, 4, 5, 9, 1])
+    p, t = MedusaDrafter.merge_chain(parents, tokens, [4, 4])
+    assert (p, t) == ([-1, 0, 0, 1, 2], [7, 3, 4, 5, 4])
+    assert MedusaDrafter.merge_chain(parents, tokens, []) == (parents, tokens)
+
+
+def test_medusa_with_ngram_branch_is_exact(tiny):
+    from specdec_kernels.decoding import NgramDrafter, SpecSchedule
+
+    g = torch.Generator().manual_seed(4)
+    base = torch.randint(0, 64, (12,), generator=g).tolist()
+    prompts = [base + base[:6], base[:5], base + base]
+    ar = [r.output for r in Generator(tiny).generate(prompts, 24)]
+    drafter = MedusaDrafter(tiny, ngram=NgramDrafter(max_k=6))
+    assert drafter.name == "medusa+ngram" and drafter.max_nodes == drafter.tree.num_nodes + 6
+    reqs = Generator(tiny, drafter, SpecSchedule("constant", 4)).generate(prompts, 24)
+    assert [r.output for r in reqs] == ar
+    assert max(r.stats.drafted for r in reqs) > 0

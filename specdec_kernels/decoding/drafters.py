@@ -274,11 +274,19 @@ class MedusaDrafter(Drafter):
 
     ``heads``: default ``medusa_heads_for(target)`` (the package's trained heads for the
     model if it ships them). ``choices``: default the tree tuned for the heads (their file's
-    ``medusa_choices`` metadata, a JSON list of lists) or ``MEDUSA_SMALL_CHOICES``."""
+    ``medusa_choices`` metadata, a JSON list of lists) or ``MEDUSA_SMALL_CHOICES``.
+
+    ``ngram``: an :class:`NgramDrafter` whose prompt-lookup chain (up to the speculation
+    length) is merged into the tree as one more branch, sharing the nodes it agrees with.
+    The two are complementary: the heads guess fluent continuations, the lookup copies
+    spans of the context (summaries, extraction, code edits, repetitive output), and one
+    verification forward checks both (the chain adds at most k nodes, none when nothing
+    matches)."""
 
     name = "medusa"
 
-    def __init__(self, target: Llama, heads: MedusaHeads | None = None, choices=None):
+    def __init__(self, target: Llama, heads: MedusaHeads | None = None, choices=None, *,
+                 ngram: "NgramDrafter | None" = None):
         import json
 
         from ..tree import medusa_tree
@@ -289,9 +297,29 @@ class MedusaDrafter(Drafter):
             choices = [tuple(c) for c in json.loads(self.heads.metadata["medusa_choices"])]
         choices = [c for c in (choices or MEDUSA_SMALL_CHOICES) if len(c) <= self.heads.num_heads]
         self.tree = medusa_tree(choices)
-        self.max_nodes = self.tree.num_nodes
+        self.ngram = ngram
+        self.max_nodes = self.tree.num_nodes + (ngram.max_nodes - 1 if ngram is not None else 0)
         self.parents = self.tree.parents.tolist()
         self.depth = self.tree.depth.tolist()
+        if ngram is not None:
+            self.name = "medusa+ngram"
+
+    @staticmethod
+    def merge_chain(parents: list, tokens: list, chain: list) -> tuple[list, list]:
+        """Add the path root -> chain[0] -> chain[1] ... to a tree (parents, tokens; node 0
+        = root), reusing the nodes already there; new nodes are appended (parents stay
+        before children)."""
+        parents, tokens = list(parents), list(tokens)
+        child = {(parents[i], tokens[i]): i for i in range(1, len(parents))}
+        node = 0
+        for t in chain:
+            nxt = child.get((node, t))
+            if nxt is None:
+                parents.append(node)
+                tokens.append(t)
+                nxt = child[(node, t)] = len(tokens) - 1
+            node = nxt
+        return parents, tokens
 
     @torch.inference_mode()
     def propose(self, gen, reqs, lengths):
@@ -303,5 +331,10 @@ class MedusaDrafter(Drafter):
         drafts = []
         for b, k in enumerate(lengths):
             n = sum(1 for d in self.depth if d <= k)  # nodes are ordered by depth
-            drafts.append(Draft(self.parents[:n], tokens[b][:n]))
+            parents, toks = self.parents[:n], tokens[b][:n]
+            if self.ngram is not None and k > 0:
+                chain = self.ngram.lookup(reqs[b].tokens, min(k, self.ngram.max_nodes - 1))
+                if chain:
+                    parents, toks = self.merge_chain(parents, toks, chain)
+            drafts.append(Draft(parents, toks))
         return drafts
