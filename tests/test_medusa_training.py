@@ -201,15 +201,15 @@ def smollm2():
     return load_model("smollm2-135m")
 
 
-# Mean accepted length of the shipped heads on this prompt (greedy, 32 tokens) measured
-# 1.19 when the tests were written (untrained heads: 1.11 on other prompts); the floor leaves a margin.
-MAL_FLOOR = 1.1
+# Mean accepted length of the shipped heads on this prompt (greedy, 32 tokens, default
+# schedule): 1.39 when measured; untrained heads: 1.14. The floor separates the two.
+MAL_FLOOR = 1.25
 
 
 def test_shipped_heads_accept_on_the_real_model(smollm2):
     model, tok = smollm2
     torch.set_num_threads(1)
-    prompts = [tok.chat_prompt("Explain how a refrigerator keeps food cold.")]
+    prompts = [tok.chat_prompt("Describe the water cycle in a short paragraph.")]
     drafter = MedusaDrafter(model)  # the shipped heads by default
     assert drafter.heads.metadata.get("model") == "smollm2-135m" and drafter.heads.root_conditioned
     ar = [r.output for r in Generator(model).generate(prompts, 32)]
