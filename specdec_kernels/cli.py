@@ -2,6 +2,7 @@
 
     specdec generate --model smollm2-135m --drafter ngram --prompt "Tell me about Paris."
     specdec bench [--prompts FILE] [--max-prompts N] [--max-new-tokens N] [--batch-sizes 1 4]
+    specdec train-medusa --model smollm2-135m [--out FILE]   (regenerates the shipped Medusa heads)
 """
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import argparse
 import sys
 import time
 
-DRAFTERS = ("none", "ngram", "ngram-tree", "self-spec", "medusa", "draft", "draft-tree")
+DRAFTERS = ("none", "ngram", "ngram-tree", "self-spec", "medusa", "medusa+ngram", "medusa-untrained", "draft",
+            "draft-tree")
 
 
 def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: str | None = None,
@@ -26,8 +28,16 @@ def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: st
         return NgramTreeDrafter(max_k=max_k)
     if name == "self-spec":
         return SelfSpecDrafter(model, self_spec_layers, max_k=max_k)
-    if name == "medusa":
+    if name == "medusa":  # the package's trained heads for the model unless a checkpoint is given
         return MedusaDrafter(model, medusa_heads_for(model, medusa_checkpoint))
+    if name == "medusa+ngram":  # the trained heads' tree plus the prompt-lookup chain as one more branch
+        return MedusaDrafter(model, medusa_heads_for(model, medusa_checkpoint), ngram=NgramDrafter(max_k=max_k))
+    if name == "medusa-untrained":  # for comparison: zero ResBlocks, the static small tree
+        from .decoding.drafters import MEDUSA_SMALL_CHOICES
+
+        drafter = MedusaDrafter(model, medusa_heads_for(model, "untrained"), MEDUSA_SMALL_CHOICES)
+        drafter.name = "medusa-untrained"
+        return drafter
     if name in ("draft", "draft-tree"):
         if draft_model:
             from .models import load_model
@@ -55,7 +65,11 @@ def cmd_generate(args) -> int:
     drafter = make_drafter(args.drafter, model, self_spec_layers=args.self_spec_layers, draft_model=args.draft_model,
                            medusa_checkpoint=args.medusa_checkpoint)
     if args.drafter == "medusa" and not args.medusa_checkpoint:
-        print("[medusa heads are untrained (no --medusa-checkpoint): expect low acceptance]", file=sys.stderr)
+        from .medusa import default_medusa_checkpoint
+
+        if default_medusa_checkpoint(model.name) is None:
+            print("[medusa heads are untrained (no --medusa-checkpoint and none ships for this model): expect low "
+                  "acceptance]", file=sys.stderr)
     ids = tok.encode(args.prompt) if args.raw else tok.chat_prompt(args.prompt)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     gen = Generator(model, drafter, SpecSchedule(args.schedule, args.k))
@@ -84,6 +98,10 @@ def main(argv=None) -> int:
         from .decoding.benchmark import main as bench_main
 
         return bench_main(argv[1:])
+    if argv[:1] == ["train-medusa"]:
+        from .medusa_training import main as train_main
+
+        return train_main(argv[1:])
     p = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding on CPU/GPU.")
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate text for one prompt, streaming, then print stats")
@@ -100,10 +118,12 @@ def main(argv=None) -> int:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--self-spec-layers", type=int, default=8)
     g.add_argument("--draft-model", default=None, help="draft checkpoint (default: the target's first layers)")
-    g.add_argument("--medusa-checkpoint", default=None, help="Medusa heads (.safetensors/.pt with the Medusa keys, e.g. medusa_lm_head.safetensors)")
+    g.add_argument("--medusa-checkpoint", default=None, help="Medusa heads (.safetensors/.pt with the Medusa keys, e.g. medusa_lm_head.safetensors; "
+                   "default: the heads the package ships for the model, 'untrained' for untrained heads)")
     g.add_argument("--threads", type=int, default=0)
     g.set_defaults(func=cmd_generate)
     sub.add_parser("bench", help="end-to-end benchmark (specdec bench --help)")
+    sub.add_parser("train-medusa", help="train Medusa heads by self-distillation (specdec train-medusa --help)")
     args = p.parse_args(argv)
     return args.func(args)
 

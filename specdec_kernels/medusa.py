@@ -31,7 +31,8 @@ from torch import nn
 
 from . import ops
 
-__all__ = ["MedusaHeads", "ResBlock", "load_medusa_heads", "medusa_loss", "train_step"]
+__all__ = ["MedusaHeads", "ResBlock", "default_medusa_checkpoint", "load_medusa_heads", "medusa_loss",
+           "read_medusa_metadata", "save_medusa_heads", "train_step"]
 
 
 class ResBlock(nn.Module):
@@ -59,7 +60,8 @@ class MedusaHeads(nn.Module):
     """
 
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int = 4, num_layers: int = 1, *,
-                 lm_head_weight: torch.Tensor | None = None, dtype=None, device=None):
+                 lm_head_weight: torch.Tensor | None = None, dtype=None, device=None,
+                 embed_weight: torch.Tensor | None = None):
         super().__init__()
         if num_heads < 1 or num_layers < 0:
             raise ValueError(f"need num_heads >= 1 and num_layers >= 0, got {num_heads} and {num_layers}")
@@ -80,6 +82,16 @@ class MedusaHeads(nn.Module):
                 layers.append(nn.Linear(hidden_size, vocab_size, bias=False))
             heads.append(nn.Sequential(*layers).to(**factory))
         self.medusa_head = nn.ModuleList(heads)
+        # Root conditioning (optional, not in the Medusa reference): the heads' input is
+        # h + root_proj(rms(embed[root])), see ``head_input``.
+        self.root_conditioned = embed_weight is not None
+        if embed_weight is not None:
+            if embed_weight.shape[-1] != hidden_size:
+                raise ValueError(f"embed_weight must have shape [V, {hidden_size}], got {list(embed_weight.shape)}")
+            self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+            self.root_proj = nn.Linear(hidden_size, hidden_size, bias=False).to(**factory)
+            with torch.no_grad():
+                self.root_proj.weight.zero_()  # starts as plain Medusa
         # Zero ResBlocks are the identity (SiLU(0) = 0): every head starts as the LM head
         # applied to the base hidden state, as in Medusa (which zeroes the weight).
         with torch.no_grad():
@@ -88,6 +100,9 @@ class MedusaHeads(nn.Module):
                     head[j].linear.weight.zero_()
                     head[j].linear.bias.zero_()
         self._stacked = None
+        self.draft_vocab = None  # int64 [Vd] or None, see set_draft_vocab
+        self._draft_lm_head = None
+        self.metadata: dict = {}  # the checkpoint file's metadata (str -> str), if any
 
     # -- the stacked weights of the fused op ------------------------------------------
 
@@ -133,15 +148,71 @@ class MedusaHeads(nn.Module):
 
     # -- inference and training paths ---------------------------------------------------
 
-    def forward(self, hidden: torch.Tensor, top_k: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [M, H] (or [..., H], flattened) -> (topk_ids int64 [M, K, top_k],
-        topk_logprobs fp32 [M, K, top_k]) through the fused specdec::medusa_topk."""
-        hidden = hidden.reshape(-1, self.hidden_size)
-        res_weight, res_bias, lm_head = self.stacked_weights()
-        return ops.medusa_topk(hidden, res_weight, res_bias, lm_head, top_k)
+    def head_input(self, hidden: torch.Tensor, root_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """What the ResBlocks see: ``hidden`` [..., H], plus, for root-conditioned heads,
+        ``root_proj(rms_norm(embed[root_ids]))`` (root_ids int64 [...], the token each hidden
+        state produced: the root of the draft tree).
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        Why (a deviation from Medusa-1, in the spirit of Hydra/EAGLE): a Medusa head must
+        infer the root token from the hidden state through one ResBlock, which it does
+        poorly; given the root's embedding, head 0 of SmolLM2-135M predicts the token after
+        the root about 1.5x as often (held-out top-1 0.23 -> 0.34 on 14k tokens). It costs
+        one [H, H] product per step and is exact at decode time (the root is known)."""
+        if not self.root_conditioned:
+            return hidden
+        if root_ids is None:
+            raise ValueError("these Medusa heads are root-conditioned: pass root_ids (the tokens the hidden states "
+                             "produced)")
+        emb = self.embed_weight[root_ids.to(self.embed_weight.device)].to(hidden.dtype)
+        return hidden + self.root_proj(F.rms_norm(emb, (emb.shape[-1],)))
+
+    def forward(self, hidden: torch.Tensor, top_k: int = 10, root_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [M, H] (or [..., H], flattened) -> (topk_ids int64 [M, K, top_k],
+        topk_logprobs fp32 [M, K, top_k]) through the fused specdec::medusa_topk.
+        ``root_ids`` int64 [M]: needed by root-conditioned heads (see ``head_input``).
+
+        With a draft vocabulary (:meth:`set_draft_vocab`) the top-k and the log-softmax run
+        over those tokens only, and the ids are mapped back to the full vocabulary."""
+        hidden = hidden.reshape(-1, self.hidden_size)
+        if self.root_conditioned:
+            hidden = self.head_input(hidden, None if root_ids is None else root_ids.reshape(-1))
+        res_weight, res_bias, lm_head = self.stacked_weights()
+        if self.draft_vocab is None:
+            return ops.medusa_topk(hidden, res_weight, res_bias, lm_head, top_k)
+        if self._draft_lm_head is None or self._draft_lm_head.dtype != lm_head.dtype:
+            self._draft_lm_head = lm_head[self.draft_vocab.to(lm_head.device)].contiguous()
+        ids, logprobs = ops.medusa_topk(hidden, res_weight, res_bias, self._draft_lm_head, top_k)
+        return self.draft_vocab.to(ids.device)[ids], logprobs
+
+    def set_draft_vocab(self, token_ids: torch.Tensor | None) -> "MedusaHeads":
+        """Restrict drafting (``forward``) to ``token_ids`` (int64 [Vd], distinct, < V), or
+        lift the restriction with None. Needs the shared LM head.
+
+        Why: at batch 1 on a CPU the heads' cost is streaming the [V, H] LM head once per
+        step (V = 49152 for SmolLM2: 113 MB in fp32, ~20% of a decode step); the tokens the
+        heads ever predict right are the frequent ones, so the few thousand most frequent
+        tokens of the training data keep nearly all the acceptance at a fraction of the
+        cost (the idea of FR-Spec's frequency-ranked draft vocabulary). Lossless: the
+        target verifies whatever is drafted. ``logits`` (training) keeps the full vocabulary.
+        """
+        if token_ids is None:
+            self.draft_vocab = self._draft_lm_head = None
+            return self
+        if not self.shared_lm_head:
+            raise ValueError("set_draft_vocab needs heads with the shared LM head")
+        token_ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
+        if token_ids.numel() == 0 or int(token_ids.min()) < 0 or int(token_ids.max()) >= self.vocab_size:
+            raise ValueError(f"draft vocabulary ids must be in [0, {self.vocab_size}), got {token_ids.numel()} ids")
+        if torch.unique(token_ids).numel() != token_ids.numel():
+            raise ValueError("draft vocabulary ids must be distinct")
+        self.draft_vocab = token_ids.to(self.lm_head_weight.device)
+        self._draft_lm_head = None
+        return self
+
+    def logits(self, hidden: torch.Tensor, root_ids: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [..., H] -> logits [..., K, V] with plain (differentiable) PyTorch ops."""
+        hidden = self.head_input(hidden, root_ids)
         out = []
         for head in self.medusa_head:
             x = hidden
@@ -150,12 +221,17 @@ class MedusaHeads(nn.Module):
             out.append(F.linear(x, self.lm_head_weight) if self.shared_lm_head else head[self.num_layers](x))
         return torch.stack(out, dim=-2)
 
+    def save(self, path, *, dtype=None, metadata: dict | None = None) -> None:
+        """Write the heads to ``path`` (see :func:`save_medusa_heads`)."""
+        save_medusa_heads(self, path, dtype=dtype, metadata=metadata)
+
 
 # ---------------------------------------------------------------------------------------
 # Loading.
 # ---------------------------------------------------------------------------------------
 
 _KEY = re.compile(r"^(?:.*medusa_head\.)?(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
+_ROOT_KEY = re.compile(r"^(?:.*\.)?root_proj\.weight$")
 
 
 def _read_state_dict(source) -> dict:
@@ -169,16 +245,73 @@ def _read_state_dict(source) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def read_medusa_metadata(source) -> dict:
+    """The string metadata of a ``.safetensors`` file ({} for anything else)."""
+    if isinstance(source, dict) or not os.fspath(source).endswith(".safetensors"):
+        return {}
+    from safetensors import safe_open
+
+    with safe_open(os.fspath(source), framework="pt") as f:
+        return dict(f.metadata() or {})
+
+
+def save_medusa_heads(heads: MedusaHeads, path, *, dtype=None, metadata: dict | None = None) -> None:
+    """Write ``heads``' state dict (the Medusa keys; the shared LM head is not included) to a
+    ``.safetensors`` file, or with ``torch.save`` for any other suffix. ``dtype`` (e.g.
+    torch.bfloat16) converts the stored tensors.
+
+    The parameters are views of the stacked tensors of the fused op (they share storage),
+    which ``safetensors`` refuses to write: every tensor is cloned into its own storage.
+    A draft vocabulary (``set_draft_vocab``) is stored as ``draft_vocab`` (int64), and
+    ``heads.metadata`` updated with ``metadata`` as the file's string metadata.
+    """
+    state = {k: v.detach().to(dtype or v.dtype).clone().contiguous() for k, v in heads.state_dict().items()}
+    if heads.draft_vocab is not None:
+        state["draft_vocab"] = heads.draft_vocab.detach().to(torch.int64).clone().cpu()
+    meta = {**heads.metadata, **(metadata or {})}
+    path = os.fspath(path)
+    if path.endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        save_file(state, path, metadata={str(k): str(v) for k, v in meta.items()})
+    else:
+        torch.save(state, path)
+
+
+# Trained heads shipped with the package, by model name (``specdec train-medusa`` writes them).
+SHIPPED_HEADS = {"smollm2-135m": "medusa_smollm2_135m.safetensors"}
+
+
+def default_medusa_checkpoint(model_name: str, *, must_exist: bool = True) -> str | None:
+    """Path of the package's trained Medusa heads for a registered model name (e.g.
+    ``smollm2-135m``, also matched on the model's file name), or None if none ships."""
+    def squash(name):
+        return re.sub(r"[^a-z0-9]", "", name.lower())
+
+    given = squash(os.path.basename(str(model_name)))
+    key = next((k for k in SHIPPED_HEADS if k == model_name or squash(k) in given), None)
+    if key is None:
+        return None
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", SHIPPED_HEADS[key])
+    return path if (os.path.exists(path) or not must_exist) else None
+
+
 def load_medusa_heads(source, *, lm_head_weight: torch.Tensor | None = None, dtype=None,
-                      device=None) -> MedusaHeads:
+                      device=None, metadata: dict | None = None,
+                      embed_weight: torch.Tensor | None = None) -> MedusaHeads:
     """Build MedusaHeads from a Medusa state dict, a ``.pt`` or a ``.safetensors`` file.
 
     Keys ``[medusa_head.]{k}.{j}.linear.weight|bias`` (ResBlock j of head k) and
     ``[medusa_head.]{k}.{L}.weight`` (per-head LM head); K, L, H and V are read from them.
     Without per-head LM heads the base model's ``lm_head_weight`` [V, H] is required (and
     may also be passed to share it instead of the checkpoint's per-head copies).
+    A ``draft_vocab`` entry (int64 [Vd], written by ``save_medusa_heads``) becomes the
+    heads' draft vocabulary when the LM head is shared; ``heads.metadata`` is the file's
+    metadata (or ``metadata``). A ``root_proj.weight`` [H, H] makes root-conditioned heads
+    (``MedusaHeads.head_input``), which need the base model's ``embed_weight`` [V, H].
     """
     state = _read_state_dict(source)
+    metadata = dict(metadata) if metadata is not None else read_medusa_metadata(source)
     blocks, lm_heads = {}, {}
     for key, value in state.items():
         match = _KEY.match(key)
@@ -213,14 +346,24 @@ def load_medusa_heads(source, *, lm_head_weight: torch.Tensor | None = None, dty
     ref = next(iter(blocks.values()), None)
     if dtype is None:
         dtype = ref.dtype if ref is not None else (lm_heads[0][1].dtype if lm_heads else lm_head_weight.dtype)
-    heads_mod = MedusaHeads(H, V, K, L, lm_head_weight=lm_head_weight, dtype=dtype, device=device)
+    root_key = next((k for k in state if _ROOT_KEY.match(k)), None)
+    if root_key is not None and embed_weight is None:
+        raise ValueError("the checkpoint has root-conditioned heads (root_proj.weight): pass the base model's "
+                         "embed_weight")
+    heads_mod = MedusaHeads(H, V, K, L, lm_head_weight=lm_head_weight, dtype=dtype, device=device,
+                            embed_weight=embed_weight if root_key is not None else None)
     own = {}
+    if root_key is not None:
+        own["root_proj.weight"] = state[root_key]
     for (k, j, kind), value in blocks.items():
         own[f"medusa_head.{k}.{j}.{kind}"] = value
     if lm_head_weight is None:
         for k, (j, value) in lm_heads.items():
             own[f"medusa_head.{k}.{j}.weight"] = value
     heads_mod.load_state_dict(own, strict=True)
+    heads_mod.metadata = metadata
+    if "draft_vocab" in state and heads_mod.shared_lm_head:
+        heads_mod.set_draft_vocab(state["draft_vocab"])
     return heads_mod
 
 

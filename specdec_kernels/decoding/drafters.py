@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from .. import ops
-from ..medusa import MedusaHeads, _read_state_dict as _read_medusa_state, load_medusa_heads
+from ..medusa import (MedusaHeads, _read_state_dict as _read_medusa_state, default_medusa_checkpoint,
+                      load_medusa_heads, read_medusa_metadata)
 from ..models.llama import Batch, Llama, cache_slots, rms_norm
 
 
@@ -233,19 +234,27 @@ def SelfSpecDrafter(target: Llama, num_layers: int, **kw) -> ModelDrafter:
 
 
 def medusa_heads_for(target: Llama, checkpoint=None, *, num_heads: int = 4, num_layers: int = 1) -> MedusaHeads:
-    """MedusaHeads for ``target``: loaded from a Medusa checkpoint (``.safetensors``/``.pt``
-    or a state dict with Medusa keys, see ``specdec_kernels.medusa``) or, without one,
-    ``num_heads`` untrained heads (zero ResBlocks = identity: every head predicts what the LM
-    head predicts, so acceptance is low). The target's LM head is shared unless the
+    """MedusaHeads for ``target``.
+
+    ``checkpoint``: a Medusa checkpoint (``.safetensors``/``.pt`` or a state dict with
+    Medusa keys, see ``specdec_kernels.medusa``); None = the trained heads the package ships
+    for this model (``default_medusa_checkpoint``: SmolLM2-135M-Instruct, trained by
+    ``specdec train-medusa``) if there are any, else untrained heads; ``"untrained"`` =
+    ``num_heads`` untrained heads (zero ResBlocks = identity: every head predicts what the
+    LM head predicts, so acceptance is low). The target's LM head is shared unless the
     checkpoint has per-head LM heads."""
     if checkpoint is None:
+        checkpoint = default_medusa_checkpoint(target.name) or "untrained"
+    if isinstance(checkpoint, str) and checkpoint == "untrained":
         heads = MedusaHeads(target.config.hidden_size, target.config.vocab_size, num_heads, num_layers,
                             lm_head_weight=target.lm_head, dtype=target.dtype, device=target.device)
     else:
         state = checkpoint if isinstance(checkpoint, dict) else _read_medusa_state(checkpoint)
-        own_lm_heads = any(k.endswith(".weight") and not k.endswith("linear.weight") for k in state)
+        own_lm_heads = any(k.endswith(".weight") and not k.endswith(("linear.weight", "root_proj.weight"))
+                           for k in state)
         heads = load_medusa_heads(state, lm_head_weight=None if own_lm_heads else target.lm_head,
-                                  dtype=target.dtype, device=target.device)
+                                  dtype=target.dtype, device=target.device,
+                                  metadata=read_medusa_metadata(checkpoint), embed_weight=target.embed)
         if heads.hidden_size != target.config.hidden_size or heads.vocab_size != target.config.vocab_size:
             raise ValueError(f"Medusa heads have H={heads.hidden_size}, V={heads.vocab_size}; the target has "
                              f"H={target.config.hidden_size}, V={target.config.vocab_size}")
@@ -261,32 +270,73 @@ MEDUSA_SMALL_CHOICES = [(0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), 
 class MedusaDrafter(Drafter):
     """Medusa: head k on the hidden state of the node that produced the root predicts the
     token k+1 after the root; the static tree comes from Medusa choices (truncated to the
-    speculation length), filled from each head's top-k (``medusa_topk``)."""
+    speculation length), filled from each head's top-k (``medusa_topk``).
+
+    ``heads``: default ``medusa_heads_for(target)`` (the package's trained heads for the
+    model if it ships them). ``choices``: default the tree tuned for the heads (their file's
+    ``medusa_choices`` metadata, a JSON list of lists) or ``MEDUSA_SMALL_CHOICES``.
+
+    ``ngram``: an :class:`NgramDrafter` whose prompt-lookup chain (up to the speculation
+    length) is merged into the tree as one more branch, sharing the nodes it agrees with.
+    The two are complementary: the heads guess fluent continuations, the lookup copies
+    spans of the context (summaries, extraction, code edits, repetitive output), and one
+    verification forward checks both (the chain adds at most k nodes, none when nothing
+    matches)."""
 
     name = "medusa"
 
-    def __init__(self, target: Llama, heads: MedusaHeads | None = None, choices=None):
+    def __init__(self, target: Llama, heads: MedusaHeads | None = None, choices=None, *,
+                 ngram: "NgramDrafter | None" = None):
+        import json
+
         from ..tree import medusa_tree
 
         self.target = target
         self.heads = heads if heads is not None else medusa_heads_for(target)
+        if choices is None and "medusa_choices" in getattr(self.heads, "metadata", {}):
+            choices = [tuple(c) for c in json.loads(self.heads.metadata["medusa_choices"])]
         choices = [c for c in (choices or MEDUSA_SMALL_CHOICES) if len(c) <= self.heads.num_heads]
         self.tree = medusa_tree(choices)
-        self.max_nodes = self.tree.num_nodes
+        self.ngram = ngram
+        self.max_nodes = self.tree.num_nodes + (ngram.max_nodes - 1 if ngram is not None else 0)
         self.parents = self.tree.parents.tolist()
         self.depth = self.tree.depth.tolist()
+        if ngram is not None:
+            self.name = "medusa+ngram"
+
+    @staticmethod
+    def merge_chain(parents: list, tokens: list, chain: list) -> tuple[list, list]:
+        """Add the path root -> chain[0] -> chain[1] ... to a tree (parents, tokens; node 0
+        = root), reusing the nodes already there; new nodes are appended (parents stay
+        before children)."""
+        parents, tokens = list(parents), list(tokens)
+        child = {(parents[i], tokens[i]): i for i in range(1, len(parents))}
+        node = 0
+        for t in chain:
+            nxt = child.get((node, t))
+            if nxt is None:
+                parents.append(node)
+                tokens.append(t)
+                nxt = child[(node, t)] = len(tokens) - 1
+            node = nxt
+        return parents, tokens
 
     @torch.inference_mode()
     def propose(self, gen, reqs, lengths):
         hidden = torch.stack([r.hidden for r in reqs])
         hidden = rms_norm(hidden, self.target.norm, self.target.config.rms_norm_eps)
-        ids, _ = self.heads(hidden, self.tree.top_k)  # fused specdec::medusa_topk
         roots = torch.tensor([r.tokens[-1] for r in reqs], dtype=torch.int64)
+        ids, _ = self.heads(hidden, self.tree.top_k, root_ids=roots)  # fused specdec::medusa_topk
         tokens = self.tree.token_ids(roots, ids).tolist()
         drafts = []
         for b, k in enumerate(lengths):
             n = sum(1 for d in self.depth if d <= k)  # nodes are ordered by depth
-            drafts.append(Draft(self.parents[:n], tokens[b][:n]))
+            parents, toks = self.parents[:n], tokens[b][:n]
+            if self.ngram is not None and k > 0:
+                chain = self.ngram.lookup(reqs[b].tokens, min(k, self.ngram.max_nodes - 1))
+                if chain:
+                    parents, toks = self.merge_chain(parents, toks, chain)
+            drafts.append(Draft(parents, toks))
         return drafts
 
 

@@ -1,0 +1,511 @@
+"""Train Medusa heads for a model of the package by self-distillation (no download).
+
+    specdec train-medusa --model smollm2-135m --out specdec_kernels/data/medusa_smollm2_135m.safetensors
+
+1. **Data.** :func:`~specdec_kernels.medusa_prompts.synthetic_prompts` builds instruction
+   prompts from templates (never the benchmark's prompts); the chat template is applied and
+   the model answers them greedily with the package's own decode loop at a large batch
+   (:func:`collect_self_distillation`). For every emitted token o_i we keep the hidden
+   state that produced it, *after* the final RMSNorm — exactly what ``MedusaDrafter`` feeds
+   the heads at decode time (the pre-norm state of the node that produced the root, normed).
+   Cached as ``hidden`` fp16 [N, H], ``tokens`` int64 [N], ``seq_start`` int64 [S+1].
+2. **Targets** (:func:`medusa_targets`). Row i's hidden state produced o_i (the LM head's
+   token, the root at decode time); head k (0-based) must predict o_{i+k+1}, the token k+1
+   steps after the root — the model's own greedy continuation, which greedy verification
+   accepts. (In the base model's position terms: the hidden state at position t, whose LM
+   head predicts token t+1, gives head k the target token t+k+2, as in ``medusa_loss``.)
+   Positions past the end of a sequence are ignored (-1).
+3. **Training** (:func:`train_heads`). ``MedusaHeads`` with L ResBlocks per head and the
+   model's LM head shared (frozen), loss sum_k 0.8^k CE_k. The softmax is taken over the
+   tokens that occur in the data (every target is one of them) rather than the full
+   vocabulary: the frozen LM head dominates the cost and on one CPU thread the full 49k-row
+   softmax would be ~5x slower. Held-out accuracy is measured with the full vocabulary
+   (what decoding uses). AdamW, cosine learning rate, fixed seed.
+4. The heads are saved in bf16 (``save_medusa_heads``); ``MedusaDrafter`` loads the shipped
+   file for the model by default (``specdec_kernels.medusa.default_medusa_checkpoint``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .medusa import MedusaHeads, save_medusa_heads
+
+DEFAULT_CACHE = ".cache/medusa"
+
+
+# ---------------------------------------------------------------------------------------
+# Data.
+# ---------------------------------------------------------------------------------------
+
+
+def collect_self_distillation(model, prompts: list[list[int]], *, max_new_tokens: int = 128, batch_size: int = 64,
+                              progress: bool = True) -> dict:
+    """Greedy answers of ``model`` to ``prompts`` (token ids) with the hidden states behind them.
+
+    Returns {"hidden": fp16 [N, H] (final-normed hidden state that produced token i),
+    "tokens": int64 [N] (the emitted tokens, sequence after sequence), "seq_start": int64
+    [S+1] (sequence s owns rows seq_start[s]:seq_start[s+1])}. Sequences are generated in
+    batches of similar prompt length; each stops at EOS (kept) or after ``max_new_tokens``.
+    """
+    from tqdm import tqdm
+
+    from .decoding import Generator
+    from .models.llama import rms_norm
+
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    hidden_of: dict[int, list] = {}
+    tokens_of: dict[int, list] = {}
+    gen = Generator(model, None)
+    bar = tqdm(total=len(prompts), desc="self-distillation", unit="prompt", disable=not progress)
+    emitted = 0
+    for start in range(0, len(order), batch_size):
+        ids = order[start: start + batch_size]
+        rows: dict[int, list] = {i: [] for i in range(len(ids))}
+
+        def on_tokens(req, new_ids):
+            # Autoregressive: one token per step, and req.hidden is the state that produced it.
+            assert len(new_ids) == 1
+            rows[req.rid].append(req.hidden.to(torch.float32).clone())
+
+        reqs = gen.generate([prompts[i] for i in ids], max_new_tokens, on_tokens=on_tokens)
+        for j, r in enumerate(reqs):
+            if not r.output:
+                continue
+            if len(rows[j]) != len(r.output):
+                raise RuntimeError(f"captured {len(rows[j])} hidden states for {len(r.output)} tokens")
+            h = torch.stack(rows[j])
+            hidden_of[ids[j]] = rms_norm(h, model.norm.float(), model.config.rms_norm_eps).to(torch.float16)
+            tokens_of[ids[j]] = torch.tensor(r.output, dtype=torch.int64)
+            emitted += len(r.output)
+        bar.update(len(ids))
+        bar.set_postfix(tokens=emitted)
+    bar.close()
+    keep = [i for i in range(len(prompts)) if i in tokens_of]
+    lengths = torch.tensor([tokens_of[i].shape[0] for i in keep], dtype=torch.int64)
+    return {"hidden": torch.cat([hidden_of[i] for i in keep]), "tokens": torch.cat([tokens_of[i] for i in keep]),
+            "seq_start": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])}
+
+
+def load_or_generate(model, tok, num_prompts: int, *, max_new_tokens: int, batch_size: int, seed: int,
+                     cache_dir, regenerate: bool = False, progress: bool = True) -> dict:
+    """Self-distillation data for ``synthetic_prompts(num_prompts, seed)``, generated in
+    shards of ``batch_size`` prompts cached as ``cache_dir/shard_*.pt`` (a shard is reused by
+    any later run with the same seed, batch size and token limit: ``synthetic_prompts(n)``
+    is a prefix of ``synthetic_prompts(n + m)``)."""
+    from .medusa_prompts import synthetic_prompts
+
+    prompts = synthetic_prompts(num_prompts, seed=seed)
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for i, start in enumerate(range(0, len(prompts), batch_size)):
+        chunk = prompts[start: start + batch_size]
+        path = cache_dir / f"shard_s{seed}_t{max_new_tokens}_b{batch_size}_{i:04d}.pt"
+        if path.exists() and not regenerate:
+            shard = torch.load(path, weights_only=True)
+        else:
+            ids = [tok.chat_prompt(p["prompt"]) for p in chunk]
+            shard = collect_self_distillation(model, ids, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                                              progress=progress)
+            torch.save(shard, path)
+            if progress:
+                print(f"shard {i}: {shard['tokens'].shape[0]} tokens -> {path}", flush=True)
+        shards.append(shard)
+    return concat_data(shards)
+
+
+# Validation prompts: the package's default prompt file plus these, written by hand unlike
+# the templates (the template-held-out sequences overrate the heads: their prompts are near
+# copies of training ones). Never the benchmark's prompts.
+VALIDATION_PROMPTS = [
+    "Explain how a refrigerator keeps food cold.",
+    "What are the benefits of regular exercise for older adults?",
+    "Write a Python function that returns the sum of the squares of a list, with a docstring.",
+    "Give me three tips for writing a good cover letter.",
+    "Describe the water cycle in a short paragraph.",
+    "My tomato plants have yellow leaves. What could be wrong?",
+    "Translate to English: Je voudrais réserver une table pour deux personnes ce soir.",
+    "A car travels 150 km in 2.5 hours. What is its average speed? Explain the steps.",
+    "Write a short thank-you note to a colleague who helped me move house.",
+    "Compare cats and dogs as pets in a few sentences.",
+    "Pretend you are a museum guide and introduce a painting of a stormy sea.",
+    "What is the difference between a virus and a bacterium?",
+]
+
+
+def validation_data(model, tok, *, max_new_tokens: int, cache_dir, progress: bool = True) -> dict:
+    """Self-distillation data for the package's prompts.jsonl + VALIDATION_PROMPTS (cached)."""
+    from importlib import resources
+
+    path = Path(cache_dir) / f"validation_t{max_new_tokens}.pt"
+    if path.exists():
+        return torch.load(path, weights_only=True)
+    lines = resources.files("specdec_kernels").joinpath("data/prompts.jsonl").read_text().splitlines()
+    texts = [json.loads(line)["prompt"] for line in lines if line.strip()] + VALIDATION_PROMPTS
+    data = collect_self_distillation(model, [tok.chat_prompt(t) for t in texts], max_new_tokens=max_new_tokens,
+                                     batch_size=len(texts), progress=progress)
+    Path(cache_dir).mkdir(parents=True, exist_ok=True)
+    torch.save(data, path)
+    return data
+
+
+def concat_data(shards: list[dict]) -> dict:
+    """Concatenate data dicts of :func:`collect_self_distillation`."""
+    starts, offset = [torch.zeros(1, dtype=torch.int64)], 0
+    for sh in shards:
+        starts.append(sh["seq_start"][1:] + offset)
+        offset += int(sh["seq_start"][-1])
+    return {"hidden": torch.cat([sh["hidden"] for sh in shards]), "tokens": torch.cat([sh["tokens"] for sh in shards]),
+            "seq_start": torch.cat(starts)}
+
+
+def medusa_targets(tokens: torch.Tensor, seq_start: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """int64 [N, num_heads]: head k's target for row i is tokens[i + k + 1] when that row is
+    in the same sequence, else -1 (ignored). Row i's hidden state produced tokens[i]."""
+    N = tokens.shape[0]
+    seq_id = torch.repeat_interleave(torch.arange(seq_start.shape[0] - 1), seq_start.diff())
+    out = torch.full((N, num_heads), -1, dtype=torch.int64)
+    for k in range(num_heads):
+        shift = k + 1
+        if shift >= N:
+            break
+        same = seq_id[shift:] == seq_id[:-shift]
+        out[:-shift, k] = torch.where(same, tokens[shift:], torch.full_like(tokens[shift:], -1))
+    return out
+
+
+def split_sequences(seq_start: torch.Tensor, held_out: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train rows, held-out rows) int64, whole sequences to one side."""
+    S = seq_start.shape[0] - 1
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(S, generator=g)
+    n_held = max(1, int(round(S * held_out))) if S > 1 else 0
+    held = set(perm[:n_held].tolist())
+
+    def rows(seqs):
+        parts = [torch.arange(int(seq_start[s]), int(seq_start[s + 1])) for s in sorted(seqs)]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+    return rows(set(range(S)) - held), rows(held)
+
+
+# ---------------------------------------------------------------------------------------
+# Training.
+# ---------------------------------------------------------------------------------------
+
+
+def _resblocks(heads: MedusaHeads, hidden: torch.Tensor, root_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """[M, H] -> [M, K, H]: each head's ResBlocks (before the shared LM head)."""
+    hidden = heads.head_input(hidden, root_ids)
+    out = []
+    for head in heads.medusa_head:
+        x = hidden
+        for j in range(heads.num_layers):
+            x = head[j](x)
+        out.append(x)
+    return torch.stack(out, dim=1)
+
+
+@torch.no_grad()
+def head_accuracy(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor, *, top: int = 5,
+                  chunk: int = 512, root_ids: torch.Tensor | None = None) -> dict:
+    """Full-vocabulary accuracy per head: {"top1": [K], "top{top}": [K], "count": [K]}.
+    ``root_ids`` [N] (the tokens the rows produced) for root-conditioned heads."""
+    K = heads.num_heads
+    hit1, hitk, count = torch.zeros(K), torch.zeros(K), torch.zeros(K)
+    for s in range(0, hidden.shape[0], chunk):
+        h = hidden[s: s + chunk].float()
+        t = targets[s: s + chunk]
+        logits = heads.logits(h, None if root_ids is None else root_ids[s: s + chunk])  # [M, K, V]
+        topk = logits.topk(top, dim=-1).indices
+        valid = t >= 0
+        hit1 += ((topk[..., 0] == t) & valid).sum(0).float()
+        hitk += ((topk == t[..., None]).any(-1) & valid).sum(0).float()
+        count += valid.sum(0).float()
+    c = count.clamp(min=1)
+    return {"top1": (hit1 / c).tolist(), f"top{top}": (hitk / c).tolist(), "count": count.long().tolist()}
+
+
+def train_heads(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.Tensor, *, num_layers: int = 1,
+                root_ids: torch.Tensor | None = None, embed: torch.Tensor | None = None,
+                epochs: int = 3, batch_size: int = 256, lr: float = 1e-3, weight_decay: float = 0.0,
+                decay: float = 0.8, seed: int = 0, progress: bool = True, log=print,
+                validation: tuple | None = None) -> MedusaHeads:
+    """Train ``targets.shape[1]`` Medusa heads on (hidden fp16/fp32 [N, H], targets int64 [N, K]).
+
+    The LM head ``lm_head`` [V, H] is shared and frozen; the softmax runs over the tokens
+    that occur in ``targets`` (see the module docstring). With ``embed`` [V, H] (the base
+    model's embedding) and ``root_ids`` [N] (the token each row produced) the heads are
+    root-conditioned (``MedusaHeads.head_input``). ``validation`` = (hidden, targets,
+    root_ids) of held-out sequences: scored after every epoch (full-vocabulary top-1 per
+    head), and the epoch with the best sum_k decay^k top1_k is kept (early stopping: with
+    a few tens of thousands of tokens the ResBlocks overfit within a few epochs).
+    Returns fp32 heads (eval mode).
+    """
+    from tqdm import tqdm
+
+    torch.manual_seed(seed)
+    N, K = targets.shape
+    V, H = lm_head.shape
+    heads = MedusaHeads(H, V, K, num_layers, lm_head_weight=lm_head.float(),
+                        embed_weight=None if embed is None else embed.float())
+    if heads.root_conditioned and root_ids is None:
+        raise ValueError("root-conditioned training needs root_ids")
+    vocab = torch.unique(targets[targets >= 0])
+    remap = torch.full((V,), -1, dtype=torch.int64)
+    remap[vocab] = torch.arange(vocab.shape[0])
+    sub_targets = torch.where(targets >= 0, remap[targets.clamp(min=0)], torch.full_like(targets, -100))
+    w_sub = lm_head.float()[vocab].contiguous()  # [Vs, H]
+    log(f"training {K} heads x {num_layers} ResBlock(s) on {N} rows, softmax over {vocab.shape[0]} of {V} tokens")
+    params = [p for p in heads.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    steps_per_epoch = math.ceil(N / batch_size)
+    total = steps_per_epoch * epochs
+    warmup = min(50, total // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, total - warmup))))
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.tensor([decay ** k for k in range(K)])
+    bar = tqdm(total=total, desc="train heads", unit="step", disable=not progress)
+    heads.train()
+    best = None
+    for epoch in range(epochs):
+        perm = torch.randperm(N, generator=g)
+        run_loss, run_acc, n_seen = torch.zeros(K), torch.zeros(K), 0
+        for s in range(0, N, batch_size):
+            idx = perm[s: s + batch_size]
+            x = hidden[idx].float()
+            t = sub_targets[idx]  # [M, K]
+            z = _resblocks(heads, x, None if root_ids is None else root_ids[idx])  # [M, K, H]
+            logits = z @ w_sub.T  # [M, K, Vs]
+            losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t.reshape(-1), ignore_index=-100,
+                                     reduction="none").view(t.shape)
+            valid = (t >= 0).float()
+            per_head = (losses * valid).sum(0) / valid.sum(0).clamp(min=1)
+            loss = (per_head * weights).sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            with torch.no_grad():
+                run_loss += per_head.detach() * idx.shape[0]
+                run_acc += ((logits.argmax(-1) == t).float() * valid).sum(0) / valid.sum(0).clamp(min=1) * idx.shape[0]
+                n_seen += idx.shape[0]
+            bar.update(1)
+            bar.set_postfix(epoch=epoch, loss=f"{float(loss.detach()):.3f}")
+        msg = (f"epoch {epoch}: train loss per head {[round(v, 3) for v in (run_loss / n_seen).tolist()]}, "
+               f"top-1 (data vocab) {[round(v, 3) for v in (run_acc / n_seen).tolist()]}")
+        if validation is not None:
+            heads.eval()
+            acc = head_accuracy(heads, validation[0], validation[1], root_ids=validation[2])["top1"]
+            heads.train()
+            score = sum(decay ** k * a for k, a in enumerate(acc))
+            msg += f"; validation top-1 {[round(v, 3) for v in acc]}"
+            if best is None or score > best[0]:
+                best = (score, epoch, {k: v.detach().clone() for k, v in heads.state_dict().items()})
+        log(msg)
+    bar.close()
+    if best is not None and best[1] != epochs - 1:
+        log(f"keeping epoch {best[1]} (best validation)")
+        heads.load_state_dict(best[2])
+    return heads.eval().requires_grad_(False)
+
+
+# ---------------------------------------------------------------------------------------
+# Tree choice.
+# ---------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def target_ranks(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor, *, top_k: int = 10,
+                 chunk: int = 512, root_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 [M, K]: the rank of head k's target in the top-k the drafter sees (``heads``'
+    fused forward, draft vocabulary included), or top_k when it is not there / invalid."""
+    out = []
+    for s in range(0, hidden.shape[0], chunk):
+        ids, _ = heads(hidden[s: s + chunk].to(heads.stacked_weights()[0].dtype), top_k,
+                       root_ids=None if root_ids is None else root_ids[s: s + chunk])  # [m, K, top_k]
+        t = targets[s: s + chunk]
+        hit = ids == t[..., None]
+        rank = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(t, top_k))
+        out.append(torch.where(t >= 0, rank, torch.full_like(t, top_k)))
+    return torch.cat(out)
+
+
+def choose_tree(ranks: torch.Tensor, *, max_nodes: int = 32, top_k: int = 10) -> list:
+    """Medusa choices by greedy expected acceptance, measured on data (not assumed independent).
+
+    ranks: int64 [M, K] from :func:`target_ranks`. The value of a choice (r_0, ..., r_d) is
+    the fraction of rows whose heads 0..d ranked their targets exactly r_0..r_d: the
+    probability that this node is accepted (greedy verification accepts a node iff its
+    whole path is the target's continuation). The expected number of accepted draft tokens
+    of a tree is the sum of its nodes' values, and a node's value never exceeds its
+    parent's, so the best tree of n nodes is the n best-valued choices. Returns
+    [(choice, value)] best first (prefix-closed at every length)."""
+    M, K = ranks.shape
+    counts: dict[tuple, int] = {}
+    rows = ranks.tolist()
+    for row in rows:
+        path = ()
+        for k in range(K):
+            if row[k] >= top_k:
+                break
+            path = path + (row[k],)
+            counts[path] = counts.get(path, 0) + 1
+    ordered = sorted(counts.items(), key=lambda kv: (-kv[1], len(kv[0]), kv[0]))[:max_nodes]
+    return [(c, n / max(1, M)) for c, n in ordered]
+
+
+def pick_tree_size(scored: list, *, cost_per_node: float, draft_cost: float) -> tuple[int, list]:
+    """(n, table): the number of nodes maximising predicted speedup = E[tokens per step] /
+    (1 + cost_per_node * n + draft_cost), step costs relative to an autoregressive step
+    (measure them: SmolLM2-135M at batch 1 on one shared CPU thread, each verified node
+    added 5-10% of an autoregressive step — the forward turns compute-bound beyond a few
+    tokens — and the heads ~7% with a 4k-token draft vocabulary, ~20% without)."""
+    table, acc = [], 1.0
+    best = (1.0, 0)
+    for n, (_, v) in enumerate(scored, start=1):
+        acc += v
+        speed = acc / (1 + cost_per_node * n + draft_cost)
+        table.append({"nodes": n, "expected_tokens_per_step": acc, "predicted_speedup": speed})
+        if speed > best[0]:
+            best = (speed, n)
+    return best[1], table
+
+
+# ---------------------------------------------------------------------------------------
+# Command line.
+# ---------------------------------------------------------------------------------------
+
+
+def draft_vocabulary(targets: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor | None:
+    """int64 [size]: the target tokens ranked by frequency, then the lowest ids not yet in
+    (byte-pair merges are numbered roughly by frequency); None when size is 0 or >= V."""
+    if size <= 0 or size >= vocab_size:
+        return None
+    t = targets[targets >= 0]
+    counts = torch.bincount(t, minlength=vocab_size)
+    seen = torch.nonzero(counts).flatten()
+    seen = seen[counts[seen].argsort(descending=True, stable=True)][:size]
+    rest = torch.ones(vocab_size, dtype=torch.bool)
+    rest[seen] = False
+    fill = torch.nonzero(rest).flatten()[: size - seen.numel()]
+    return torch.cat([seen, fill])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="specdec train-medusa", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--out", default=None, help="output .safetensors (default: the package's file for the model)")
+    p.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where the generated data is cached")
+    p.add_argument("--num-prompts", type=int, default=512)
+    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--gen-batch-size", type=int, default=64)
+    p.add_argument("--num-heads", type=int, default=4)
+    p.add_argument("--num-layers", type=int, default=1)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--held-out", type=float, default=0.08, help="fraction of sequences held out")
+    p.add_argument("--eval-rows", type=int, default=4000, help="rows scored for the full-vocabulary accuracies")
+    p.add_argument("--draft-vocab-size", type=int, default=4096,
+                   help="tokens the heads draft from (0 = the whole vocabulary), see MedusaHeads.set_draft_vocab")
+    p.add_argument("--max-tree-nodes", type=int, default=32)
+    p.add_argument("--tree-nodes", type=int, default=0, help="force the tree size (default: best predicted)")
+    p.add_argument("--cost-per-node", type=float, default=0.09,
+                   help="verification cost of one more tree node, relative to an autoregressive step")
+    p.add_argument("--draft-cost", type=float, default=0.07, help="the heads' cost relative to an autoregressive step")
+    p.add_argument("--root-conditioned", type=int, default=1,
+                   help="1: the heads also see the root token's embedding (MedusaHeads.head_input); 0: plain Medusa")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--early-stop", type=int, default=1, help="1: keep the epoch with the best validation accuracy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--regenerate", action="store_true", help="regenerate the data even if cached")
+    p.add_argument("--data-only", action="store_true", help="generate (and cache) the data, do not train")
+    args = p.parse_args(argv)
+
+    from .medusa import default_medusa_checkpoint
+    from .models import load_model
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model, tok = load_model(args.model)
+    out = args.out or default_medusa_checkpoint(args.model, must_exist=False)
+    if out is None:
+        p.error(f"no default output file for {args.model!r}: pass --out")
+    t0 = time.perf_counter()
+    data = load_or_generate(model, tok, args.num_prompts, max_new_tokens=args.max_new_tokens,
+                            batch_size=args.gen_batch_size, seed=args.seed,
+                            cache_dir=Path(args.cache_dir) / Path(args.model).stem, regenerate=args.regenerate)
+    print(f"data: {data['tokens'].shape[0]} tokens in {data['seq_start'].shape[0] - 1} sequences "
+          f"({time.perf_counter() - t0:.0f}s)")
+    if args.data_only:
+        return 0
+    targets = medusa_targets(data["tokens"], data["seq_start"], args.num_heads)
+    train_rows, held_rows = split_sequences(data["seq_start"], args.held_out, args.seed)
+    t1 = time.perf_counter()
+    roots = data["tokens"]  # row i's hidden state produced tokens[i]: the root at decode time
+    val = validation_data(model, tok, max_new_tokens=96, cache_dir=Path(args.cache_dir) / Path(args.model).stem)
+    val_targets = medusa_targets(val["tokens"], val["seq_start"], args.num_heads)
+    print(f"validation: {val['tokens'].shape[0]} tokens in {val['seq_start'].shape[0] - 1} sequences")
+    heads = train_heads(data["hidden"][train_rows], targets[train_rows], model.lm_head, num_layers=args.num_layers,
+                        root_ids=roots[train_rows] if args.root_conditioned else None,
+                        embed=model.embed if args.root_conditioned else None,
+                        epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                        weight_decay=args.weight_decay,
+                        validation=(val["hidden"], val_targets, val["tokens"]) if args.early_stop else None)
+    print(f"trained in {time.perf_counter() - t1:.0f}s")
+    g = torch.Generator().manual_seed(args.seed)
+    accuracy = {}
+    for name, hid, tgt, rts in (("train", data["hidden"][train_rows], targets[train_rows], roots[train_rows]),
+                                ("held-out", data["hidden"][held_rows], targets[held_rows], roots[held_rows]),
+                                ("validation", val["hidden"], val_targets, val["tokens"])):
+        rows = torch.arange(hid.shape[0])
+        if rows.numel() > args.eval_rows:
+            rows = rows[torch.randperm(rows.numel(), generator=g)[: args.eval_rows]]
+        acc = head_accuracy(heads, hid[rows], tgt[rows], root_ids=rts[rows])
+        accuracy[name] = acc
+        print(f"{name} accuracy per head (full vocabulary, {rows.numel()} rows): top-1 "
+              f"{[round(v, 3) for v in acc['top1']]}, top-5 {[round(v, 3) for v in acc['top5']]}")
+    vocab = draft_vocabulary(targets[train_rows], model.config.vocab_size, args.draft_vocab_size)
+    if vocab is not None:
+        heads.set_draft_vocab(vocab)
+    # The tree is chosen on the validation prompts (and the template held-out sequences).
+    ranks = torch.cat([target_ranks(heads, val["hidden"], val_targets, root_ids=val["tokens"]),
+                       target_ranks(heads, data["hidden"][held_rows], targets[held_rows], root_ids=roots[held_rows])])
+    scored = choose_tree(ranks, max_nodes=args.max_tree_nodes)
+    n, table = pick_tree_size(scored, cost_per_node=args.cost_per_node, draft_cost=args.draft_cost)
+    if args.tree_nodes:
+        n = args.tree_nodes
+    print("tree size vs expected tokens per step (validation + held-out rows) and predicted speedup:")
+    for row in table:
+        mark = "  <- chosen" if row["nodes"] == n else ""
+        print(f"  {row['nodes']:3d} nodes: {row['expected_tokens_per_step']:.3f} tokens/step, "
+              f"{row['predicted_speedup']:.3f}x{mark}")
+    choices = [list(c) for c, _ in scored[:n]]
+    print(f"medusa choices ({n} nodes): {choices}")
+    save_medusa_heads(heads, out, dtype=torch.bfloat16,
+                      metadata={"model": args.model, "num_prompts": str(args.num_prompts),
+                                "max_new_tokens": str(args.max_new_tokens), "epochs": str(args.epochs),
+                                "lr": str(args.lr), "seed": str(args.seed), "train_tokens": str(int(train_rows.numel())),
+                                "held_out_top1": json.dumps([round(v, 4) for v in accuracy["held-out"]["top1"]]),
+                                "validation_top1": json.dumps([round(v, 4) for v in accuracy["validation"]["top1"]]),
+                                "weight_decay": str(args.weight_decay),
+                                "medusa_choices": json.dumps(choices),
+                                "trained_by": "specdec train-medusa (self-distillation on synthetic prompts)"})
+    print(f"wrote {out} ({os.path.getsize(out) / 1e6:.1f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
