@@ -608,15 +608,18 @@ def skinny_linear_rows(dtype: torch.dtype, num_threads: int | None = None) -> tu
     machine, torch 2.13): F.linear / skinny_linear time = 0.90 at T = 1 row (55 vs 61 ms),
     0.94 at 2, 1.00 at 3, 1.54 at 5 (100 vs 65 ms), 1.52-1.65 at 8 (114 vs 69 ms), 1.68 at
     12 (143 vs 85 ms), 0.92 at 20 (121 vs 131 ms) — MKL's single-threaded GEMV is the best
-    at 1-2 rows but its small-M GEMM is not, so skinny for 3..12 rows. (Greedy
-    autoregressive decoding alone: 32 vs 26 tokens/s with F.linear.)
+    at 1-2 rows but its small-M GEMM is not, so skinny for 3..15 rows. (Greedy
+    autoregressive decoding alone: 32 vs 26 tokens/s with F.linear.) Re-measured for 8-24
+    rows (linears only, quiet machine): F.linear / skinny = 89/58 ms at 8, 105/64 at 12,
+    109/71 at 13, 115/85 at 14, 91/90 at 16, 92/99 at 20, 100/129 at 24 — the range ended at
+    12 before, which made a 13-row verification step 2x slower than a 12-row one.
     Otherwise (bf16, or several threads): 1..SKINNY_LINEAR_MAX_ROWS (fp32) /
     SKINNY_LINEAR_MAX_ROWS_BF16, the per-shape measurement in the comment above them.
     """
     max_rows = SKINNY_LINEAR_MAX_ROWS if dtype == torch.float32 else SKINNY_LINEAR_MAX_ROWS_BF16
     threads = num_threads if num_threads is not None else torch.get_num_threads()
     if threads <= 1 and dtype == torch.float32:
-        return 3, 12
+        return 3, 15
     return 1, max_rows
 
 
@@ -629,7 +632,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     x: [..., H]; weight: [N, H]; bias: [N] or None. skinny_linear is used on CPU when the
     flattened row count is within skinny_linear_rows(x.dtype) (which depends on the torch
-    thread count: 3..12 rows for fp32 with one thread, 1..SKINNY_LINEAR_MAX_ROWS(_BF16)
+    thread count: 3..15 rows for fp32 with one thread, 1..SKINNY_LINEAR_MAX_ROWS(_BF16)
     otherwise; the measurements are in its docstring), x, weight (and bias) are all fp32 or
     all bf16, the weight is contiguous and no gradient is needed (skinny_linear has no
     autograd formula); otherwise this is exactly ``F.linear``. (skinny_linear accumulates

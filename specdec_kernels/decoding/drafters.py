@@ -366,8 +366,7 @@ class NgramTreeDrafter(Drafter):
     ``VERIFY_COST[R]`` is a step over ``R`` rows relative to one over a single row
     (SmolLM2-135M fp32, 1 thread, CPU time per step on this 2-core machine): a decode step
     streams every weight once, so each extra row costs only ~5% of a step up to 12 rows
-    (``skinny_linear``); 13-15 rows take a slower F.linear path (207 ms vs 103 ms at 12),
-    16-32 rows cost 2.0-2.5 single-row steps. When no node pays for itself the step is a
+    (``skinny_linear``), 16-32 rows cost 2.0-2.5 single-row steps. When no node pays for itself the step is a
     plain autoregressive one (no extra rows); at batch B > 1 the few nodes that still pay go
     to the requests with the most probable drafts.
 
@@ -386,10 +385,11 @@ class NgramTreeDrafter(Drafter):
     NEXT = (0.60, 0.68, 0.72, 0.75, 0.78, 0.86)
     RANK = (1.0, 0.85, 0.75, 0.55)
     # Step time over R = 1..32 rows / step time over one row. Measured (ms CPU time): 64, 69,
-    # 73, 75, 84, 90, 97, 103, 207, 131, 138, 141, 160 at 1, 2, 3, 4, 6, 8, 10, 12, 13, 16, 20,
-    # 24, 32 rows; the others interpolated. Beyond 32 rows: +0.04 per row.
+    # 73, 75, 84, 90, 97, 103, 131, 138, 141, 160 at 1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32
+    # rows; the others interpolated (13-15 rows measured 1.8-1.9x once ops.linear kept them
+    # on skinny_linear: 207 ms before). Beyond 32 rows: +0.04 per row.
     VERIFY_COST = (1.0, 1.08, 1.14, 1.17, 1.24, 1.31, 1.36, 1.41, 1.46, 1.52, 1.56, 1.61,
-                   3.23, 2.9, 2.5, 2.05, 2.08, 2.11, 2.13, 2.16, 2.17, 2.18, 2.19, 2.2,
+                   1.72, 1.83, 1.94, 2.05, 2.08, 2.11, 2.13, 2.16, 2.17, 2.18, 2.19, 2.2,
                    2.24, 2.28, 2.31, 2.35, 2.39, 2.43, 2.46, 2.5)
 
     def __init__(self, max_ngram: int = 6, max_k: int = 16, *, max_nodes: int = 16, max_matches: int = 8,
