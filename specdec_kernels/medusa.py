@@ -210,15 +210,22 @@ class MedusaHeads(nn.Module):
         self._draft_lm_head = None
         return self
 
-    def logits(self, hidden: torch.Tensor, root_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden [..., H] -> logits [..., K, V] with plain (differentiable) PyTorch ops."""
+    def head_states(self, hidden: torch.Tensor, root_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """hidden [..., H] -> K tensors [..., H]: each head's ResBlocks, before its LM head."""
         hidden = self.head_input(hidden, root_ids)
         out = []
         for head in self.medusa_head:
             x = hidden
             for j in range(self.num_layers):
                 x = head[j](x)
-            out.append(F.linear(x, self.lm_head_weight) if self.shared_lm_head else head[self.num_layers](x))
+            out.append(x)
+        return out
+
+    def logits(self, hidden: torch.Tensor, root_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [..., H] -> logits [..., K, V] with plain (differentiable) PyTorch ops."""
+        states = self.head_states(hidden, root_ids)
+        out = [F.linear(x, self.lm_head_weight) if self.shared_lm_head else head[self.num_layers](x)
+               for head, x in zip(self.medusa_head, states)]
         return torch.stack(out, dim=-2)
 
     def save(self, path, *, dtype=None, metadata: dict | None = None) -> None:

@@ -205,14 +205,7 @@ def split_sequences(seq_start: torch.Tensor, held_out: float, seed: int) -> tupl
 
 def _resblocks(heads: MedusaHeads, hidden: torch.Tensor, root_ids: torch.Tensor | None = None) -> torch.Tensor:
     """[M, H] -> [M, K, H]: each head's ResBlocks (before the shared LM head)."""
-    hidden = heads.head_input(hidden, root_ids)
-    out = []
-    for head in heads.medusa_head:
-        x = hidden
-        for j in range(heads.num_layers):
-            x = head[j](x)
-        out.append(x)
-    return torch.stack(out, dim=1)
+    return torch.stack(heads.head_states(hidden, root_ids), dim=1)
 
 
 @torch.no_grad()
