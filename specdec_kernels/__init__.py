@@ -27,9 +27,10 @@ def missing_cpu_features(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
 
 
 # Without them a kernel would die with SIGILL mid-run; say so at import instead.
-if missing_cpu_features():
+_missing = missing_cpu_features()
+if _missing:
     raise ImportError(f"specdec_kernels' C++ kernels are compiled for x86-64 CPUs with "
-                      f"{', '.join(REQUIRED_X86_FEATURES)}; this CPU lacks {', '.join(missing_cpu_features())}")
+                      f"{', '.join(REQUIRED_X86_FEATURES)}; this CPU lacks {', '.join(_missing)}")
 
 from . import _C  # noqa: E402,F401  (registers torch.ops.specdec.*)
 from . import ops  # noqa: E402
