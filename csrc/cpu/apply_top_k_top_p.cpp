@@ -1,5 +1,6 @@
-// CPU kernel of specdec::apply_top_k_top_p: in-place top-k / top-p / min-p masking of
-// logits, per row (semantics: the docstring of ops.apply_top_k_top_p). It lives beside
+// CPU kernel of specdec::apply_top_k_top_p: top-k / top-p / min-p masking of logits in place.
+//
+// Semantics: the docstring of ops.apply_top_k_top_p. The file lives beside
 // rejection_sampling.cpp, whose samplers take the masked logits, and is named after its op
 // like its tests (tests/test_apply_top_k_top_p.py).
 //

@@ -1,6 +1,8 @@
-// CPU kernel of specdec::medusa_topk: K Medusa heads (ResBlocks, then the LM head) streamed
-// through the few-row GEMM of linear.h, with a running top-k and log-sum-exp per row, so
-// that the [M, K, V] logits are never written.
+// CPU kernel of specdec::medusa_topk: top-k ids and log-probs of K Medusa heads.
+//
+// The heads (ResBlocks, then the LM head) are streamed through the few-row GEMM of
+// linear.h, with a running top-k and log-sum-exp per row, so that the [M, K, V] logits are
+// never written.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

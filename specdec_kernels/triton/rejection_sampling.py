@@ -1,4 +1,4 @@
-"""Triton kernels of chain_rejection_sample, tree_rejection_sample and apply_top_k_top_p.
+"""Triton kernels of specdec::chain_rejection_sample, tree_rejection_sample, apply_top_k_top_p.
 
 Rejection sampling is four launches, parallel over requests and vocabulary tiles, with no
 host synchronisation (so it can be captured in a CUDA graph):

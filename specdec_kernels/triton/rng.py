@@ -1,4 +1,6 @@
-"""Philox4x32-10 in Triton, with the counter layout of ``specdec_kernels/rng.py``.
+"""Philox4x32-10 device functions of the Triton samplers (no op of its own), as rng.py defines it.
+
+The counter layout is that of ``specdec_kernels/rng.py``.
 
 ``philox_uniform(seed, counter, purpose, index)`` takes the int64 seed, the int64
 ``offset + position`` and the uint32 purpose and vocabulary index (tensors or scalars
