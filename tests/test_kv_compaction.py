@@ -380,21 +380,15 @@ def test_kv_cache_class_round_trip_uses_op():
     assert flat_k.tolist() == [0.0, 2.0, 4.0, 3.0, 4.0] and cache.length(slot) == 3
 
 
-def test_wrapper_remembers_checked_lists_only_while_tensors_live():
-    import gc
-
-    from specdec_kernels import ops
-
+def test_wrapper_checks_every_layer_on_every_call():
+    # No memo of checked lists: a list that passed once, with one layer swapped for a bad
+    # tensor, is rejected on the next call.
     k, v, *rest = good_args()
     specdec_kernels.compact_kv(k, v, *rest)
-    key = (tuple(map(id, k)), tuple(map(id, v)))
-    assert key in ops._CHECKED_CACHE_LISTS
-    # A list with one layer swapped for a bad tensor is checked afresh.
     with pytest.raises(ValueError, match=r"v_caches\[1\] must have dtype"):
         specdec_kernels.compact_kv(k, [v[0], v[1].half()], *rest)
-    del k, v
-    gc.collect()
-    assert key not in ops._CHECKED_CACHE_LISTS
+    with pytest.raises(ValueError, match=r"k_caches\[1\] must have the strides"):
+        specdec_kernels.compact_kv([k[0], k[1].transpose(0, 1).contiguous().transpose(0, 1)], v, *rest)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
