@@ -1,18 +1,21 @@
 """Typed wrappers of the ``torch.ops.specdec`` ops and their fakes.
 
 Each op is called as ``torch.ops.specdec.<name>(..., out tensors)`` (destination-passing,
-capturable in CUDA graphs); the wrappers here allocate the outputs for the functional form
-and return them. Their argument checks are those of ``specdec_kernels.checks`` (errors that
-name the argument), run once per call: by the wrapper on CPU, by the Triton launcher on
-CUDA (see that module). The fakes (``register_fake``) describe the ops to
-``torch.compile`` and ``opcheck``: ops that only write into their arguments return
-nothing, so their fakes check nothing and return None.
+capturable in CUDA graphs, strict about dtypes and shapes). The wrappers here are the
+friendlier form: they accept Python numbers for per-request parameters, either integer
+width (int32/int64) for index tensors (cast on the device, no host sync), defaults for the
+optional arguments, allocate the outputs and return them. Their argument checks are those
+of ``specdec_kernels.checks`` (errors that name the argument), run once per call: by the
+wrapper on CPU, by the Triton launcher on CUDA (see that module). The fakes
+(``register_fake``) describe the ops to ``torch.compile`` and ``opcheck``: ops that only
+write into their arguments return nothing, so their fakes check nothing and return None.
 """
 from __future__ import annotations
 
 import torch
 
 from . import checks
+from .tree import qo_indptr_from_num_nodes, tree_mask_ragged
 
 __all__ = [
     "philox_uniform",
@@ -27,17 +30,58 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------
+# Conversions: what the wrappers accept beyond the ops' strict argument types.
+# (The checks themselves are in specdec_kernels.checks; see its docstring for who runs them.)
+# ---------------------------------------------------------------------------------------
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _index(t, dtype: torch.dtype):
+    """An index tensor in the integer width the op takes: the other of int32/int64 is cast
+    on its device (no host sync; values are assumed to fit in int32). Anything else is
+    returned as given, for the op's check to report."""
+    if isinstance(t, torch.Tensor) and t.dtype != dtype and t.dtype in _INDEX_DTYPES:
+        return t.to(dtype)
+    return t
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _per_row(value, dtype: torch.dtype, rows: int, device):
+    """A Python number broadcast to a [rows] tensor of ``dtype`` on ``device``; anything
+    else as given."""
+    if _is_number(value):
+        return torch.full((rows,), value, dtype=dtype, device=device)
+    return value
+
+
+def _sampling_params(temperature, seed, offset, batch: int, device):
+    """temperature fp32 [B], seed and offset int64 [B] from tensors or Python numbers;
+    seed=None draws the seeds from torch's generator (``torch.manual_seed`` reproduces them)."""
+    if seed is None:
+        seed = torch.randint(0, 2**62, (batch,), dtype=torch.int64, device=device)
+    return (_per_row(temperature, torch.float32, batch, device), _per_row(seed, torch.int64, batch, device),
+            _per_row(offset, torch.int64, batch, device))
+
+
+# ---------------------------------------------------------------------------------------
 # Random numbers.
 # ---------------------------------------------------------------------------------------
 
 
-def philox_uniform(seed: torch.Tensor, offset: torch.Tensor, position: int, purpose: int, num: int) -> torch.Tensor:
+def philox_uniform(seed: torch.Tensor, offset: torch.Tensor | int, position: int, purpose: int,
+                   num: int) -> torch.Tensor:
     """The package generator's uniforms (see ``specdec_kernels.rng``).
 
-    seed, offset: int64 [B]. Returns fp32 [B, num], the uniforms for vocabulary indices
-    0..num-1 at ``position`` for ``purpose``. (The op has no Triton launcher: this wrapper
-    always checks.)
+    seed: int64 [B]; offset: int64 [B] or a Python int for every request. Returns fp32
+    [B, num], the uniforms for vocabulary indices 0..num-1 at ``position`` for ``purpose``.
+    (The op has no Triton launcher: this wrapper always checks.)
     """
+    checks.check_tensor(seed, "seed", dims=1)
+    offset = _per_row(offset, torch.int64, seed.shape[0], seed.device)
     checks.check_philox_uniform(seed, offset)
     return torch.ops.specdec.philox_uniform(seed, offset, position, purpose, num)
 
@@ -55,10 +99,10 @@ def chain_rejection_sample(
     draft_token_ids: torch.Tensor,
     num_draft_tokens: torch.Tensor,
     target_logits: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    temperature: torch.Tensor,
-    seed: torch.Tensor,
-    offset: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    temperature: torch.Tensor | float = 1.0,
+    seed: torch.Tensor | int | None = None,
+    offset: torch.Tensor | int = 0,
     *,
     output_token_ids: torch.Tensor | None = None,
     num_accepted: torch.Tensor | None = None,
@@ -66,18 +110,21 @@ def chain_rejection_sample(
     """Lossless verification of a chain of drafted tokens per request (DESIGN.md).
 
     Args:
-        draft_token_ids: int64 [B, K], the drafted tokens (entries beyond
+        draft_token_ids: int64 (or int32) [B, K], the drafted tokens (entries beyond
             ``num_draft_tokens[b]`` are ignored).
-        num_draft_tokens: int32 [B], values in 0..K (ragged).
+        num_draft_tokens: int32 (or int64) [B], values in 0..K (ragged).
         target_logits: fp32/bf16/fp16 [B, K+1, V]; row k = the target's logits after the
             first k drafts (rows beyond ``num_draft_tokens[b]`` are not read).
         draft_probs: fp32 [B, K, V], the draft distributions q the drafts were drawn from,
-            or None for deterministic drafters (q = one-hot on the drafted token: accept
-            with probability p(x), residual = p with x zeroed).
-        temperature: fp32 [B]; > 0 samples from softmax(logits / T), anything else
-            (0, negative, NaN) is greedy: accept while the draft equals the first argmax
-            of the raw logits, then emit that argmax.
-        seed, offset: int64 [B], the Philox key and counter base of each request.
+            or None (the default) for deterministic drafters (q = one-hot on the drafted
+            token: accept with probability p(x), residual = p with x zeroed).
+        temperature: fp32 [B], or a Python number for every request (default 1.0); > 0
+            samples from softmax(logits / T), anything else (0, negative, NaN) is greedy:
+            accept while the draft equals the first argmax of the raw logits, then emit
+            that argmax.
+        seed, offset: int64 [B] or Python ints for every request, the Philox key and
+            counter base of each request. seed=None (the default) draws seeds from
+            torch's generator (``torch.manual_seed`` reproduces them); offset defaults to 0.
         output_token_ids, num_accepted: optional destinations (int64 [B, K+1], int32 [B]).
 
     Returns ``(output_token_ids, num_accepted)``: accepted drafts, then one recovered or
@@ -99,6 +146,9 @@ def chain_rejection_sample(
     checks.check_tensor(draft_token_ids, "draft_token_ids", dims=2)
     batch, max_drafts = draft_token_ids.shape
     device = draft_token_ids.device
+    draft_token_ids = _index(draft_token_ids, torch.int64)
+    num_draft_tokens = _index(num_draft_tokens, torch.int32)
+    temperature, seed, offset = _sampling_params(temperature, seed, offset, batch, device)
     if output_token_ids is None:
         output_token_ids = torch.empty((batch, max_drafts + 1), dtype=torch.int64, device=device)
     if num_accepted is None:
@@ -118,10 +168,10 @@ def tree_rejection_sample(
     tree_token_ids: torch.Tensor,
     num_nodes: torch.Tensor,
     target_logits: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    temperature: torch.Tensor,
-    seed: torch.Tensor,
-    offset: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    temperature: torch.Tensor | float = 1.0,
+    seed: torch.Tensor | int | None = None,
+    offset: torch.Tensor | int = 0,
     *,
     accepted_nodes: torch.Tensor | None = None,
     output_token_ids: torch.Tensor | None = None,
@@ -130,14 +180,18 @@ def tree_rejection_sample(
     """Lossless verification of a tree of drafted tokens per request (DESIGN.md).
 
     Args:
-        parents: int32 [B, N]; node 0 is the root (the last verified token),
+        parents: int32 (or int64) [B, N]; node 0 is the root (the last verified token),
             parents[b, 0] = -1, 0 <= parents[b, i] < i for 0 < i < num_nodes[b].
-        tree_token_ids: int64 [B, N], the token of every node (node 0's is not read).
-        num_nodes: int32 [B], values in 0..N (0: nothing is emitted, num_accepted = 0).
+        tree_token_ids: int64 (or int32) [B, N], the token of every node (node 0's is
+            not read).
+        num_nodes: int32 (or int64) [B], values in 0..N (0: nothing is emitted,
+            num_accepted = 0).
         target_logits: fp32/bf16/fp16 [B, N, V]; row i = logits for the token after node i.
-        draft_probs: fp32 [B, N, V] or None; row i = the q the children of node i were
-            drawn from i.i.d.; None = deterministic children (e.g. top-k of a drafter).
-        temperature, seed, offset: as for ``chain_rejection_sample``.
+        draft_probs: fp32 [B, N, V] or None (the default); row i = the q the children of
+            node i were drawn from i.i.d.; None = deterministic children (e.g. top-k of a
+            drafter).
+        temperature, seed, offset: as for ``chain_rejection_sample`` (tensors [B] or
+            Python numbers; defaults 1.0, None = drawn from torch's generator, 0).
         accepted_nodes, output_token_ids, num_accepted: optional destinations (int32
             [B, N-1], int64 [B, N], int32 [B]).
 
@@ -164,6 +218,10 @@ def tree_rejection_sample(
     checks.check_tensor(parents, "parents", dims=2)
     batch, max_nodes = parents.shape
     device = parents.device
+    parents = _index(parents, torch.int32)
+    tree_token_ids = _index(tree_token_ids, torch.int64)
+    num_nodes = _index(num_nodes, torch.int32)
+    temperature, seed, offset = _sampling_params(temperature, seed, offset, batch, device)
     if accepted_nodes is None:
         accepted_nodes = torch.empty((batch, max(max_nodes - 1, 0)), dtype=torch.int32, device=device)
     if output_token_ids is None:
@@ -180,24 +238,31 @@ def tree_rejection_sample(
     return accepted_nodes, output_token_ids, num_accepted
 
 
-def _row_param(value, name: str, batch: int, seq: int | None):
-    """A per-row parameter in the op's [R] form: for 3-D logits [B, S, V] a [B] tensor is
-    repeated over S and a [B, S] one flattened."""
-    if value is None or seq is None or not isinstance(value, torch.Tensor):
+def _row_param(value, name: str, dtype: torch.dtype, batch: int, seq: int | None, device):
+    """A per-row parameter in the op's [R] form: a Python number is broadcast; for 3-D
+    logits [B, S, V] a [B] tensor is repeated over S and a [B, S] one flattened."""
+    if value is None:
+        return None
+    rows = batch if seq is None else batch * seq
+    if _is_number(value):
+        return torch.full((rows,), value, dtype=dtype, device=device)
+    if dtype == torch.int32:
+        value = _index(value, dtype)
+    if seq is None or not isinstance(value, torch.Tensor):
         return value  # the op's form already (or not a tensor): the op's check reports
     if tuple(value.shape) == (batch,):
         return value.repeat_interleave(seq)
     if tuple(value.shape) == (batch, seq):
-        return value.reshape(batch * seq)
+        return value.reshape(rows)
     raise ValueError(f"{name} must have shape [{batch}] or [{batch}, {seq}] (logits are [B, S, V] = "
                      f"[{batch}, {seq}, *]), got {list(value.shape)}")
 
 
 def apply_top_k_top_p(
     logits: torch.Tensor,
-    top_k: torch.Tensor | None = None,
-    top_p: torch.Tensor | None = None,
-    min_p: torch.Tensor | None = None,
+    top_k: torch.Tensor | int | None = None,
+    top_p: torch.Tensor | float | None = None,
+    min_p: torch.Tensor | float | None = None,
     *,
     inplace: bool = True,
 ) -> torch.Tensor:
@@ -206,9 +271,10 @@ def apply_top_k_top_p(
     Args:
         logits: fp32/bf16/fp16 [R, V], or [B, S, V] (e.g. the K+1 verification rows of B
             requests), contiguous; modified in place unless ``inplace=False``.
-        top_k: int32 [R] (for 3-D logits [B] or [B, S]); 0 (or <= 0, or >= V) = off.
-        top_p: fp32, same shapes; >= 1 = off.
-        min_p: fp32, same shapes; <= 0 = off.
+        top_k: int32 (or int64) [R] (for 3-D logits [B] or [B, S]), or a Python int for
+            every row; 0 (or <= 0, or >= V) = off.
+        top_p: fp32, same shapes, or a Python number; >= 1 = off.
+        min_p: fp32, same shapes, or a Python number; <= 0 = off.
 
     Per row, on the values as given (temperature 1: divide by T first to apply them at
     temperature T), in this order: top-k keeps l_v >= the k-th largest value (ties at
@@ -232,9 +298,9 @@ def apply_top_k_top_p(
     else:
         batch, seq = logits.shape[0], None
         flat = logits
-    top_k = _row_param(top_k, "top_k", batch, seq)
-    top_p = _row_param(top_p, "top_p", batch, seq)
-    min_p = _row_param(min_p, "min_p", batch, seq)
+    top_k = _row_param(top_k, "top_k", torch.int32, batch, seq, device)
+    top_p = _row_param(top_p, "top_p", torch.float32, batch, seq, device)
+    min_p = _row_param(min_p, "min_p", torch.float32, batch, seq, device)
     if not checks.launcher_checks(device):
         checks.check_apply_top_k_top_p(flat, top_k, top_p, min_p)
     torch.ops.specdec.apply_top_k_top_p(flat, top_k, top_p, min_p)
@@ -264,16 +330,28 @@ def _apply_top_k_top_p_fake(logits, top_k, top_p, min_p):
 # ---------------------------------------------------------------------------------------
 
 
+def _ragged_tree_mask(tree_mask, qo_indptr, num_rows: int, device):
+    """The op's ragged mask [T, W] from tree.tree_mask's batched [B, N, W] (a gather on the
+    device: no host sync; T is q's first dimension)."""
+    checks.check_tensor(tree_mask, "tree_mask", dtype=torch.int64, dims=3, device=device)
+    checks.check_tensor(qo_indptr, "qo_indptr", dims=1)
+    if tree_mask.shape[0] + 1 != qo_indptr.shape[0]:
+        raise ValueError(f"tree_mask [B, N, W] must have one row block per request, B = {qo_indptr.shape[0] - 1} "
+                         f"(qo_indptr is [B + 1]), got {list(tree_mask.shape)}")
+    return tree_mask_ragged(tree_mask, qo_indptr, num_rows)
+
+
 def tree_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_table: torch.Tensor,
     prefix_lens: torch.Tensor,
-    qo_indptr: torch.Tensor,
+    qo_indptr: torch.Tensor | None = None,
     tree_mask: torch.Tensor | None = None,
     sm_scale: float | None = None,
     *,
+    num_nodes: torch.Tensor | None = None,
     return_lse: bool = False,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
@@ -284,10 +362,15 @@ def tree_attention(
     order. k_cache, v_cache: [num_blocks, block_size, Hkv, D] (paged; a contiguous cache is
     one block of max_len per request), Hq a multiple of Hkv. block_table: int32
     [B, max_blocks]. prefix_lens: int32 [B]; node j of request b has its K/V at cache
-    position prefix_lens[b] + j (written before the call). qo_indptr: int32 [B + 1].
-    tree_mask: int64 [T, W] or None; bit j (word j // 64, little-endian) of row t set iff
-    node j is visible to the node of row t (its own bit set); None = causal among the new
-    tokens (plain decoding, chains). sm_scale: default 1 / sqrt(D).
+    position prefix_lens[b] + j (written before the call). qo_indptr: int32 [B + 1]; or,
+    instead, num_nodes: int32 [B] (the rows of each request, qo_indptr = [0, cumsum]).
+    The index tensors may also be int64 (cast on the device).
+    tree_mask: int64 [T, W], or the batched [B, N, W] of ``specdec_kernels.tree.tree_mask``
+    / ``build_tree(...).tree_mask`` (converted here with ``tree.tree_mask_ragged``: a few
+    small device ops per call, so a decode loop converts once per step and passes [T, W]),
+    or None; bit j (word j // 64, little-endian) of row t set iff node j is visible to the
+    node of row t (its own bit set); None = causal among the new tokens (plain decoding,
+    chains). sm_scale: default 1 / sqrt(D).
 
     Returns out [T, Hq, D] (dtype of q), or (out, lse) with ``return_lse``: lse fp32
     [T, Hq], natural log-sum-exp of the scaled scores. ``out``/``lse`` may be given to
@@ -304,6 +387,21 @@ def tree_attention(
     """
     checks.check_tensor(q, "q", dims=3)
     device = q.device
+    block_table = _index(block_table, torch.int32)
+    prefix_lens = _index(prefix_lens, torch.int32)
+    if num_nodes is not None:
+        if qo_indptr is not None:
+            raise ValueError("pass qo_indptr or num_nodes, not both")
+        checks.check_tensor(num_nodes, "num_nodes", dtype=_INDEX_DTYPES, dims=1, device=device)
+        if isinstance(block_table, torch.Tensor) and block_table.dim() == 2 and len(num_nodes) != len(block_table):
+            raise ValueError(f"num_nodes must have shape [{len(block_table)}] (one per row of block_table), "
+                             f"got {list(num_nodes.shape)}")
+        qo_indptr = qo_indptr_from_num_nodes(num_nodes)
+    elif qo_indptr is None:
+        raise ValueError("tree_attention needs qo_indptr (int32 [B + 1]) or num_nodes (int32 [B])")
+    qo_indptr = _index(qo_indptr, torch.int32)
+    if isinstance(tree_mask, torch.Tensor) and tree_mask.dim() == 3:
+        tree_mask = _ragged_tree_mask(tree_mask, qo_indptr, q.shape[0], device)
     if sm_scale is None:
         sm_scale = float(q.shape[-1]) ** -0.5
     if out is None:
@@ -348,6 +446,7 @@ def compact_kv(
     accepted_nodes: int32 [B, D], accepted node indices, strictly increasing, >= 1,
         -1 padded (``tree_rejection_sample``'s output).
     num_accepted: int32 [B]; a negative count (a NaN row) moves nothing.
+    The index tensors may also be int64 (cast on the device).
 
     For i < num_accepted[b]: position prefix_lens[b] + 1 + i <- position prefix_lens[b] +
     accepted_nodes[b, i] (K and V, every layer and head). Sources are read before
@@ -358,6 +457,10 @@ def compact_kv(
     The op only mutates the caches, so this wrapper returns None (a functional form that
     copied every layer's cache would defeat the purpose).
     """
+    block_table = _index(block_table, torch.int32)
+    prefix_lens = _index(prefix_lens, torch.int32)
+    accepted_nodes = _index(accepted_nodes, torch.int32)
+    num_accepted = _index(num_accepted, torch.int32)
     first = k_caches[0] if isinstance(k_caches, (list, tuple)) and len(k_caches) > 0 else None
     if not (isinstance(first, torch.Tensor) and checks.launcher_checks(first.device)):
         checks.check_compact_kv(k_caches, v_caches, block_table, prefix_lens, accepted_nodes, num_accepted)
