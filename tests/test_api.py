@@ -1,6 +1,9 @@
 """The Python API a new user meets: the typed wrappers take Python numbers, either integer
 width for index tensors, sensible defaults and tree.tree_mask's batched mask; errors name
-the argument at fault."""
+the argument at fault; the package namespace is the API and lists its ops."""
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -270,3 +273,28 @@ def test_mask_with_too_few_rows_is_reported_as_tree_mask():
     with pytest.raises(ValueError, match=r"tree_mask must have shape \[8, W\]"):
         specdec_kernels.tree_attention(c["q"], c["k_cache"], c["v_cache"], c["block_table"], c["prefix_lens"],
                                        c["qo_indptr"], ragged[:5])
+
+
+# ---------------------------------------------------------------------------------------
+# The namespace: the API only, __all__, the op listing.
+# ---------------------------------------------------------------------------------------
+
+
+def test_namespace_is_the_api():
+    public = {name for name in dir(specdec_kernels) if not name.startswith("_")}
+    assert not public & {"os", "platform", "importlib", "torch", "weakref"}
+    for name in specdec_kernels.__all__:
+        assert hasattr(specdec_kernels, name), name
+    assert set(specdec_kernels.ops.__all__) <= set(specdec_kernels.__all__)
+    assert {"list_ops", "tree_attention", "tree_rejection_sample", "compact_kv"} <= set(specdec_kernels.__all__)
+
+
+def test_list_ops_and_torch_ops_namespace_after_import():
+    expected = ["apply_top_k_top_p", "chain_rejection_sample", "compact_kv", "medusa_topk", "philox_uniform",
+                "skinny_linear", "tree_attention", "tree_rejection_sample"]
+    assert specdec_kernels.list_ops() == expected
+    # In a fresh interpreter, before any op is called: dir(torch.ops.specdec) lists them all.
+    code = ("import specdec_kernels, torch; "
+            "print(' '.join(n for n in dir(torch.ops.specdec) if n in specdec_kernels.list_ops()))")
+    listed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert listed == expected
