@@ -62,7 +62,7 @@ def test_three_dimensional_logits_with_per_request_params():
 
 
 @pytest.mark.parametrize("kwargs,name", [
-    (dict(top_k=torch.tensor([1, 2])), "top_k"),
+    (dict(top_k=torch.tensor([1, 2], dtype=torch.int16)), "top_k"),  # int64 is cast (tests/test_api.py)
     (dict(top_k=torch.tensor([1, 2, 3], dtype=torch.int32)), "top_k"),
     (dict(top_p=torch.tensor([0.5, 0.5], dtype=torch.float64)), "top_p"),
     (dict(min_p=torch.tensor([[0.5]])), "min_p"),

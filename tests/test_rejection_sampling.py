@@ -427,15 +427,18 @@ def test_cpu_raises_on_bad_tree_data():
 # ---------------------------------------------------------------------------------------
 
 
-def _bad_chain_cases():
+def _bad_chain_cases(wrapper=True):
+    """Bad inputs for the wrapper, or (wrapper=False) for the raw op, which takes exactly
+    int64 ids and int32 counts where the wrapper casts either width (so it gets int16)."""
     def mod(key, value):
         def f(inp):
             inp[key] = value(inp[key])
         return f
 
+    ids_dtype, counts_dtype = (torch.int16, torch.int16) if wrapper else (torch.int32, torch.int64)
     return [
-        ("draft_token_ids", mod("draft_token_ids", lambda t: t.to(torch.int32))),
-        ("num_draft_tokens", mod("num_draft_tokens", lambda t: t.to(torch.int64))),
+        ("draft_token_ids", mod("draft_token_ids", lambda t: t.to(ids_dtype))),
+        ("num_draft_tokens", mod("num_draft_tokens", lambda t: t.to(counts_dtype))),
         ("num_draft_tokens", mod("num_draft_tokens", lambda t: t[:1])),
         ("target_logits", mod("target_logits", lambda t: t.double())),
         ("target_logits", mod("target_logits", lambda t: t[:, :2])),
@@ -456,7 +459,7 @@ def test_bad_inputs_name_the_argument(name, modify):
         ops.chain_rejection_sample(*chain_args(inp))
 
 
-@pytest.mark.parametrize("name,modify", _bad_chain_cases()[:-1])
+@pytest.mark.parametrize("name,modify", _bad_chain_cases(wrapper=False)[:-1])
 def test_cpu_kernel_checks_name_the_argument(name, modify):
     inp = make_chain_inputs(2, 2, 16)
     modify(inp)
@@ -469,7 +472,7 @@ def test_cpu_kernel_checks_name_the_argument(name, modify):
 def test_bad_tree_and_output_arguments():
     inp = make_tree_inputs(2, 4, 16)
     with pytest.raises(ValueError, match="parents"):
-        ops.tree_rejection_sample(inp["parents"].long(), *tree_args(inp)[1:])
+        ops.tree_rejection_sample(inp["parents"].to(torch.int16), *tree_args(inp)[1:])
     with pytest.raises(ValueError, match="tree_token_ids"):
         ops.tree_rejection_sample(inp["parents"], inp["tree_token_ids"][:, :3], *tree_args(inp)[2:])
     with pytest.raises(ValueError, match="accepted_nodes"):

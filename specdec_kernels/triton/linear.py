@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..checks import check_skinny_linear
+
 
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
@@ -49,22 +51,6 @@ def _linear_kernel(
     tl.store(out_ptr + head * stride_oh + rm[:, None] * N + rn[None, :], acc, mask=mask)
 
 
-def _check(condition, message):
-    if not condition:
-        raise ValueError(message)
-
-
-def _check_skinny_linear(x, weight, bias, out):
-    """The shapes the launcher indexes with (through torch.ops on a CUDA tensor no wrapper has
-    checked them): a mismatch would read or write past a tensor."""
-    _check(x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1],
-           f"weight must have shape [N, {x.shape[-1]}] (x is {list(x.shape)}), got {list(weight.shape)}")
-    M, N = x.shape[0], weight.shape[0]
-    if bias is not None:
-        _check(tuple(bias.shape) == (N,), f"bias must have shape [{N}], got {list(bias.shape)}")
-    _check(out.dim() == 2 and tuple(out.shape) == (M, N), f"out must have shape [{M}, {N}], got {list(out.shape)}")
-
-
 def launch_linear(x, weight, bias, out, *, heads=1, stride_xh=0, stride_wh=0, stride_bh=0, stride_oh=0,
             residual_silu=False):
     """Runs _linear_kernel on each of ``heads`` problems out[h] = x[h] @ weight[h]^T (+ bias[h])
@@ -84,7 +70,7 @@ def launch_linear(x, weight, bias, out, *, heads=1, stride_xh=0, stride_wh=0, st
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor) -> None:
     """Launcher of specdec::skinny_linear: out [M, N] = x [M, H] @ weight [N, H]^T + bias."""
-    _check_skinny_linear(x, weight, bias, out)
+    check_skinny_linear(x, weight, bias, out)  # torch.ops on CUDA reaches this launcher directly
     M, N = out.shape
     if M == 0 or N == 0:
         return

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops import check_chain_rejection_args, check_tree_rejection_args
+from ..checks import check_apply_top_k_top_p, check_chain_rejection_sample, check_tree_rejection_sample
 from .rng import PURPOSE_ACCEPT, PURPOSE_SAMPLE, philox_uniform
 
 BLOCK_V = 1024
@@ -394,10 +394,9 @@ def _write_outputs(path, num_acc, final, node_tokens, output_token_ids, accepted
 def chain_rejection_sample(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed, offset,
                            output_token_ids, num_accepted):
     """Triton launcher of ``specdec::chain_rejection_sample`` (the chain as the tree [-1, 0, 1, ...])."""
-    # Checked here too: through torch.ops on a CUDA tensor no wrapper has checked the
-    # shapes the kernels index with.
-    check_chain_rejection_args(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed,
-                               offset, output_token_ids, num_accepted)
+    # The op's check runs here (specdec_kernels.checks): torch.ops on CUDA reaches this launcher directly.
+    check_chain_rejection_sample(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed,
+                                 offset, output_token_ids, num_accepted)
     batch, max_drafts = draft_token_ids.shape
     device = draft_token_ids.device
     parents = torch.arange(-1, max_drafts, dtype=torch.int32, device=device).unsqueeze(0).expand(batch, -1)
@@ -413,8 +412,8 @@ def chain_rejection_sample(draft_token_ids, num_draft_tokens, target_logits, dra
 def tree_rejection_sample(parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature, seed, offset,
                           accepted_nodes, output_token_ids, num_accepted):
     """Triton launcher of ``specdec::tree_rejection_sample`` (arguments checked as for chains)."""
-    check_tree_rejection_args(parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature, seed,
-                              offset, accepted_nodes, output_token_ids, num_accepted)
+    check_tree_rejection_sample(parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature, seed,
+                                offset, accepted_nodes, output_token_ids, num_accepted)
     n_max = parents.shape[1]
     vocab = target_logits.shape[-1]
     path, num_acc, final = _sample_tree(parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature,
@@ -528,16 +527,8 @@ def _top_k_top_p_kernel(logits_ptr, top_k_ptr, top_p_ptr, min_p_ptr, V, BLOCK: t
 
 def apply_top_k_top_p(logits, top_k, top_p, min_p):
     """Triton launcher of ``specdec::apply_top_k_top_p`` (in place on logits [R, V])."""
-    # Checked here too (through torch.ops on a CUDA tensor no wrapper has): the kernel
-    # indexes row r at r * V and reads one parameter per row.
-    if logits.dim() != 2 or not logits.is_contiguous():
-        raise ValueError(f"logits must be a contiguous [R, V] tensor, got shape {list(logits.shape)} "
-                         f"(contiguous: {logits.is_contiguous()})")
-    for t, name, dtype in ((top_k, "top_k", torch.int32), (top_p, "top_p", torch.float32),
-                           (min_p, "min_p", torch.float32)):
-        if t is not None and (t.dtype != dtype or tuple(t.shape) != (logits.shape[0],)):
-            raise ValueError(f"{name} must be a {dtype} tensor of shape [{logits.shape[0]}], got {t.dtype} "
-                             f"{list(t.shape)}")
+    # The op's check (the kernel indexes row r at r * V and reads one parameter per row).
+    check_apply_top_k_top_p(logits, top_k, top_p, min_p)
     rows, vocab = logits.shape
     if rows == 0:
         return
