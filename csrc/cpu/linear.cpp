@@ -59,7 +59,8 @@ void skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std:
   const at::ScalarType out_t = out.scalar_type();
   void* outp = out.data_ptr();
   const int64_t groups = (N + kRowsW - 1) / kRowsW;
-  SPECDEC_DISPATCH_WEIGHT(weight.scalar_type(), W, [&] {
+  SPECDEC_DISPATCH_FLOAT_TYPES(weight.scalar_type(), "skinny_linear", [&] {
+    using W = scalar_t;
     const W* wp = weight.data_ptr<W>();
     at::parallel_for(0, groups, grain_groups(H, sizeof(W)), [&](int64_t begin, int64_t end) {
       std::vector<float> scratch(kRowsW * H);

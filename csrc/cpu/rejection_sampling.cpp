@@ -663,8 +663,7 @@ void check_common(const at::Tensor& target_logits, const std::optional<at::Tenso
                   int64_t rows, int64_t q_rows) {
   check_cpu(target_logits, "target_logits");
   check_dim(target_logits, 3, "target_logits");
-  TORCH_CHECK(target_logits.scalar_type() == at::kFloat || target_logits.scalar_type() == at::kBFloat16 ||
-                  target_logits.scalar_type() == at::kHalf,
+  TORCH_CHECK(is_float_dtype(target_logits.scalar_type()),
               "target_logits must have dtype float32, bfloat16 or float16, got ", target_logits.scalar_type());
   check_size(target_logits, 0, batch, "target_logits");
   check_size(target_logits, 1, rows, "target_logits");
@@ -686,6 +685,25 @@ void check_common(const at::Tensor& target_logits, const std::optional<at::Tenso
     check_dim(*t, 1, name);
     check_size(*t, 0, batch, name);
   }
+}
+
+// Runs the three phases for reqs on the arguments both ops share (made contiguous);
+// draft_probs rows per request: q_rows_per_request, logits rows: rows_per_request.
+void sample(const std::vector<Request>& reqs, const at::Tensor& target_logits,
+            const std::optional<at::Tensor>& draft_probs, const at::Tensor& temperature, const at::Tensor& seed,
+            const at::Tensor& offset, int64_t q_rows_per_request, int64_t rows_per_request,
+            std::vector<WalkResult>& walks, std::vector<char>& valid) {
+  auto logits = target_logits.contiguous();
+  std::optional<at::Tensor> q;
+  if (draft_probs.has_value()) q = draft_probs->contiguous();
+  auto temp = temperature.contiguous();
+  auto seed_c = seed.contiguous();
+  auto offset_c = offset.contiguous();
+  SPECDEC_DISPATCH_FLOAT_TYPES(logits.scalar_type(), "rejection_sample", [&] {
+    sample_requests<scalar_t>(reqs, logits, q ? q->data_ptr<float>() : nullptr, q_rows_per_request,
+                              temp.data_ptr<float>(), seed_c.data_ptr<int64_t>(), offset_c.data_ptr<int64_t>(),
+                              rows_per_request, walks, valid);
+  });
 }
 
 }  // namespace
@@ -713,12 +731,6 @@ void chain_rejection_sample_cpu(const at::Tensor& draft_token_ids, const at::Ten
   const int64_t vocab = target_logits.size(2);
   auto drafts = draft_token_ids.contiguous();
   auto num_drafts = num_draft_tokens.contiguous();
-  auto logits = target_logits.contiguous();
-  std::optional<at::Tensor> q;
-  if (draft_probs.has_value()) q = draft_probs->contiguous();
-  auto temp = temperature.contiguous();
-  auto seed_c = seed.contiguous();
-  auto offset_c = offset.contiguous();
   const int64_t* d = drafts.data_ptr<int64_t>();
   const int32_t* nd = num_drafts.data_ptr<int32_t>();
 
@@ -733,10 +745,7 @@ void chain_rejection_sample_cpu(const at::Tensor& draft_token_ids, const at::Ten
   }
   std::vector<WalkResult> walks;
   std::vector<char> valid;
-  SPECDEC_DISPATCH_FLOAT_TYPES(logits.scalar_type(), "chain_rejection_sample", [&] {
-    sample_requests<scalar_t>(reqs, logits, q ? q->data_ptr<float>() : nullptr, max_drafts, temp.data_ptr<float>(),
-                              seed_c.data_ptr<int64_t>(), offset_c.data_ptr<int64_t>(), max_drafts + 1, walks, valid);
-  });
+  sample(reqs, target_logits, draft_probs, temperature, seed, offset, max_drafts, max_drafts + 1, walks, valid);
   output_token_ids.fill_(-1);
   int64_t* out = output_token_ids.data_ptr<int64_t>();
   int32_t* acc = num_accepted.data_ptr<int32_t>();
@@ -779,12 +788,6 @@ void tree_rejection_sample_cpu(const at::Tensor& parents, const at::Tensor& tree
   auto par = parents.contiguous();
   auto tokens = tree_token_ids.contiguous();
   auto nn = num_nodes.contiguous();
-  auto logits = target_logits.contiguous();
-  std::optional<at::Tensor> q;
-  if (draft_probs.has_value()) q = draft_probs->contiguous();
-  auto temp = temperature.contiguous();
-  auto seed_c = seed.contiguous();
-  auto offset_c = offset.contiguous();
   const int32_t* p = par.data_ptr<int32_t>();
   const int64_t* t = tokens.data_ptr<int64_t>();
   const int32_t* n_ptr = nn.data_ptr<int32_t>();
@@ -806,10 +809,7 @@ void tree_rejection_sample_cpu(const at::Tensor& parents, const at::Tensor& tree
   }
   std::vector<WalkResult> walks;
   std::vector<char> valid;
-  SPECDEC_DISPATCH_FLOAT_TYPES(logits.scalar_type(), "tree_rejection_sample", [&] {
-    sample_requests<scalar_t>(reqs, logits, q ? q->data_ptr<float>() : nullptr, max_nodes, temp.data_ptr<float>(),
-                              seed_c.data_ptr<int64_t>(), offset_c.data_ptr<int64_t>(), max_nodes, walks, valid);
-  });
+  sample(reqs, target_logits, draft_probs, temperature, seed, offset, max_nodes, max_nodes, walks, valid);
   accepted_nodes.fill_(-1);
   output_token_ids.fill_(-1);
   int32_t* an = accepted_nodes.data_ptr<int32_t>();

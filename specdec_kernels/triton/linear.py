@@ -15,6 +15,23 @@ import triton.language as tl
 from ..checks import check_skinny_linear
 
 
+@triton.jit
+def dot_tile(x_base, w_base, rm, rn, M, N, H, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] fp32 tile of x w^T: rows rm (< M) of x, fp32 rows of length H at
+    x_base, times rows rn (< N) of w [N, H], any float dtype, at w_base; rows out of range
+    give 0. (Also the LM-head tile of medusa_topk.)"""
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + rk
+        x = tl.load(x_base + rm[:, None] * H + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < H), other=0.0)
+        # The weight tile is loaded transposed, [BLOCK_K, BLOCK_N], straight from [N, H].
+        w = tl.load(w_base + rn[None, :].to(tl.int64) * H + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < H),
+                    other=0.0)
+        acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,
@@ -30,17 +47,8 @@ def _linear_kernel(
     head = tl.program_id(2).to(tl.int64)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     x_base = x_ptr + head * stride_xh
-    w_base = w_ptr + head * stride_wh
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        kk = k0 + rk
-        x = tl.load(x_base + rm[:, None] * H + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < H), other=0.0)
-        # The weight tile is loaded transposed, [BLOCK_K, BLOCK_N], straight from [N, H].
-        w = tl.load(w_base + rn[None, :].to(tl.int64) * H + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < H),
-                    other=0.0)
-        acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    acc = dot_tile(x_base, w_ptr + head * stride_wh, rm, rn, M, N, H, BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         bias = tl.load(b_ptr + head * stride_bh + rn, mask=rn < N, other=0.0).to(tl.float32)
         acc += bias[None, :]

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..checks import check_medusa_topk
-from .linear import launch_linear
+from .linear import dot_tile, launch_linear
 
 # Candidates per tile are extracted one by one; beyond this the fallback below is used.
 MAX_FUSED_TOP_K = 64
@@ -44,16 +44,8 @@ def _lm_head_topk_kernel(
     head = tl.program_id(2).to(tl.int64)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rv = pid_t * BLOCK_V + tl.arange(0, BLOCK_V)
-    rk = tl.arange(0, BLOCK_K)
     rows = head * M + rm  # global row index in [K*M]
-    w_base = w_ptr + head * stride_wh
-    acc = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        kk = k0 + rk
-        x = tl.load(x_ptr + rows[:, None] * H + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < H), other=0.0)
-        w = tl.load(w_base + rv[None, :].to(tl.int64) * H + kk[:, None], mask=(rv[None, :] < V) & (kk[:, None] < H),
-                    other=0.0)
-        acc += tl.dot(x, w.to(tl.float32), input_precision="ieee")
+    acc = dot_tile(x_ptr + head * M * H, w_ptr + head * stride_wh, rm, rv, M, V, H, BLOCK_M, BLOCK_V, BLOCK_K)
     neg_inf = float("-inf")
     logits = tl.where(rv[None, :] < V, acc, neg_inf)
     row_ok = rm < M
