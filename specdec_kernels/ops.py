@@ -4,7 +4,8 @@ Each op is called as ``torch.ops.specdec.<name>(..., out tensors)`` (destination
 capturable in CUDA graphs); the wrappers here validate the inputs with errors that name
 the argument, allocate the outputs for the functional form and return them. The fakes
 (``register_fake``) describe the ops to ``torch.compile`` and ``opcheck``: ops that only
-write into their arguments return nothing, so their fakes check nothing and return None.
+write into their arguments return nothing, so their fakes only check that all tensors are on
+one device (they are the Meta kernels too) and return None.
 """
 from __future__ import annotations
 
@@ -57,6 +58,21 @@ def output_tensor(t, name: str, *, dtype, shape, device) -> torch.Tensor:
     return t
 
 
+def _check_one_device(op: str, args: dict) -> None:
+    """Raise a ValueError unless every tensor argument of ``op`` (lists included) is on one
+    device. The fakes below are also the ops' Meta kernels: a call through ``torch.ops``
+    with one meta tensor among CPU tensors dispatches to them, and would otherwise return
+    without writing anything."""
+    devices = {}
+    for name, value in args.items():
+        for i, t in enumerate(value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(t, torch.Tensor):
+                devices.setdefault(t.device, f"{name}[{i}]" if isinstance(value, (list, tuple)) else name)
+    if len(devices) > 1:
+        got = ", ".join(f"{name} on {device}" for device, name in devices.items())
+        raise ValueError(f"{op}: every tensor argument must be on one device, got {got}")
+
+
 # ---------------------------------------------------------------------------------------
 # Random numbers.
 # ---------------------------------------------------------------------------------------
@@ -75,6 +91,7 @@ def philox_uniform(seed: torch.Tensor, offset: torch.Tensor, position: int, purp
 
 @torch.library.register_fake("specdec::philox_uniform")
 def _philox_uniform_fake(seed, offset, position, purpose, num):
+    _check_one_device("philox_uniform", locals())
     return seed.new_empty((seed.shape[0], num), dtype=torch.float32)
 
 
@@ -312,17 +329,20 @@ def apply_top_k_top_p(
 @torch.library.register_fake("specdec::chain_rejection_sample")
 def _chain_rejection_sample_fake(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed,
                                  offset, output_token_ids, num_accepted):
+    _check_one_device("chain_rejection_sample", locals())
     return None
 
 
 @torch.library.register_fake("specdec::tree_rejection_sample")
 def _tree_rejection_sample_fake(parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature, seed,
                                 offset, accepted_nodes, output_token_ids, num_accepted):
+    _check_one_device("tree_rejection_sample", locals())
     return None
 
 
 @torch.library.register_fake("specdec::apply_top_k_top_p")
 def _apply_top_k_top_p_fake(logits, top_k, top_p, min_p):
+    _check_one_device("apply_top_k_top_p", locals())
     return None
 
 
@@ -424,6 +444,7 @@ def tree_attention(
 
 @torch.library.register_fake("specdec::tree_attention")
 def _tree_attention_fake(q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tree_mask, sm_scale, out, lse):
+    _check_one_device("tree_attention", locals())
     return None
 
 
@@ -545,6 +566,7 @@ def compact_kv(
 
 @torch.library.register_fake("specdec::compact_kv")
 def _compact_kv_fake(k_caches, v_caches, block_table, prefix_lens, accepted_nodes, num_accepted):
+    _check_one_device("compact_kv", locals())
     return None
 
 
@@ -717,9 +739,11 @@ def medusa_topk(
 
 @torch.library.register_fake("specdec::medusa_topk")
 def _medusa_topk_fake(hidden, res_weight, res_bias, lm_head, top_k, topk_ids, topk_logprobs):
+    _check_one_device("medusa_topk", locals())
     return None
 
 
 @torch.library.register_fake("specdec::skinny_linear")
 def _skinny_linear_fake(x, weight, bias, out):
+    _check_one_device("skinny_linear", locals())
     return None
