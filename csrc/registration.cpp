@@ -50,6 +50,9 @@ TORCH_LIBRARY(specdec, m) {
 
   // Linear layers for few rows (linear.cpp).
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()");
+  // The same on a weight stored as raw GGUF blocks (uint8 [N, H / block_size * block_bytes]);
+  // block_type is the GGML type id (gguf.GGMLQuantizationType: Q4_0 = 2, Q4_1 = 3, ...).
+  m.def("quantized_linear(Tensor x, Tensor weight, int block_type, Tensor? bias, Tensor(a!) out) -> ()");
 
   // The counter-based generator, exposed so that tests can compare backends bit for bit (rng.cpp).
   m.def("philox_uniform(Tensor seed, Tensor offset, int position, int purpose, int num) -> Tensor");

@@ -293,3 +293,43 @@ def check_one_device(op: str, args: dict) -> None:
     if len(devices) > 1:
         got = ", ".join(f"{name} on {device}" for device, name in devices.items())
         raise ValueError(f"{op}: every tensor argument must be on one device, got {got}")
+
+
+# The weight formats quantized_linear reads: GGML type id (gguf.GGMLQuantizationType) ->
+# (name, weights per block, bytes per block). The same table is in csrc/cpu/gguf_blocks.h;
+# ops.GGUF_BLOCK_FORMATS and specdec_kernels.gguf_blocks build on it (quantize, dequantize, QuantizedWeight).
+GGUF_BLOCK_FORMATS = {
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    8: ("Q8_0", 32, 34),
+    30: ("BF16", 1, 2),
+}
+
+
+def gguf_block_types_text() -> str:
+    """'F32 = 0, F16 = 1, ...': the block types quantized_linear reads, for error messages."""
+    return ", ".join(f"{name} = {tid}" for tid, (name, _, _) in GGUF_BLOCK_FORMATS.items())
+
+
+def check_quantized_linear(x, weight, block_type, bias, out) -> None:
+    if isinstance(block_type, bool) or not isinstance(block_type, int) or block_type not in GGUF_BLOCK_FORMATS:
+        raise ValueError(f"block_type must be a GGML type id among {gguf_block_types_text()}, got {block_type!r}")
+    name, size, nbytes = GGUF_BLOCK_FORMATS[int(block_type)]
+    check_tensor(x, "x", dtype=FLOAT_DTYPES, dims=2)
+    M, H = x.shape
+    if H % size != 0:
+        raise ValueError(f"x.shape[1] (H = {H}) must be a multiple of the {name} block size {size}")
+    check_tensor(weight, "weight", dtype=torch.uint8, dims=2, device=x.device)
+    N = weight.shape[0]
+    row_bytes = H // size * nbytes
+    if weight.shape[1] != row_bytes:
+        raise ValueError(f"weight must have shape [N, {row_bytes}] ({H // size} {name} blocks of {nbytes} bytes per "
+                         f"row, x is [{M}, {H}]), got {list(weight.shape)}")
+    if not weight.is_contiguous():
+        raise ValueError("weight must be contiguous")
+    if bias is not None:
+        check_tensor(bias, "bias", dtype=FLOAT_DTYPES, shape=(N,), device=x.device)
+    check_tensor(out, "out", dtype=torch.float32, shape=(M, N), device=x.device)
+    check_contiguous(out, "out")

@@ -623,3 +623,52 @@ def _medusa_topk_fake(hidden, res_weight, res_bias, lm_head, top_k, topk_ids, to
 def _skinny_linear_fake(x, weight, bias, out):
     checks.check_one_device("skinny_linear", locals())
     return None
+
+
+# ---------------------------------------------------------------------------------------
+# Linear layers on raw GGUF blocks: quantized_linear.
+# ---------------------------------------------------------------------------------------
+
+__all__ += ["quantized_linear", "GGUF_BLOCK_FORMATS"]
+
+GGUF_BLOCK_FORMATS = checks.GGUF_BLOCK_FORMATS
+
+
+def quantized_linear(x: torch.Tensor, weight: torch.Tensor, block_type: int, bias: torch.Tensor | None = None, *,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` with W [N, H] stored as raw GGUF blocks, streamed once for all rows.
+
+    Args:
+        x: [M, H] fp32/bf16/fp16 (widened to fp32); M <= 64 is the design point, any M works.
+        weight: uint8 [N, H / block_size * block_bytes], contiguous: each row's GGUF blocks,
+            as a GGUF file stores them (``gguf.ReaderTensor.data``; the file lists the
+            shape reversed, [H, N]). See specdec_kernels.gguf_blocks.
+        block_type: the GGML type id (``gguf.GGMLQuantizationType``): Q4_0 = 2, Q4_1 = 3,
+            Q8_0 = 8 (blocks of 32 weights, H a multiple of 32), F32 = 0, F16 = 1, BF16 = 30.
+        bias: [N] fp32/bf16/fp16 or None.
+        out: optional fp32 [M, N] destination, contiguous.
+
+    Returns fp32 [M, N]. Every weight has exactly the value ``gguf.dequantize`` gives (Q4_0:
+    d * (q - 8); Q4_1: d * q + m, rounded once; Q8_0: q * d; d, m the block's fp16 scales);
+    accumulation is fp32, in one order that depends on H only: per output, 16 lane sums, lane
+    l accumulating (fused multiply-add) x[k] * w[k] for k = 32c + l, then k = 32c + 16 + l,
+    over the chunks c = 0, 1, ... of 32 weights (the float types' last chunk zero-padded); then
+    the lanes summed as a tree (l + 8, + 4, + 2, + 1); then + bias. So a row's result is
+    bit-identical whatever M is and whatever the other rows hold (batch invariance), on every
+    CPU path (AVX-512, AVX2, portable). The Triton kernel (CUDA) sums in its own fixed order,
+    the same for every row and M, equal to the CPU result within rounding.
+    """
+    checks.check_tensor(x, "x", dims=2)
+    checks.check_tensor(weight, "weight", dims=2)
+    if out is None:
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32, device=x.device)
+    if not checks.launcher_checks(x.device):
+        checks.check_quantized_linear(x, weight, block_type, bias, out)
+    torch.ops.specdec.quantized_linear(x, weight, int(block_type), bias, out)
+    return out
+
+
+@torch.library.register_fake("specdec::quantized_linear")
+def _quantized_linear_fake(x, weight, block_type, bias, out):
+    checks.check_one_device("quantized_linear", locals())
+    return None
