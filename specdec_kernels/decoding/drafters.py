@@ -25,7 +25,7 @@ import torch
 from .. import ops
 from ..medusa import (MedusaHeads, _read_state_dict as _read_medusa_state, default_medusa_checkpoint,
                       load_medusa_heads, read_medusa_metadata)
-from ..models.llama import Batch, Llama, cache_slots, rms_norm
+from ..models.llama import Batch, Llama, cache_slots, dense, rms_norm
 from .cost_model import as_step_cost, step_cost_for
 
 
@@ -248,14 +248,14 @@ def medusa_heads_for(target: Llama, checkpoint=None, *, num_heads: int = 4, num_
         checkpoint = default_medusa_checkpoint(target.name) or "untrained"
     if isinstance(checkpoint, str) and checkpoint == "untrained":
         heads = MedusaHeads(target.config.hidden_size, target.config.vocab_size, num_heads, num_layers,
-                            lm_head_weight=target.lm_head, dtype=target.dtype, device=target.device)
+                            lm_head_weight=dense(target.lm_head), dtype=target.dtype, device=target.device)
     else:
         state = checkpoint if isinstance(checkpoint, dict) else _read_medusa_state(checkpoint)
         own_lm_heads = any(k.endswith(".weight") and not k.endswith(("linear.weight", "root_proj.weight"))
                            for k in state)
-        heads = load_medusa_heads(state, lm_head_weight=None if own_lm_heads else target.lm_head,
+        heads = load_medusa_heads(state, lm_head_weight=None if own_lm_heads else dense(target.lm_head),
                                   dtype=target.dtype, device=target.device,
-                                  metadata=read_medusa_metadata(checkpoint), embed_weight=target.embed)
+                                  metadata=read_medusa_metadata(checkpoint), embed_weight=dense(target.embed))
         if heads.hidden_size != target.config.hidden_size or heads.vocab_size != target.config.vocab_size:
             raise ValueError(f"Medusa heads have H={heads.hidden_size}, V={heads.vocab_size}; the target has "
                              f"H={target.config.hidden_size}, V={target.config.vocab_size}")
