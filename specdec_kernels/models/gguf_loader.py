@@ -108,29 +108,44 @@ def load_gguf_native(reader, config: LlamaConfig, *, name: str = "gguf"):
 
     tensors = {t.name: t for t in reader.tensors}
 
-    def blocks(key: str, n_head: int | None = None):
-        w = QuantizedWeight.from_gguf(tensors[key])
-        return w.rows(rope_row_order(w.shape[0], n_head)) if n_head else w
+    # Rows are gathered and concatenated with numpy (one single-threaded copy out of the file
+    # mapping per weight): torch.cat / index_select on uint8 go through torch's thread pool,
+    # which took seconds per call on a loaded 2-core machine.
+    def rows(key: str, n_head: int | None = None) -> tuple:
+        """(uint8 [N, row bytes] array, block type, (N, H)) of a 2-d tensor, q/k rows un-permuted."""
+        t = tensors[key]
+        H, N = (int(d) for d in t.shape)
+        data = np.asarray(t.data).view(np.uint8).reshape(N, -1)
+        if n_head:
+            data = data[rope_row_order(N, n_head).numpy()]
+        return data, int(t.tensor_type), (N, H)
+
+    def block_weight(data, block_type, shape) -> QuantizedWeight:
+        return QuantizedWeight(torch.from_numpy(np.array(data, copy=True, order="C")), block_type, shape)
+
+    def blocks(key: str, n_head: int | None = None) -> QuantizedWeight:
+        return block_weight(*rows(key, n_head))
 
     def vector(key: str) -> torch.Tensor:
         t = tensors[key]
         return torch.from_numpy(np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1))
 
     def fused(parts):
-        if len({p.block_type for p in parts}) == 1:
-            return QuantizedWeight.cat(parts)
-        return tuple(parts)
+        if len({bt for _, bt, _ in parts}) == 1:
+            data = np.concatenate([d for d, _, _ in parts])
+            return QuantizedWeight(torch.from_numpy(data), parts[0][1], (data.shape[0], parts[0][2][1]))
+        return tuple(block_weight(*p) for p in parts)
 
     layers = []
     for i in range(config.num_layers):
         p = f"blk.{i}."
         layers.append(dict(
             attn_norm=vector(p + "attn_norm.weight"),
-            wqkv=fused([blocks(p + "attn_q.weight", config.num_heads), blocks(p + "attn_k.weight", config.num_kv_heads),
-                        blocks(p + "attn_v.weight")]),
+            wqkv=fused([rows(p + "attn_q.weight", config.num_heads), rows(p + "attn_k.weight", config.num_kv_heads),
+                        rows(p + "attn_v.weight")]),
             wo=blocks(p + "attn_output.weight"),
             mlp_norm=vector(p + "ffn_norm.weight"),
-            w_gate_up=fused([blocks(p + "ffn_gate.weight"), blocks(p + "ffn_up.weight")]),
+            w_gate_up=fused([rows(p + "ffn_gate.weight"), rows(p + "ffn_up.weight")]),
             w_down=blocks(p + "ffn_down.weight"),
         ))
     embed = blocks("token_embd.weight")
