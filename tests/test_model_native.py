@@ -13,7 +13,21 @@ gguf_blocks = pytest.importorskip("specdec_kernels.gguf_blocks")
 if not hasattr(ops, "quantized_linear"):
     pytest.skip("ops.quantized_linear is not built in this checkout", allow_module_level=True)
 
-from test_decoding import DRAFTERS  # noqa: E402  (every drafter, with the injected step cost)
+from specdec_kernels.decoding import (MedusaDrafter, ModelDrafter, NgramDrafter, NgramTreeDrafter,  # noqa: E402
+                                      SelfSpecDrafter)
+
+# Every drafter (as in test_decoding.py), drafts on the block weights too; the tree drafter
+# gets an injected step cost so that tree sizes do not depend on timings.
+STEP_COST = (1.0, 1.08, 1.14, 1.17, 1.24, 1.31, 1.36, 1.41, 1.46, 1.52, 1.56, 1.61)
+DRAFTERS = {
+    "ngram": lambda m: NgramDrafter(),
+    "ngram-tree": lambda m: NgramTreeDrafter(step_cost=STEP_COST),
+    "draft-chain": lambda m: ModelDrafter(Llama.random(tiny_config(num_layers=1), seed=5).quantized("Q8_0")),
+    "draft-good": lambda m: ModelDrafter(m.truncated(2)),
+    "draft-tree": lambda m: ModelDrafter(m.truncated(1), tree_width=3),
+    "self-spec": lambda m: SelfSpecDrafter(m, 1),
+    "medusa": lambda m: MedusaDrafter(m),
+}
 
 
 def _dense_copy(model: Llama) -> Llama:
