@@ -15,6 +15,13 @@ CPU. So the tree-sizing drafters do not use a table measured on one machine; the
 - or pass your own: ``StepCost({1: {1: 0.010, 8: 0.012}})`` or any callable
   ``rows -> cost relative to a one-row step`` to a drafter (``step_cost=``), or set
   ``Generator.step_cost``.
+
+``ops.skinny_linear_rows`` (which fp32 row counts go to skinny_linear rather than MKL) keeps
+its rule: on the default native weights ``ops.linear`` sends every row count to
+``quantized_linear`` and never consults it; on fp32 weights a per-machine crossover measured
+on a loaded machine could move between runs and silently change which kernel — and so which
+rounding — a product gets; and the step-cost curve here already measures the rule's effect
+(e.g. a jump where a row count leaves skinny_linear), so the drafters see it without a table.
 """
 from __future__ import annotations
 
