@@ -51,9 +51,10 @@ def test_calibration_times_real_forwards_and_is_cached_per_machine(tmp_path, mon
     real = cost_model._time_step
     monkeypatch.setattr(cost_model, "_time_step", lambda *a, **k: calls.append(a[1:3]) or real(*a, **k))
     cost = step_cost_for(model)
-    assert (1, 1) in calls and (1, 8) in calls and (4, 4) in calls  # (batch, rows per request)
+    assert calls == list(cost_model.CALIBRATION_POINTS)  # (batch, rows per request), all of them
     assert all(s > 0 for pts in cost.table.values() for _, s in pts)
     assert sorted(cost.table) == [1, 4] and [r for r, _ in cost.table[4]] == [4, 16, 64]
+    assert [r for r, _ in cost.table[1]] == [1, 2, 4, 8, 16, 32, 64]
     assert cost.meta["threads"] == torch.get_num_threads() and cost.meta["cpu"] == cost_model.cpu_model()
     files = os.listdir(tmp_path / "cost")
     assert files == [cost_model.cost_key(model) + ".json"]
@@ -81,8 +82,11 @@ def test_cache_dir_follows_xdg(monkeypatch, tmp_path):
 
 def test_calibration_stops_at_its_time_budget():
     model = Llama.random(tiny_config(num_layers=1), seed=0)
+    # A spent budget still measures the minimum points: the curve keeps its shape.
     cost = calibrate(model, budget_s=0.0, repeats=1)
-    assert cost.table == {1: [(1, cost.seconds(1))]}  # the first point only
+    assert {b: [r for r, _ in pts] for b, pts in cost.table.items()} == {1: [1, 4, 16, 64], 4: [4, 16]}
+    cost = calibrate(model, budget_s=0.0, repeats=1, min_points=1)
+    assert cost.table == {1: [(1, cost.seconds(1))]}
 
 
 def test_drafter_uses_the_injected_or_generator_cost(monkeypatch):

@@ -7,7 +7,8 @@ CPU. So the tree-sizing drafters do not use a table measured on one machine; the
 ``StepCost`` curve measured for the loaded model:
 
 - ``calibrate(model)`` times real target forwards (+ LM head) of R rows per request over a
-  few R and batch sizes (medians of a few repeats, <= ~2 s in all) and interpolates;
+  few R and batch sizes (medians of a few repeats; six points always, more while ~2 s
+  last) and interpolates;
 - ``step_cost_for(model)`` returns the curve for the model, weight format, torch thread count
   and CPU, cached per process and on disk in the user's cache directory
   (``$XDG_CACHE_HOME/specdec_kernels/cost/<key>.json``, ``~/.cache`` by default;
@@ -38,10 +39,11 @@ import torch
 
 __all__ = ["StepCost", "calibrate", "step_cost_for", "cache_dir", "cost_key", "cpu_model", "as_step_cost"]
 
-# R values (rows per request) timed at batch 1 and at batch 4; past the last one the curve
-# extrapolates linearly from its last two points.
-CALIBRATION_ROWS = (1, 2, 4, 8, 16, 32, 64)
-CALIBRATION_BATCH_ROWS = {1: CALIBRATION_ROWS, 4: (1, 4, 16)}
+# (batch, rows per request) timed, in this order: the first CALIBRATION_MIN_POINTS always
+# (the curve's shape: one row, a small tree, a large one, and batch 4), the rest while the
+# time budget lasts. Past the last row count the curve extends its last segment.
+CALIBRATION_POINTS = ((1, 1), (1, 16), (1, 4), (1, 64), (4, 1), (4, 4), (1, 8), (1, 2), (1, 32), (4, 16))
+CALIBRATION_MIN_POINTS = 6
 CALIBRATION_BUDGET_S = 2.0  # seconds of timed forwards at most (one more point may start before it ends)
 
 
@@ -163,21 +165,21 @@ def _time_step(model, batch: int, rows_per_request: int, context: int, repeats: 
     return statistics.median(times)
 
 
-def calibrate(model, *, batch_rows: Mapping | None = None, context: int = 64, repeats: int = 3,
-              budget_s: float | None = None) -> StepCost:
-    """Measure ``model``'s step cost: for each batch size and rows-per-request R in
-    ``batch_rows`` (default CALIBRATION_BATCH_ROWS), the median of ``repeats`` forwards + LM
-    head. Stops adding points once ``budget_s`` seconds (default CALIBRATION_BUDGET_S) are spent (the row counts run
-    smallest first, batch 1 first, so a slow model still gets the small-R part of the curve)."""
-    batch_rows = batch_rows or CALIBRATION_BATCH_ROWS
+def calibrate(model, *, points=None, context: int = 64, repeats: int = 3, budget_s: float | None = None,
+              min_points: int | None = None) -> StepCost:
+    """Measure ``model``'s step cost: for each (batch size, rows per request) in ``points``
+    (default CALIBRATION_POINTS), the median of ``repeats`` forwards + LM head. The first
+    ``min_points`` (default CALIBRATION_MIN_POINTS) are always measured; later ones only while
+    fewer than ``budget_s`` seconds (default CALIBRATION_BUDGET_S) have been spent."""
+    points = points or CALIBRATION_POINTS
     budget_s = CALIBRATION_BUDGET_S if budget_s is None else budget_s
+    min_points = CALIBRATION_MIN_POINTS if min_points is None else min_points
     start = time.perf_counter()
     table: dict = {}
-    for batch, rows_list in sorted(batch_rows.items()):
-        for r in rows_list:
-            if table and time.perf_counter() - start > budget_s:
-                break
-            table.setdefault(batch, {})[batch * r] = _time_step(model, batch, r, context, repeats)
+    for i, (batch, r) in enumerate(points):
+        if i >= max(min_points, 1) and time.perf_counter() - start > budget_s:
+            break
+        table.setdefault(batch, {})[batch * r] = _time_step(model, batch, r, context, repeats)
     meta = {"model": model.name, "weights": weight_format(model), "threads": torch.get_num_threads(),
             "cpu": cpu_model(), "torch": torch.__version__, "context": context, "repeats": repeats,
             "seconds": round(time.perf_counter() - start, 3), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
