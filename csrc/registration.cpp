@@ -41,11 +41,16 @@ TORCH_LIBRARY(specdec, m) {
       "compact_kv(Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor block_table, "
       "Tensor prefix_lens, Tensor accepted_nodes, Tensor num_accepted) -> ()");
 
-  // Medusa heads and the skinny GEMM under them (medusa.cpp).
+  // Medusa heads (medusa.cpp).
   m.def(
       "medusa_topk(Tensor hidden, Tensor res_weight, Tensor res_bias, Tensor lm_head, "
       "int top_k, Tensor(a!) topk_ids, Tensor(b!) topk_logprobs) -> ()");
+
+  // Linear layers for few rows (linear.cpp).
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()");
+  // The same on a weight stored as raw GGUF blocks (uint8 [N, H / block_size * block_bytes]);
+  // block_type is the GGML type id (gguf.GGMLQuantizationType: Q4_0 = 2, Q4_1 = 3, ...).
+  m.def("quantized_linear(Tensor x, Tensor weight, int block_type, Tensor? bias, Tensor(a!) out) -> ()");
 
   // The counter-based generator, exposed so that tests can compare backends bit for bit.
   m.def("philox_uniform(Tensor seed, Tensor offset, int position, int purpose, int num) -> Tensor");

@@ -556,17 +556,18 @@ def _compact_kv_fake(k_caches, v_caches, block_table, prefix_lens, accepted_node
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Largest number of rows for which `linear` uses skinny_linear instead of F.linear on CPU.
-# Measured with `python bench/bench_medusa.py --threads 1` on the 2-core dev machine (torch
-# 2.13, MKL/oneDNN, a CPU with AVX-512 and AMX) over the SmolLM2 layer shapes [1536, 576],
-# [576, 1536], [576, 576], [192, 576], [49152, 576], with "cold" weights (each call takes
-# the next of a pool of copies larger than the 300 MB L3, as in a decode step where the
-# other layers evicted this one; bench/results/medusa.json). fp32: F.linear time /
-# skinny_linear time = 1.1-1.8x at M = 4 and 8 on every shape, 0.84-1.03x at M = 1-2 on
-# the small shapes but 1.0-1.7x on the LM head, mixed from M = 16 (MKL's AVX-512 GEMM
-# wins once the kernel is compute bound). bf16: oneDNN's bf16 GEMM (AMX) wins from M = 4
-# (skinny_linear 1.1-1.5x faster at M = 1-2). With the weight hot in L2 (a microbenchmark
-# calling one small layer in a loop) F.linear wins on [576, 576] and [192, 576] at every M.
-# (2-thread wall-clock medians on the shared machine were dominated by preemption.)
+# Measured with `python bench/bench_medusa.py --threads 1` (its skinny_linear part is now
+# bench/bench_linear.py) on the 2-core dev machine (torch 2.13, MKL/oneDNN, a CPU with
+# AVX-512 and AMX) over the SmolLM2 layer shapes [1536, 576], [576, 1536], [576, 576],
+# [192, 576], [49152, 576], with "cold" weights (each call takes the next of a pool of
+# copies larger than the 300 MB L3, as in a decode step where the other layers evicted
+# this one; bench/results/linear.json). fp32: F.linear time / skinny_linear time =
+# 1.1-1.8x at M = 4 and 8 on every shape, 0.84-1.03x at M = 1-2 on the small shapes but
+# 1.0-1.7x on the LM head, mixed from M = 16 (MKL's AVX-512 GEMM wins once the kernel is
+# compute bound). bf16: oneDNN's bf16 GEMM (AMX) wins from M = 4 (skinny_linear 1.1-1.5x
+# faster at M = 1-2). With the weight hot in L2 (a microbenchmark calling one small layer
+# in a loop) F.linear wins on [576, 576] and [192, 576] at every M. (2-thread wall-clock
+# medians on the shared machine were dominated by preemption.)
 SKINNY_LINEAR_MAX_ROWS = 8
 SKINNY_LINEAR_MAX_ROWS_BF16 = 2
 
@@ -733,4 +734,89 @@ def _medusa_topk_fake(hidden, res_weight, res_bias, lm_head, top_k, topk_ids, to
 
 @torch.library.register_fake("specdec::skinny_linear")
 def _skinny_linear_fake(x, weight, bias, out):
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# Linear layers on raw GGUF blocks: quantized_linear.
+# ---------------------------------------------------------------------------------------
+
+__all__ += ["quantized_linear", "GGUF_BLOCK_FORMATS"]
+
+# The weight formats quantized_linear reads: GGML type id (gguf.GGMLQuantizationType) ->
+# (name, weights per block, bytes per block). The same table is in csrc/cpu/gguf_blocks.h;
+# specdec_kernels.gguf_blocks builds on it (quantize, dequantize, QuantizedWeight).
+GGUF_BLOCK_FORMATS = {
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    8: ("Q8_0", 32, 34),
+    30: ("BF16", 1, 2),
+}
+
+
+def gguf_block_types_text() -> str:
+    """'F32 = 0, F16 = 1, ...': the block types quantized_linear reads, for error messages."""
+    return ", ".join(f"{name} = {tid}" for tid, (name, _, _) in GGUF_BLOCK_FORMATS.items())
+
+
+def check_quantized_linear_args(x, weight, block_type, bias=None, out=None) -> torch.Tensor:
+    """Validates ``quantized_linear``'s arguments (ValueError naming the argument; also
+    called by the Triton launcher, which ``torch.ops`` reaches without this wrapper);
+    returns ``out``, allocated when None."""
+    if isinstance(block_type, bool) or not isinstance(block_type, int) or block_type not in GGUF_BLOCK_FORMATS:
+        raise ValueError(f"block_type must be a GGML type id among {gguf_block_types_text()}, got {block_type!r}")
+    name, size, nbytes = GGUF_BLOCK_FORMATS[int(block_type)]
+    check_tensor(x, "x", dtype=_FLOAT_DTYPES, dims=2)
+    M, H = x.shape
+    if H % size != 0:
+        raise ValueError(f"x.shape[1] (H = {H}) must be a multiple of the {name} block size {size}")
+    check_tensor(weight, "weight", dtype=torch.uint8, dims=2, device=x.device)
+    N = weight.shape[0]
+    row_bytes = H // size * nbytes
+    if weight.shape[1] != row_bytes:
+        raise ValueError(f"weight must have shape [N, {row_bytes}] ({H // size} {name} blocks of {nbytes} bytes per "
+                         f"row, x is [{M}, {H}]), got {list(weight.shape)}")
+    if not weight.is_contiguous():
+        raise ValueError("weight must be contiguous")
+    if bias is not None:
+        check_tensor(bias, "bias", dtype=_FLOAT_DTYPES, shape=(N,), device=x.device)
+    out = output_tensor(out, "out", dtype=torch.float32, shape=(M, N), device=x.device)
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    return out
+
+
+def quantized_linear(x: torch.Tensor, weight: torch.Tensor, block_type: int, bias: torch.Tensor | None = None, *,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` with W [N, H] stored as raw GGUF blocks, streamed once for all rows.
+
+    Args:
+        x: [M, H] fp32/bf16/fp16 (widened to fp32); M <= 64 is the design point, any M works.
+        weight: uint8 [N, H / block_size * block_bytes], contiguous: each row's GGUF blocks,
+            as a GGUF file stores them (``gguf.ReaderTensor.data``; the file lists the
+            shape reversed, [H, N]). See specdec_kernels.gguf_blocks.
+        block_type: the GGML type id (``gguf.GGMLQuantizationType``): Q4_0 = 2, Q4_1 = 3,
+            Q8_0 = 8 (blocks of 32 weights, H a multiple of 32), F32 = 0, F16 = 1, BF16 = 30.
+        bias: [N] fp32/bf16/fp16 or None.
+        out: optional fp32 [M, N] destination, contiguous.
+
+    Returns fp32 [M, N]. Every weight has exactly the value ``gguf.dequantize`` gives (Q4_0:
+    d * (q - 8); Q4_1: d * q + m, rounded once; Q8_0: q * d; d, m the block's fp16 scales);
+    accumulation is fp32, in one order that depends on H only: per output, 16 lane sums, lane
+    l accumulating (fused multiply-add) x[k] * w[k] for k = 32c + l, then k = 32c + 16 + l,
+    over the chunks c = 0, 1, ... of 32 weights (the float types' last chunk zero-padded); then
+    the lanes summed as a tree (l + 8, + 4, + 2, + 1); then + bias. So a row's result is
+    bit-identical whatever M is and whatever the other rows hold (batch invariance), on every
+    CPU path (AVX-512, AVX2, portable). The Triton kernel (CUDA) sums in its own fixed order,
+    the same for every row and M, equal to the CPU result within rounding.
+    """
+    out = check_quantized_linear_args(x, weight, block_type, bias, out)
+    torch.ops.specdec.quantized_linear(x, weight, int(block_type), bias, out)
+    return out
+
+
+@torch.library.register_fake("specdec::quantized_linear")
+def _quantized_linear_fake(x, weight, block_type, bias, out):
     return None
