@@ -1,9 +1,13 @@
 """End-to-end benchmark: tokens/s of greedy generation with SmolLM2-135M on this machine.
 
 In one process, for each prompt (chat template applied to the first turn): transformers
-autoregressive, transformers assisted generation with prompt lookup, our autoregressive
-loop, and our loop with each drafter; at batch 1 and at batch B (groups of B prompts, our
-loop only: transformers' assisted generation is batch 1 only). Reports tokens/s per prompt,
+autoregressive, transformers assisted generation with prompt lookup, llama.cpp
+autoregressive (llama-cpp-python on the same GGUF file, in a subprocess:
+bench/llama_cpp_baseline.py), our autoregressive loop on fp32 weights (``fp32-ar``), our
+autoregressive loop on ``--weights`` (default: the GGUF file's own blocks), and our loop with
+each drafter; at batch 1 and at batch B (groups of B prompts, our
+loop only: transformers' assisted generation is batch 1 only). Reports tokens/s per prompt
+(total, and prefill / decode separately),
 the speedup (mean over prompts of per-prompt tokens/s ratios against our autoregressive
 run), mean accepted length, a per-category table and whether each greedy output equals our
 autoregressive output; writes JSON and a PNG chart.
@@ -17,6 +21,7 @@ e2e_spec_bench for a spec_bench*.jsonl prompt file; --out-dir for another folder
 ``specdec bench ...`` runs this script from a source checkout, writing to a per-user cache
 folder unless given --out-dir.
 """
+import sys
 from __future__ import annotations
 
 import argparse
@@ -124,6 +129,36 @@ def write_chart(summary: list, cat_rows: list, methods: list, title: str, path: 
 
 def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESULTS_DIR) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+def _llama_cpp_runner(gguf_path: str, args, eos_ids):
+    """A function ids -> [llama.cpp result] (bench/llama_cpp_baseline.py, one subprocess per
+    call so that it runs between our methods like the others), or None with the reason
+    printed when llama_cpp is not importable or the model is not a GGUF file."""
+    import importlib.util
+
+    if not gguf_path.endswith(".gguf"):
+        print("llama.cpp baseline skipped: the model is not a GGUF file")
+        return None
+    here = Path(__file__).resolve().parent / "llama_cpp_baseline.py"
+    spec = importlib.util.spec_from_file_location("llama_cpp_baseline", here)
+    if spec is None or not here.exists():
+        print(f"llama.cpp baseline skipped: {here} not found (run from a source checkout)")
+        return None
+    baseline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(baseline)
+    try:
+        version = baseline.probe(args.llama_python)
+    except baseline.LlamaCppUnavailable as e:
+        print(f"llama.cpp baseline skipped: {e}")
+        return None
+
+    def run(ids):
+        return baseline.run(gguf_path, [ids], args.max_new_tokens, eos_ids, threads=args.threads,
+                            python=args.llama_python)["runs"]
+
+    run.version = version
+    return run
+
+
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--prompts", default=None,
                    help="jsonl of {prompt} or Spec-Bench {turns, category} rows (default: the package's prompts)")
@@ -136,6 +171,12 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
     p.add_argument("--self-spec-layers", type=int, default=8)
     p.add_argument("--prompt-lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    p.add_argument("--weights", default="native", choices=("native", "fp32", "bf16", "q8_0", "q4_0"),
+                   help="our model's weights (native: the GGUF file's own block formats)")
+    p.add_argument("--no-fp32-ar", action="store_true", help="skip our autoregressive loop on fp32 weights")
+    p.add_argument("--llama-python", default=sys.executable,
+                   help="interpreter that runs llama-cpp-python for the llama.cpp baseline (default: this one)")
+    p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp baseline")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: on a shared machine more threads stall in barriers)")
     p.add_argument("--out-dir", default=str(default_out_dir), help="folder of the results (default: %(default)s)")
@@ -152,21 +193,37 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
 
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, weights=args.weights)
     load_s = time.perf_counter() - t0
+    fp32_model = None
+    if not args.no_fp32_ar:
+        fp32_model = model if args.weights == "fp32" else load_model(args.model, weights="fp32")[0]
+    llama = None
+    if not args.no_llama_cpp:
+        from specdec_kernels.models.registry import resolve
+
+        llama = _llama_cpp_runner(resolve(args.model), args, model.config.eos_token_ids)
     prompts = load_prompts(args.prompts, args.max_prompts, tok)
     N = args.max_new_tokens
 
-    def ours(drafter_spec: str | None, batch_ids: list):
+    def ours(drafter_spec: str | None, batch_ids: list, target=None):
+        target = target or model
         name, _, schedule = (drafter_spec or "none").partition(":")
-        drafter = make_drafter(name, model, self_spec_layers=args.self_spec_layers, max_k=16)
-        gen = Generator(model, drafter, SpecSchedule(schedule or "constant", args.k))
+        drafter = make_drafter(name, target, self_spec_layers=args.self_spec_layers, max_k=16)
+        gen = Generator(target, drafter, SpecSchedule(schedule or "constant", args.k))
         t = time.perf_counter()
         reqs = gen.generate(batch_ids, N)
         return reqs, time.perf_counter() - t
 
     ours([None][0], [prompts[0]["ids"]])  # warm-up
+    for spec in args.drafters:  # drafter construction measures the step cost once (cached per machine)
+        ours(spec, [prompts[0]["ids"][:8]])
     methods = ["ours-ar"] + list(args.drafters)
+    if fp32_model is not None and fp32_model is not model:
+        ours(None, [prompts[0]["ids"]], fp32_model)
+        methods = ["fp32-ar"] + methods
+    if llama is not None:
+        methods = ["llama-cpp-ar"] + methods
     hf = None
     if not args.no_hf:
         with tempfile.TemporaryDirectory() as d:
@@ -183,7 +240,7 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
         # Methods run back to back on each group, so that the machine's load drifts affect
         # every method of a ratio alike.
         for group, method in [(g, m) for g in groups for m in methods]:
-            if bs > 1 and method.startswith("hf"):
+            if bs > 1 and (method.startswith("hf") or method.startswith("llama")):
                 continue
             ids = [p["ids"] for p in group]
             row = {"batch": bs, "method": method, "ids": [p["id"] for p in group],
@@ -193,9 +250,23 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
                 outs = [hf.generate(ids[0], N, args.prompt_lookup_tokens if method == "hf-prompt-lookup" else 0)]
                 dt = time.perf_counter() - t
                 row["mean_accepted_length"] = None
+            elif method == "llama-cpp-ar":
+                (res,) = llama(ids[0])
+                outs, dt = [res["output"]], res["seconds"]
+                row["mean_accepted_length"] = None
+                # llama.cpp's prefill evaluates the whole prompt and yields the first token.
+                row.update(prefill_tokens=res["prompt_tokens"], prefill_seconds=res["prefill_seconds"],
+                           decode_forwards=len(res["output"]) - 1, decode_seconds=res["decode_seconds"])
             else:
-                reqs, dt = ours(None if method == "ours-ar" else method, ids)
+                if method == "fp32-ar":
+                    reqs, dt = ours(None, ids, fp32_model)
+                else:
+                    reqs, dt = ours(None if method == "ours-ar" else method, ids)
                 outs = [r.output for r in reqs]
+                # Our prefill caches the prompt but its last token, which the first step processes.
+                pre = sum(r.stats.time_prefill for r in reqs)
+                row.update(prefill_tokens=sum(len(i) - 1 for i in ids), prefill_seconds=pre,
+                           decode_forwards=sum(len(o) for o in outs), decode_seconds=dt - pre)
                 row["mean_accepted_length"] = statistics.mean(r.stats.mean_accepted_length for r in reqs)
                 row["stats"] = [r.stats.summary() for r in reqs]
             tokens = sum(len(o) for o in outs)
@@ -221,15 +292,24 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
                 if bs == 1:
                     by_cat.setdefault(r["categories"][0], {}).setdefault(method, []).append(r["speedup"])
             mal = [r["mean_accepted_length"] for r in rows if r["mean_accepted_length"] is not None]
+            timed = [r for r in rows if "decode_seconds" in r]
+            phases = {}
+            if timed:
+                # Generated tokens per second of the decode phase, prompt tokens per second of the prefill.
+                phases = {"decode_tokens_per_s": sum(r["tokens"] for r in timed) / sum(r["decode_seconds"] for r in timed),
+                          "prefill_tokens_per_s": sum(r["prefill_tokens"] for r in timed)
+                          / max(sum(r["prefill_seconds"] for r in timed), 1e-9)}
             summary.append({"batch": bs, "method": method,
                             "tokens_per_s": statistics.mean(r["tokens_per_s"] for r in rows),
+                            "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows), **phases,
                             "speedup_vs_ours_ar": statistics.mean(r["speedup"] for r in rows),
                             "mean_accepted_length": statistics.mean(mal) if mal else "",
                             "identical": f"{sum(sum(r['identical']) for r in rows)}/{sum(len(r['identical']) for r in rows)}"})
-    print(f"\nmodel {model.name} (loaded in {load_s:.1f}s), {len(prompts)} prompts, {N} new tokens, "
+    print(f"\nmodel {model.name} ({model.weight_format} weights, loaded in {load_s:.1f}s), {len(prompts)} prompts, {N} new tokens, "
           f"{args.threads} thread(s); ops.linear uses skinny_linear for "
           f"{ops.skinny_linear_rows(torch.float32)} rows (fp32)")
-    print_table(summary, ["batch", "method", "tokens_per_s", "speedup_vs_ours_ar", "mean_accepted_length", "identical"])
+    print_table(summary, ["batch", "method", "tokens_per_s", "median_tokens_per_s", "decode_tokens_per_s",
+                          "prefill_tokens_per_s", "speedup_vs_ours_ar", "mean_accepted_length", "identical"])
     cat_rows = [{"category": c, **{m: statistics.mean(v) for m, v in ms.items()}} for c, ms in sorted(by_cat.items())]
     print("\nspeedup vs our autoregressive by category (batch 1):")
     print_table(cat_rows, ["category"] + [m for m in methods if m != "ours-ar"])
@@ -245,13 +325,27 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
         targets["best_drafter"] = best["method"]
         targets["best_drafter_speedup"] = best["speedup_vs_ours_ar"]
         print(f"best drafter at batch 1: {best['method']} {best['speedup_vs_ours_ar']:.2f}x our autoregressive (target >= 1.5x)")
-    mismatches = [(r["batch"], r["method"], i) for r in runs for i, ok in zip(r["ids"], r["identical"]) if not ok]
+    b1 = {s["method"]: s for s in summary if s["batch"] == 1}
+    if "fp32-ar" in b1:
+        targets["ours_ar_vs_fp32_ar"] = b1["ours-ar"]["tokens_per_s"] / b1["fp32-ar"]["tokens_per_s"]
+        print(f"ours autoregressive ({model.weight_format}) / ours fp32 autoregressive: "
+              f"{targets['ours_ar_vs_fp32_ar']:.2f}x (target >= 3x)")
+    if "llama-cpp-ar" in b1:
+        targets["ours_ar_vs_llama_cpp_ar"] = b1["ours-ar"]["tokens_per_s"] / b1["llama-cpp-ar"]["tokens_per_s"]
+        print(f"ours autoregressive / llama.cpp autoregressive: {targets['ours_ar_vs_llama_cpp_ar']:.2f}x")
+        if best:
+            targets["best_drafter_vs_llama_cpp_ar"] = b1[best["method"]]["tokens_per_s"] / b1["llama-cpp-ar"]["tokens_per_s"]
+            print(f"best drafter / llama.cpp autoregressive: {targets['best_drafter_vs_llama_cpp_ar']:.2f}x (target > 1x)")
+    # fp32 and llama.cpp may differ from ours in a last bit of a near-tie; reported, not counted.
+    mismatches = [(r["batch"], r["method"], i) for r in runs for i, ok in zip(r["ids"], r["identical"])
+                  if not ok and r["method"] not in ("fp32-ar", "llama-cpp-ar")]
     targets["all_greedy_identical"] = not mismatches
     print(f"greedy outputs identical to ours-ar: {'all' if not mismatches else f'{len(mismatches)} mismatches: {mismatches[:10]}'}")
 
     for r in runs:
         r.pop("outputs")
-    out = write_results(args.out_name, {"model": model.name, "load_seconds": load_s, "config": vars(args),
+    out = write_results(args.out_name, {"model": model.name, "weights": model.weight_format, "load_seconds": load_s,
+                                                "load_average": os.getloadavg(), "llama_cpp": getattr(llama, "version", None), "config": vars(args),
                                         "skinny_linear_rows": ops.skinny_linear_rows(torch.float32),
                                         "summary": summary, "by_category": cat_rows, "targets": targets, "runs": runs},
                         out_dir=args.out_dir)

@@ -25,8 +25,8 @@ def cmd_generate(args) -> int:
 
     torch.set_num_threads(args.threads) if args.threads else None
     t0 = time.perf_counter()
-    model, tok = load_model(args.model)
-    print(f"[loaded {model.name} in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
+    model, tok = load_model(args.model, weights=args.weights)
+    print(f"[loaded {model.name} ({model.weight_format} weights) in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
     drafter = make_drafter(args.drafter, model, self_spec_layers=args.self_spec_layers, draft_model=args.draft_model,
                            medusa_checkpoint=args.medusa_checkpoint)
     if args.drafter == "medusa" and not args.medusa_checkpoint:
@@ -92,6 +92,9 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate text for one prompt, streaming, then print stats")
     g.add_argument("--model", default="smollm2-135m", help="registered name, .gguf file or HF checkpoint dir")
+    g.add_argument("--weights", default="native", choices=("native", "fp32", "bf16", "q8_0", "q4_0"),
+                   help="native: a GGUF file's own block formats (default); fp32/bf16: dequantised; "
+                        "q8_0/q4_0: quantised on load")
     g.add_argument("--drafter", default="ngram", choices=DRAFTERS)
     g.add_argument("--prompt", required=True)
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")

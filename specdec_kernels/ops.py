@@ -558,7 +558,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     autograd formula); otherwise this is exactly ``F.linear``. (skinny_linear accumulates
     in fp32 and rounds once, so bf16 results can differ from F.linear's in the last bit.)
     This is the one place the choice is made: the model and the Medusa heads call it.
+
+    ``weight`` may also be a ``gguf_blocks.QuantizedWeight`` (GGUF blocks): then every row
+    count goes to ``quantized_linear`` (fp32 result) — it is batch-invariant (a row's result
+    does not depend on the other rows), which keeps speculative greedy output bit-identical
+    to autoregressive output.
     """
+    if getattr(weight, "block_type", None) is not None and hasattr(weight, "blocks"):
+        N, H = weight.shape
+        flat = x.reshape(-1, H)
+        out = quantized_linear(flat if flat.is_contiguous() else flat.contiguous(), weight.blocks,
+                               weight.block_type, bias)
+        return out.reshape(*x.shape[:-1], N)
     rows = x.numel() // x.shape[-1] if x.dim() > 0 and x.shape[-1] > 0 else 0
     use_skinny = (
         x.device.type == "cpu"

@@ -13,6 +13,19 @@ import torch  # noqa: E402
 import specdec_kernels  # noqa: E402,F401
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _cost_cache_in_temp_dir(tmp_path_factory):
+    """Measured step-cost curves (decoding.cost_model) go to a temporary directory, never to
+    the user's cache."""
+    old = os.environ.get("SPECDEC_CACHE_DIR")
+    os.environ["SPECDEC_CACHE_DIR"] = str(tmp_path_factory.mktemp("specdec_cache"))
+    yield
+    if old is None:
+        os.environ.pop("SPECDEC_CACHE_DIR", None)
+    else:
+        os.environ["SPECDEC_CACHE_DIR"] = old
+
+
 @pytest.fixture(autouse=True)
 def _seed_torch():
     torch.manual_seed(0)

@@ -26,7 +26,8 @@ import torch
 from .. import ops
 from ..medusa import (MedusaHeads, default_medusa_checkpoint, load_medusa_heads, read_medusa_metadata,
                       read_medusa_state_dict)
-from ..models.llama import Batch, Llama, rms_norm
+from ..models.llama import Batch, Llama, dense, rms_norm
+from .cost_model import as_step_cost, step_cost_for
 
 
 @dataclass
@@ -258,14 +259,14 @@ def medusa_heads_for(target: Llama, checkpoint=None, *, num_heads: int = 4, num_
         checkpoint = default_medusa_checkpoint(target.name) or "untrained"
     if isinstance(checkpoint, str) and checkpoint == "untrained":
         heads = MedusaHeads(target.config.hidden_size, target.config.vocab_size, num_heads, num_layers,
-                            lm_head_weight=target.lm_head, dtype=target.dtype, device=target.device)
+                            lm_head_weight=dense(target.lm_head), dtype=target.dtype, device=target.device)
     else:
         state = read_medusa_state_dict(checkpoint)
         own_lm_heads = any(k.endswith(".weight") and not k.endswith(("linear.weight", "root_proj.weight"))
                            for k in state)
-        heads = load_medusa_heads(state, lm_head_weight=None if own_lm_heads else target.lm_head,
+        heads = load_medusa_heads(state, lm_head_weight=None if own_lm_heads else dense(target.lm_head),
                                   dtype=target.dtype, device=target.device,
-                                  metadata=read_medusa_metadata(checkpoint), embed_weight=target.embed)
+                                  metadata=read_medusa_metadata(checkpoint), embed_weight=dense(target.embed))
         if heads.hidden_size != target.config.hidden_size or heads.vocab_size != target.config.vocab_size:
             raise ValueError(f"Medusa heads have H={heads.hidden_size}, V={heads.vocab_size}; the target has "
                              f"H={target.config.hidden_size}, V={target.config.vocab_size}")
@@ -395,11 +396,13 @@ class NgramTreeDrafter(Drafter):
 
     Size: over the whole batch, the most probable nodes are kept while they pay for
     themselves: the number of verified rows ``R`` (B roots + the kept nodes) maximises
-    expected tokens per step over step cost, ``(B + sum p) / VERIFY_COST[R]``.
-    ``VERIFY_COST[R]`` is a step over ``R`` rows relative to one over a single row
-    (SmolLM2-135M fp32, 1 thread, CPU time per step on this 2-core machine): a decode step
-    streams every weight once, so each extra row costs only ~5% of a step up to 12 rows
-    (``skinny_linear``), 16-32 rows cost 2.0-2.5 single-row steps. When no node pays for itself the step is a
+    expected tokens per step over step cost, ``(B + sum p) / cost(R, B)``, where ``cost`` is
+    the step-cost curve of the target (``decoding.cost_model``: seconds per verification step
+    against rows and batch size, measured for the loaded model, weight format, thread count
+    and CPU at first use and cached per machine; or the ``step_cost`` given here or to the
+    Generator). On fp32 weights an extra row costs ~5% of a one-row step up to ~12 rows; on
+    GGUF block weights the quantised GEMM streams the blocks once for all rows, so extra rows
+    are cheaper still — the curve, not a table, says how many pay. When no node pays for itself the step is a
     plain autoregressive one (no extra rows); at batch B > 1 the few nodes that still pay go
     to the requests with the most probable drafts.
 
@@ -413,27 +416,35 @@ class NgramTreeDrafter(Drafter):
     # >= 6, shrunk for short matches (0.21, 0.46, 0.64, 0.70, 0.70 measured): weak drafts are
     # worth fewer rows than their marginal rate says (several one-token matches agreeing are
     # one piece of evidence, not independent ones); the shrink maximised the simulated speedup
-    # (greedy outputs + VERIFY_COST) over the 120 dev prompts: 1.43x -> 1.48x.
+    # (greedy outputs + the fp32 verify-cost table measured then) over the 120 dev prompts: 1.43x -> 1.48x.
     FIRST = (0.10, 0.23, 0.45, 0.49, 0.49, 0.85)
     NEXT = (0.60, 0.68, 0.72, 0.75, 0.78, 0.86)
     RANK = (1.0, 0.85, 0.75, 0.55)
-    # Step time over R = 1..32 rows / step time over one row. Measured (ms CPU time): 64, 69,
-    # 73, 75, 84, 90, 97, 103, 131, 138, 141, 160 at 1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32
-    # rows; the others interpolated (13-15 rows measured 1.8-1.9x once ops.linear kept them
-    # on skinny_linear: 207 ms before). Beyond 32 rows: +0.04 per row.
-    VERIFY_COST = (1.0, 1.08, 1.14, 1.17, 1.24, 1.31, 1.36, 1.41, 1.46, 1.52, 1.56, 1.61,
-                   1.72, 1.83, 1.94, 2.05, 2.08, 2.11, 2.13, 2.16, 2.17, 2.18, 2.19, 2.2,
-                   2.24, 2.28, 2.31, 2.35, 2.39, 2.43, 2.46, 2.5)
-
     def __init__(self, max_ngram: int = 6, max_k: int = 16, *, max_nodes: int = 16, max_matches: int = 8,
-                 verify_cost=None):
+                 step_cost=None, verify_cost=None):
+        """``step_cost``: a ``cost_model.StepCost``, a callable ``rows -> cost relative to a
+        one-row step``, or a sequence of those relative costs at 1, 2, ... rows
+        (``verify_cost`` is the older name of the same argument); default: the Generator's
+        ``step_cost`` if it has one, else ``cost_model.step_cost_for(target)`` at ``start``."""
         self.max_ngram, self.max_k, self.max_matches = max_ngram, max_k, max_matches
-        self.verify_cost = tuple(verify_cost) if verify_cost is not None else self.VERIFY_COST
+        given = step_cost if step_cost is not None else verify_cost
+        self.step_cost = as_step_cost(given) if given is not None else None
+        self._measured = None
         self.max_nodes = max_nodes  # per request, root included
 
-    def cost(self, rows: int) -> float:
-        c = self.verify_cost
-        return c[rows - 1] if rows <= len(c) else c[-1] + 0.04 * (rows - len(c))
+    def start(self, gen, reqs):
+        if self.step_cost is None:
+            given = getattr(gen, "step_cost", None)
+            self._measured = as_step_cost(given) if given is not None else step_cost_for(gen.model)
+
+    def cost(self, rows: int, batch: int = 1) -> float:
+        """Step cost over ``rows`` verified rows in all at batch ``batch``, relative to a step of
+        one row per request."""
+        cost = self.step_cost or self._measured
+        if cost is None:
+            raise RuntimeError("NgramTreeDrafter has no step cost: pass step_cost= or call start(gen, reqs) "
+                               "(which measures the target's) first")
+        return cost(rows, batch)
 
     def matches(self, arr: np.ndarray) -> tuple:
         """(end, length): every earlier occurrence of the last token (``arr[end] == arr[-1]``,
@@ -493,10 +504,10 @@ class NgramTreeDrafter(Drafter):
         batch, as many as maximise (B + sum p) / cost(B + kept)."""
         B = len(ranked)
         pool = sorted(((-p, b, j) for b, r in enumerate(ranked) for j, (p, _) in enumerate(r)))
-        best_n, best, total = 0, B / self.cost(B), float(B)
+        best_n, best, total = 0, B / self.cost(B, B), float(B)
         for n, (neg_p, _, _) in enumerate(pool, 1):
             total -= neg_p
-            value = total / self.cost(B + n)
+            value = total / self.cost(B + n, B)
             if value > best:
                 best_n, best = n, value
         keep = [0] * B

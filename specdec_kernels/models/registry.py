@@ -34,13 +34,21 @@ def resolve(name_or_path: str) -> str:
                      "directory with config.json + safetensors")
 
 
-def load_model(name_or_path: str):
-    """(Llama, Tokenizer) for a registered name, a GGUF file or an HF checkpoint directory."""
+WEIGHT_FORMATS = ("native", "fp32", "bf16", "q8_0", "q4_0")
+
+
+def load_model(name_or_path: str, weights: str = "native"):
+    """(Llama, Tokenizer) for a registered name, a GGUF file or an HF checkpoint directory.
+
+    ``weights``: "native" — a GGUF file's own block formats (an HF checkpoint: fp32);
+    "fp32" / "bf16" — dense weights; "q8_0" / "q4_0" — quantised on load."""
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
     path = resolve(name_or_path)
     if os.path.isdir(path):
         from .hf_loader import load_hf_dir
 
-        return load_hf_dir(path)
+        return load_hf_dir(path, weights)
     from .gguf_loader import load_gguf
 
-    return load_gguf(path)
+    return load_gguf(path, weights)

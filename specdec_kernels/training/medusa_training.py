@@ -404,7 +404,9 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model, tok = load_model(args.model)
+    # fp32 weights: the trainer reads the LM head and embedding as dense tensors (and the shipped
+    # heads were trained on the fp32 model's hidden states).
+    model, tok = load_model(args.model, weights="fp32")
     out = args.out or default_medusa_checkpoint(args.model, must_exist=False)
     if out is None:
         p.error(f"no default output file for {args.model!r}: pass --out")
