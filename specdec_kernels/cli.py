@@ -99,7 +99,7 @@ def main(argv=None) -> int:
 
         return bench_main(argv[1:])
     if argv[:1] == ["train-medusa"]:
-        from .medusa_training import main as train_main
+        from .training.medusa_training import main as train_main
 
         return train_main(argv[1:])
     p = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding on CPU/GPU.")

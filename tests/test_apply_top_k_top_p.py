@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from python_ref import rejection_sampling as ref
 from specdec_kernels import ops
-from tests.conftest import requires_triton
+from tests.helpers import requires_triton
 
 
 def make_params(rows, vocab, gen):
@@ -136,7 +136,7 @@ GUARD_CASES = _guard_cases()
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=requires_triton)])
 @pytest.mark.parametrize("name", list(GUARD_CASES))
 def test_nothing_outside_the_tensors_is_read_or_written(backend, name):
-    from tests.conftest import assert_guard_intact, guarded
+    from tests.helpers import assert_guard_intact, guarded
 
     logits, top_k, top_p, min_p = GUARD_CASES[name]
     expected = ref.apply_top_k_top_p(logits, top_k, top_p, min_p)

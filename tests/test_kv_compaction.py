@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import specdec_kernels
 from python_ref.kv_compaction import compact_kv as compact_kv_ref
-from tests.conftest import requires_triton
+from tests.helpers import requires_triton
 
 if specdec_kernels.HAS_TRITON:
     from specdec_kernels.triton.kv_compaction import compact_kv_triton
@@ -428,7 +428,7 @@ def test_wrapper_traces_with_torch_compile_fullgraph():
 def guarded_cache(t):
     """guarded() storage for a cache tensor, keeping its layout (a transposed view of a
     contiguous guarded tensor when the heads are not adjacent)."""
-    from tests.conftest import guarded
+    from tests.helpers import guarded
 
     return guarded(t) if t.is_contiguous() else guarded(t.transpose(1, 2)).transpose(1, 2)
 
@@ -505,7 +505,7 @@ KV_GUARD_CASES = _kv_guard_cases()
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=requires_triton)])
 @pytest.mark.parametrize("name", list(KV_GUARD_CASES))
 def test_nothing_outside_the_tensors_is_read_or_written(backend, name):
-    from tests.conftest import assert_guard_intact, guarded
+    from tests.helpers import assert_guard_intact, guarded
 
     (k, v, *index_args), cpu_error = KV_GUARD_CASES[name]
     gk, gv = [guarded_cache(t) for t in k], [guarded_cache(t) for t in v]

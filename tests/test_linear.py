@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from python_ref import linear as ref
 from specdec_kernels import ops
-from tests.conftest import requires_triton
+from tests.helpers import requires_triton
 
 # fp32 accumulation of H products: compare with a tolerance that grows with H.
 def tol(H, out_dtype=torch.float32):
@@ -155,7 +155,7 @@ def test_triton_matches_f_linear(M, N, H):
     (5, 7, 37, torch.bfloat16, True),
 ])
 def test_nothing_outside_the_tensors_is_read_or_written(backend, M, N, H, w_dtype, with_bias):
-    from tests.conftest import assert_guard_intact, guarded
+    from tests.helpers import assert_guard_intact, guarded
 
     g = torch.Generator().manual_seed(M * N + H)
     x, w = torch.randn(M, H, generator=g), torch.randn(N, H, generator=g).to(w_dtype)

@@ -18,7 +18,7 @@ import torch
 
 from python_ref import rejection_sampling as ref
 from specdec_kernels import ops
-from tests.test_rejection_sampling import assert_same, chain_args, make_chain_inputs, make_tree_inputs, tree_args
+from tests.helpers import assert_same, chain_args, make_chain_inputs, make_tree_inputs, tree_args
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,7 +87,7 @@ _SUBPROCESS = """
 import sys, torch
 sys.path.insert(0, {root!r})
 from specdec_kernels import ops
-from tests.test_rejection_sampling import chain_args, make_chain_inputs, make_tree_inputs, tree_args
+from tests.helpers import chain_args, make_chain_inputs, make_tree_inputs, tree_args
 torch.set_num_threads(1)
 outs = []
 for i, dtype in enumerate([torch.float32, torch.bfloat16, torch.float16]):

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import specdec_kernels
 from python_ref import tree_attention as ref
 from specdec_kernels import ops
-from tests.conftest import requires_triton
+from tests.helpers import requires_triton
 
 # Output tolerance per dtype (the reference runs in float64 on the same rounded inputs; the
 # kernel accumulates in fp32 and rounds its output to the dtype).
@@ -546,7 +546,7 @@ TREE_GUARD_CASES = _tree_guard_cases()
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=requires_triton)])
 @pytest.mark.parametrize("name", list(TREE_GUARD_CASES))
 def test_nothing_outside_the_tensors_is_read_or_written(backend, name):
-    from tests.conftest import assert_guard_intact, guarded
+    from tests.helpers import assert_guard_intact, guarded
 
     case, mask, cpu_error = TREE_GUARD_CASES[name]
     q = case["q"]

@@ -2,7 +2,7 @@
 
     specdec train-medusa --model smollm2-135m --out specdec_kernels/data/medusa_smollm2_135m.safetensors
 
-1. **Data.** :func:`~specdec_kernels.medusa_prompts.synthetic_prompts` builds instruction
+1. **Data.** :func:`~specdec_kernels.training.medusa_prompts.synthetic_prompts` builds instruction
    prompts from templates (never the benchmark's prompts); the chat template is applied and
    the model answers them greedily with the package's own decode loop at a large batch
    (:func:`collect_self_distillation`). For every emitted token o_i we keep the hidden
@@ -13,10 +13,12 @@
    token, the root at decode time); head k (0-based) must predict o_{i+k+1}, the token k+1
    steps after the root — the model's own greedy continuation, which greedy verification
    accepts. (In the base model's position terms: the hidden state at position t, whose LM
-   head predicts token t+1, gives head k the target token t+k+2, as in ``medusa_loss``.)
+   head predicts token t+1, gives head k the target token t+k+2, as in
+   :func:`~specdec_kernels.training.medusa_loss.sequence_targets`.)
    Positions past the end of a sequence are ignored (-1).
 3. **Training** (:func:`train_heads`). ``MedusaHeads`` with L ResBlocks per head and the
-   model's LM head shared (frozen), loss sum_k 0.8^k CE_k. The softmax is taken over the
+   model's LM head shared (frozen), loss sum_k 0.8^k CE_k (``medusa_loss``, one ``train_step``
+   per batch). The softmax is taken over the
    tokens that occur in the data (every target is one of them) rather than the full
    vocabulary: the frozen LM head dominates the cost and on one CPU thread the full 49k-row
    softmax would be ~5x slower. Held-out accuracy is measured with the full vocabulary
@@ -35,9 +37,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from .medusa import MedusaHeads, save_medusa_heads
+from ..medusa import MedusaHeads, save_medusa_heads
+from .medusa_loss import medusa_targets, train_step
 
 DEFAULT_CACHE = ".cache/medusa"
 
@@ -58,8 +60,8 @@ def collect_self_distillation(model, prompts: list[list[int]], *, max_new_tokens
     """
     from tqdm import tqdm
 
-    from .decoding import Generator
-    from .models.llama import rms_norm
+    from ..decoding import Generator
+    from ..models.llama import rms_norm
 
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     hidden_of: dict[int, list] = {}
@@ -168,21 +170,6 @@ def concat_data(shards: list[dict]) -> dict:
             "seq_start": torch.cat(starts)}
 
 
-def medusa_targets(tokens: torch.Tensor, seq_start: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """int64 [N, num_heads]: head k's target for row i is tokens[i + k + 1] when that row is
-    in the same sequence, else -1 (ignored). Row i's hidden state produced tokens[i]."""
-    N = tokens.shape[0]
-    seq_id = torch.repeat_interleave(torch.arange(seq_start.shape[0] - 1), seq_start.diff())
-    out = torch.full((N, num_heads), -1, dtype=torch.int64)
-    for k in range(num_heads):
-        shift = k + 1
-        if shift >= N:
-            break
-        same = seq_id[shift:] == seq_id[:-shift]
-        out[:-shift, k] = torch.where(same, tokens[shift:], torch.full_like(tokens[shift:], -1))
-    return out
-
-
 def split_sequences(seq_start: torch.Tensor, held_out: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(train rows, held-out rows) int64, whole sequences to one side."""
     S = seq_start.shape[0] - 1
@@ -201,11 +188,6 @@ def split_sequences(seq_start: torch.Tensor, held_out: float, seed: int) -> tupl
 # ---------------------------------------------------------------------------------------
 # Training.
 # ---------------------------------------------------------------------------------------
-
-
-def _resblocks(heads: MedusaHeads, hidden: torch.Tensor, root_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """[M, H] -> [M, K, H]: each head's ResBlocks (before the shared LM head)."""
-    return torch.stack(heads.head_states(hidden, root_ids), dim=1)
 
 
 @torch.no_grad()
@@ -267,7 +249,6 @@ def train_heads(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.Tens
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, total - warmup))))
     g = torch.Generator().manual_seed(seed)
-    weights = torch.tensor([decay ** k for k in range(K)])
     bar = tqdm(total=total, desc="train heads", unit="step", disable=not progress)
     heads.train()
     best = None
@@ -276,25 +257,16 @@ def train_heads(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.Tens
         run_loss, run_acc, n_seen = torch.zeros(K), torch.zeros(K), 0
         for s in range(0, N, batch_size):
             idx = perm[s: s + batch_size]
-            x = hidden[idx].float()
             t = sub_targets[idx]  # [M, K]
-            z = _resblocks(heads, x, None if root_ids is None else root_ids[idx])  # [M, K, H]
-            logits = z @ w_sub.T  # [M, K, Vs]
-            losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t.reshape(-1), ignore_index=-100,
-                                     reduction="none").view(t.shape)
-            valid = (t >= 0).float()
-            per_head = (losses * valid).sum(0) / valid.sum(0).clamp(min=1)
-            loss = (per_head * weights).sum()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            step = train_step(heads, hidden[idx].float(), t, opt, decay=decay, lm_head=w_sub,
+                              root_ids=None if root_ids is None else root_ids[idx])  # logits [M, K, Vs]
             sched.step()
-            with torch.no_grad():
-                run_loss += per_head.detach() * idx.shape[0]
-                run_acc += ((logits.argmax(-1) == t).float() * valid).sum(0) / valid.sum(0).clamp(min=1) * idx.shape[0]
-                n_seen += idx.shape[0]
+            valid = (t >= 0).float()
+            run_loss += step["head_losses"] * idx.shape[0]
+            run_acc += ((step["logits"].argmax(-1) == t).float() * valid).sum(0) / valid.sum(0).clamp(min=1) * idx.shape[0]
+            n_seen += idx.shape[0]
             bar.update(1)
-            bar.set_postfix(epoch=epoch, loss=f"{float(loss.detach()):.3f}")
+            bar.set_postfix(epoch=epoch, loss=f"{step['loss']:.3f}")
         msg = (f"epoch {epoch}: train loss per head {[round(v, 3) for v in (run_loss / n_seen).tolist()]}, "
                f"top-1 (data vocab) {[round(v, 3) for v in (run_acc / n_seen).tolist()]}")
         if validation is not None:
@@ -427,8 +399,8 @@ def main(argv=None) -> int:
     p.add_argument("--data-only", action="store_true", help="generate (and cache) the data, do not train")
     args = p.parse_args(argv)
 
-    from .medusa import default_medusa_checkpoint
-    from .models import load_model
+    from ..medusa import default_medusa_checkpoint
+    from ..models import load_model
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
