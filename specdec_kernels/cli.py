@@ -1,55 +1,20 @@
 """``specdec`` command line.
 
     specdec generate --model smollm2-135m --drafter ngram --prompt "Tell me about Paris."
-    specdec bench [--prompts FILE] [--max-prompts N] [--max-new-tokens N] [--batch-sizes 1 4]
+    specdec bench [--prompts FILE] [--max-prompts N] [--max-new-tokens N] [--out-dir DIR]
+        (bench/bench_e2e.py of a source checkout; results in ~/.cache/specdec_kernels/bench by default)
     specdec train-medusa --model smollm2-135m [--out FILE]   (regenerates the shipped Medusa heads)
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import sys
 import time
+from pathlib import Path
 
-DRAFTERS = ("none", "ngram", "ngram-tree", "self-spec", "medusa", "medusa+ngram", "medusa-untrained", "draft",
-            "draft-tree")
-
-
-def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: str | None = None,
-                 medusa_checkpoint: str | None = None, max_k: int = 16):
-    """A drafter by name for ``model`` (None for plain autoregressive decoding)."""
-    from .decoding import (MedusaDrafter, ModelDrafter, NgramDrafter, NgramTreeDrafter, SelfSpecDrafter,
-                           medusa_heads_for)
-
-    if name in ("none", "ar", None):
-        return None
-    if name == "ngram":
-        return NgramDrafter(max_k=max_k)
-    if name == "ngram-tree":
-        return NgramTreeDrafter(max_k=max_k)
-    if name == "self-spec":
-        return SelfSpecDrafter(model, self_spec_layers, max_k=max_k)
-    if name == "medusa":  # the package's trained heads for the model unless a checkpoint is given
-        return MedusaDrafter(model, medusa_heads_for(model, medusa_checkpoint))
-    if name == "medusa+ngram":  # the trained heads' tree plus the prompt-lookup chain as one more branch
-        return MedusaDrafter(model, medusa_heads_for(model, medusa_checkpoint), ngram=NgramDrafter(max_k=max_k))
-    if name == "medusa-untrained":  # for comparison: zero ResBlocks, the static small tree
-        from .decoding.drafters import MEDUSA_SMALL_CHOICES
-
-        drafter = MedusaDrafter(model, medusa_heads_for(model, "untrained"), MEDUSA_SMALL_CHOICES)
-        drafter.name = "medusa-untrained"
-        return drafter
-    if name in ("draft", "draft-tree"):
-        if draft_model:
-            from .models import load_model
-
-            dm, _ = load_model(draft_model)
-            if dm.config.vocab_size != model.config.vocab_size:
-                raise ValueError(f"draft model vocabulary ({dm.config.vocab_size}) differs from the target's "
-                                 f"({model.config.vocab_size})")
-        else:  # no second checkpoint ships with the package: a layer-truncated copy of the target
-            dm = model.truncated(self_spec_layers)
-        return ModelDrafter(dm, tree_width=3 if name == "draft-tree" else 1, max_k=max_k, name=name)
-    raise ValueError(f"unknown drafter {name!r}; choose from {DRAFTERS}")
+from .decoding.registry import DRAFTERS, make_drafter
 
 
 def cmd_generate(args) -> int:
@@ -92,12 +57,33 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def user_cache_dir() -> Path:
+    """Where ``specdec`` writes what nobody asked to keep elsewhere: $XDG_CACHE_HOME/specdec_kernels
+    (default ~/.cache/specdec_kernels)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specdec_kernels"
+
+
+def cmd_bench(argv: list) -> int:
+    """Run the end-to-end benchmark, bench/bench_e2e.py of the source checkout this package
+    is imported from. It is not part of the installed package (it needs the test extras and
+    compares against transformers). Results go to the per-user cache folder unless
+    ``--out-dir`` says otherwise (``--out-dir bench/results`` updates the committed ones)."""
+    script = Path(__file__).resolve().parent.parent / "bench" / "bench_e2e.py"
+    if not script.exists():
+        print("specdec bench runs bench/bench_e2e.py of a source checkout of specdec_kernels, and this install has "
+              "none: in a clone of the repository, with the test extras installed (pip install -e '.[test]'), run\n"
+              "    python bench/bench_e2e.py --help", file=sys.stderr)
+        return 2
+    spec = importlib.util.spec_from_file_location("bench_e2e", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv, prog="specdec bench", default_out_dir=user_cache_dir() / "bench")
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # every later argument belongs to the benchmark's own parser
-        from .decoding.benchmark import main as bench_main
-
-        return bench_main(argv[1:])
+        return cmd_bench(argv[1:])
     if argv[:1] == ["train-medusa"]:
         from .training.medusa_training import main as train_main
 
@@ -122,7 +108,7 @@ def main(argv=None) -> int:
                    "default: the heads the package ships for the model, 'untrained' for untrained heads)")
     g.add_argument("--threads", type=int, default=0)
     g.set_defaults(func=cmd_generate)
-    sub.add_parser("bench", help="end-to-end benchmark (specdec bench --help)")
+    sub.add_parser("bench", help="end-to-end benchmark, bench/bench_e2e.py of a source checkout (specdec bench --help)")
     sub.add_parser("train-medusa", help="train Medusa heads by self-distillation (specdec train-medusa --help)")
     args = p.parse_args(argv)
     return args.func(args)

@@ -28,7 +28,7 @@ from torch import nn
 from . import ops
 
 __all__ = ["MedusaHeads", "ResBlock", "default_medusa_checkpoint", "load_medusa_heads", "read_medusa_metadata",
-           "save_medusa_heads"]
+           "read_medusa_state_dict", "save_medusa_heads"]
 
 
 class ResBlock(nn.Module):
@@ -237,7 +237,9 @@ _KEY = re.compile(r"^(?:.*medusa_head\.)?(\d+)\.(\d+)\.(linear\.weight|linear\.b
 _ROOT_KEY = re.compile(r"^(?:.*\.)?root_proj\.weight$")
 
 
-def _read_state_dict(source) -> dict:
+def read_medusa_state_dict(source) -> dict:
+    """The tensors of a Medusa checkpoint: a ``.safetensors`` or ``torch.save`` file (a dict
+    is returned as it is)."""
     if isinstance(source, dict):
         return source
     path = os.fspath(source)
@@ -313,7 +315,7 @@ def load_medusa_heads(source, *, lm_head_weight: torch.Tensor | None = None, dty
     metadata (or ``metadata``). A ``root_proj.weight`` [H, H] makes root-conditioned heads
     (``MedusaHeads.head_input``), which need the base model's ``embed_weight`` [V, H].
     """
-    state = _read_state_dict(source)
+    state = read_medusa_state_dict(source)
     metadata = dict(metadata) if metadata is not None else read_medusa_metadata(source)
     blocks, lm_heads = {}, {}
     for key, value in state.items():

@@ -196,7 +196,8 @@ def test_stats():
 
 
 def test_cli_drafters_by_name(model, prompts):
-    from specdec_kernels.cli import DRAFTERS as NAMES, main, make_drafter
+    from specdec_kernels.cli import main
+    from specdec_kernels.decoding import DRAFTERS as NAMES, make_drafter
 
     ar = [r.output for r in Generator(model).generate(prompts[:2], 6)]
     for name in NAMES:
@@ -214,7 +215,7 @@ def test_medusa_checkpoint_through_cli(model, prompts, tmp_path):
     make_drafter path, propose what the heads predict, and keep greedy decoding exact."""
     from safetensors.torch import save_file
 
-    from specdec_kernels.cli import make_drafter
+    from specdec_kernels.decoding import make_drafter
     from specdec_kernels.medusa import MedusaHeads
 
     c = model.config

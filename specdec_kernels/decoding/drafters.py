@@ -9,7 +9,7 @@ prefill), ``verified`` (after each step, with the accepted counts) and ``finish`
 - :class:`ModelDrafter` — a separate draft model (any Llama of the package with the same
   vocabulary) with its own paged cache, as a chain or a "top-k tree" (the greedy chain plus
   the next-best tokens at the first level as extra leaves);
-- :func:`SelfSpecDrafter` — self-speculation: the target's first L layers and its own LM
+- :class:`SelfSpecDrafter` — self-speculation: the target's first L layers and its own LM
   head, writing into the target's cache (layers < L of the draft positions are rewritten by
   the verification forward, so no extra cache and no catch-up are needed);
 - :class:`MedusaDrafter` — Medusa heads on the target's last hidden state, a static tree from
@@ -17,15 +17,16 @@ prefill), ``verified`` (after each step, with the accepted counts) and ``finish`
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from .. import ops
-from ..medusa import (MedusaHeads, _read_state_dict as _read_medusa_state, default_medusa_checkpoint,
-                      load_medusa_heads, read_medusa_metadata)
-from ..models.llama import Batch, Llama, cache_slots, rms_norm
+from ..medusa import (MedusaHeads, default_medusa_checkpoint, load_medusa_heads, read_medusa_metadata,
+                      read_medusa_state_dict)
+from ..models.llama import Batch, Llama, rms_norm
 
 
 @dataclass
@@ -112,6 +113,23 @@ def _draw(logits: torch.Tensor, r, gen_torch: torch.Generator):
     return int(torch.multinomial(q, 1, generator=gen_torch)), q
 
 
+@dataclass
+class ChainRun:
+    """One request's draft chain while :meth:`ModelDrafter.propose` extends it."""
+
+    index: int  # the request's position in the batch
+    request: object  # the Request
+    slot: int  # its slot in the draft cache
+    length: int  # tokens to draft
+    committed: int  # tokens the draft cache held at the start of the step
+    pending: list  # tokens the draft cache lacked at the start (fed by the first forward)
+    feed: list  # tokens the next forward feeds
+    pos: int  # cache position of feed[0]
+    chain: list = field(default_factory=list)  # drafted tokens
+    probs: list = field(default_factory=list)  # q each drafted token was drawn from (None: greedy)
+    alts: list = field(default_factory=list)  # tree_width > 1: the root's other children
+
+
 class ModelDrafter(Drafter):
     """Draft with a (smaller) Llama of the same vocabulary, chain or top-k tree.
 
@@ -149,65 +167,55 @@ class ModelDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, gen, reqs, lengths):
         model, cache = self.model, self.cache
-        active = [b for b, k in enumerate(lengths) if k > 0]
         drafts = [Draft.root_only(r.tokens[-1]) for r in reqs]
-        if not active:
+        runs = []
+        for b, (r, k) in enumerate(zip(reqs, lengths)):
+            if k <= 0:
+                continue
+            # Step 0 feeds what the draft cache lacks (the root, plus any tokens accepted last
+            # step that the draft never saw); later steps feed one drafted token each.
+            slot = self._slot(r)
+            committed = cache.length(slot)
+            pending = r.tokens[committed:]
+            cache.reserve([slot], [len(pending) + k])
+            runs.append(ChainRun(b, r, slot, k, committed, pending, feed=pending, pos=committed))
+        if not runs:
             return drafts
-        # Step 0 feeds what the draft cache lacks (the root, plus any tokens accepted last
-        # step that the draft never saw); later steps feed one drafted token each.
-        pending, start = {}, {}
-        for b in active:
-            r = reqs[b]
-            committed = cache.length(self._slot(r))
-            pending[b] = r.tokens[committed:]
-            start[b] = committed
-            cache.reserve([self._slot(r)], [len(pending[b]) + lengths[b]])
-        chains = {b: [] for b in active}
-        probs = {b: [] for b in active}
-        alts = {b: [] for b in active}
-        feed = dict(pending)
-        pos = dict(start)
-        for step in range(max(lengths[b] for b in active)):
-            rows = [b for b in active if step < lengths[b]]
-            if not rows:
-                break
-            toks = [t for b in rows for t in feed[b]]
-            counts = [len(feed[b]) for b in rows]
-            positions = torch.cat([torch.arange(pos[b], pos[b] + len(feed[b])) for b in rows])
-            slot_ids = torch.cat([cache_slots(cache, self._slot(reqs[b]), torch.arange(pos[b], pos[b] + len(feed[b])))
-                                  for b in rows])
-            block_table, _ = cache.batch_view([self._slot(reqs[b]) for b in rows])
-            indptr = torch.tensor([0] + list(np.cumsum(counts)), dtype=torch.int32)
-            batch = Batch(block_table, torch.tensor([pos[b] for b in rows], dtype=torch.int32), indptr, slot_ids)
-            h = model.forward(torch.tensor(toks, dtype=torch.int64), positions, cache, batch)
-            last = indptr[1:].long() - 1
-            logits = model.logits(h[last])
-            for i, b in enumerate(rows):
-                r = reqs[b]
-                tok, q = _draw(logits[i], r, self._gen)
+        for step in range(max(run.length for run in runs)):
+            rows = [run for run in runs if step < run.length]
+            row_positions = [torch.arange(run.pos, run.pos + len(run.feed)) for run in rows]
+            indptr = torch.tensor([0] + list(np.cumsum([len(run.feed) for run in rows])), dtype=torch.int32)
+            block_table, _ = cache.batch_view([run.slot for run in rows])
+            slot_mapping = torch.cat([cache.slot_mapping(run.slot, pos) for run, pos in zip(rows, row_positions)])
+            batch = Batch(block_table, torch.tensor([run.pos for run in rows], dtype=torch.int32), indptr, slot_mapping)
+            tokens = torch.tensor([t for run in rows for t in run.feed], dtype=torch.int64)
+            h = model.forward(tokens, torch.cat(row_positions), cache, batch)
+            logits = model.logits(h[indptr[1:].long() - 1])
+            for i, run in enumerate(rows):
+                tok, q = _draw(logits[i], run.request, self._gen)
                 if step == 0 and self.tree_width > 1:
-                    alts[b] = logits[i].topk(self.tree_width).indices.tolist()
-                    tok, q = alts[b][0], None
-                    alts[b] = alts[b][1:]
+                    best = logits[i].topk(self.tree_width).indices.tolist()
+                    tok, q = best[0], None
+                    run.alts = best[1:]
                 elif self.tree_width > 1:
                     tok, q = int(logits[i].argmax()), None
-                chains[b].append(tok)
-                probs[b].append(q)
-                pos[b] += len(feed[b])
-                feed[b] = [tok]
-        for b in active:
-            r = reqs[b]
+                run.chain.append(tok)
+                run.probs.append(q)
+                run.pos += len(run.feed)
+                run.feed = [tok]
+        for run in runs:
+            r = run.request
             if self.tree_width > 1:
-                k = len(chains[b])
-                drafts[b] = Draft(list(range(-1, k)) + [0] * len(alts[b]), [r.tokens[-1]] + chains[b] + alts[b])
+                k = len(run.chain)
+                drafts[run.index] = Draft(list(range(-1, k)) + [0] * len(run.alts), [r.tokens[-1]] + run.chain + run.alts)
             else:
                 q = None
-                if probs[b][0] is not None:
-                    q = torch.stack(probs[b] + [torch.zeros_like(probs[b][0])])
-                drafts[b] = Draft.chain(r.tokens[-1], chains[b], q)
+                if run.probs[0] is not None:
+                    q = torch.stack(run.probs + [torch.zeros_like(run.probs[0])])
+                drafts[run.index] = Draft.chain(r.tokens[-1], run.chain, q)
             if not self.share:
                 # What the draft cache holds after this step (committed + written, in order).
-                self.fed[r.rid] = r.tokens[:start[b]] + pending[b] + chains[b][:-1]
+                self.fed[r.rid] = r.tokens[:run.committed] + run.pending + run.chain[:-1]
         return drafts
 
     def verified(self, gen, reqs, num_accepted):
@@ -228,9 +236,12 @@ class ModelDrafter(Drafter):
             self.cache.free(self.slot[req.rid])
 
 
-def SelfSpecDrafter(target: Llama, num_layers: int, **kw) -> ModelDrafter:
-    """Self-speculation: the target's first ``num_layers`` layers + final norm + LM head."""
-    return ModelDrafter(target.truncated(num_layers), share_target_cache=True, name=f"self-spec-{num_layers}", **kw)
+class SelfSpecDrafter(ModelDrafter):
+    """Self-speculation: the target's first ``num_layers`` layers + final norm + LM head,
+    writing into the target's cache (``ModelDrafter`` options in ``kw``)."""
+
+    def __init__(self, target: Llama, num_layers: int, **kw):
+        super().__init__(target.truncated(num_layers), share_target_cache=True, name=f"self-spec-{num_layers}", **kw)
 
 
 def medusa_heads_for(target: Llama, checkpoint=None, *, num_heads: int = 4, num_layers: int = 1) -> MedusaHeads:
@@ -249,7 +260,7 @@ def medusa_heads_for(target: Llama, checkpoint=None, *, num_heads: int = 4, num_
         heads = MedusaHeads(target.config.hidden_size, target.config.vocab_size, num_heads, num_layers,
                             lm_head_weight=target.lm_head, dtype=target.dtype, device=target.device)
     else:
-        state = checkpoint if isinstance(checkpoint, dict) else _read_medusa_state(checkpoint)
+        state = read_medusa_state_dict(checkpoint)
         own_lm_heads = any(k.endswith(".weight") and not k.endswith(("linear.weight", "root_proj.weight"))
                            for k in state)
         heads = load_medusa_heads(state, lm_head_weight=None if own_lm_heads else target.lm_head,
@@ -340,6 +351,28 @@ class MedusaDrafter(Drafter):
         return drafts
 
 
+class Candidates(NamedTuple):
+    """A request's trie of prompt-lookup continuations (node 0 = the root; every node's
+    parent precedes it), as :meth:`NgramTreeDrafter.candidates` builds it."""
+
+    tokens: list  # int token ids
+    parents: list  # int, parents[0] = -1
+    depths: list  # int, root 0
+    ranked: list  # [(p, node)] over the non-root nodes, most probable first (ties: shallower, earlier), at most max_nodes - 1
+
+    def tree(self, n: int) -> tuple[list, list]:
+        """(parents, token ids) of the tree of the root and the ``n`` best-ranked nodes (a
+        tree: a node never ranks above its parent), ordered by depth."""
+        keep = sorted((i for _, i in self.ranked[:n]), key=lambda i: (self.depths[i], i))  # parents before children
+        new = {0: 0}
+        parents, ids = [-1], [self.tokens[0]]
+        for i in keep:
+            new[i] = len(ids)
+            parents.append(new[self.parents[i]])
+            ids.append(self.tokens[i])
+        return parents, ids
+
+
 class NgramTreeDrafter(Drafter):
     """Prompt lookup as a token tree: the continuations of *several* earlier occurrences of the
     request's last tokens, merged into one trie, sized by an estimate of each node's
@@ -422,17 +455,16 @@ class NgramTreeDrafter(Drafter):
         order = np.lexsort((-end, -length))[: self.max_matches]
         return end[order], length[order]
 
-    def candidates(self, tokens: list, k: int) -> tuple:
-        """The trie of a request's matches, at most ``k`` deep: (tokens, parents, depths,
-        ranked) with ``ranked`` = [(p, node)] over the non-root nodes, most probable first
-        (ties: shallower, earlier), at most ``max_nodes - 1``: every node's parent precedes it."""
+    def candidates(self, tokens: list, k: int) -> Candidates:
+        """The trie of a request's matches, at most ``k`` deep, its nodes ranked by
+        probability (see :class:`Candidates`)."""
         root = tokens[-1]
         if k <= 0 or len(tokens) < 2 or self.max_nodes < 2:
-            return [root], [-1], [0], []
+            return Candidates([root], [-1], [0], [])
         arr = np.asarray(tokens, dtype=np.int64)
         ends, lengths = self.matches(arr)
         # Trie: children[node] = {token: child}; miss[node] = prod over matches of (1 - p).
-        children, tok, par, miss, depth = [{}], [root], [-1], [1.0], [0]
+        children, tok, par, miss = [{}], [root], [-1], [1.0]
         prev_m, rank = 0, 0
         for e, m in zip(ends.tolist(), lengths.tolist()):
             rank = rank + 1 if m == prev_m else 0
@@ -449,12 +481,12 @@ class NgramTreeDrafter(Drafter):
                     tok.append(t)
                     par.append(node)
                     miss.append(1.0)
-                    depth.append(depth[node] + 1)
                 miss[child] *= 1.0 - p
                 p *= self.NEXT[mi]
                 node = child
+        depth = Draft(par, tok).depths()
         order = sorted(range(1, len(tok)), key=lambda i: (miss[i], depth[i], i))[: self.max_nodes - 1]
-        return tok, par, depth, [(1.0 - miss[i], i) for i in order]
+        return Candidates(tok, par, depth, [(1.0 - miss[i], i) for i in order])
 
     def select(self, ranked: list) -> list:
         """How many of each request's ranked nodes to keep: the most probable nodes of the
@@ -472,24 +504,12 @@ class NgramTreeDrafter(Drafter):
             keep[b] = max(keep[b], j + 1)  # a request's picks are a prefix of its ranking
         return keep
 
-    @staticmethod
-    def _tree(cand: tuple, n: int) -> tuple:
-        tok, par, depth, ranked = cand
-        keep = sorted((i for _, i in ranked[:n]), key=lambda i: (depth[i], i))  # parents before children
-        new = {0: 0}
-        parents, ids = [-1], [tok[0]]
-        for i in keep:
-            new[i] = len(ids)
-            parents.append(new[par[i]])
-            ids.append(tok[i])
-        return parents, ids
-
     def build(self, tokens: list, k: int) -> tuple:
         """(parents, token ids) of the draft tree of one request alone (batch 1)."""
         cand = self.candidates(tokens, k)
-        return self._tree(cand, self.select([cand[3]])[0])
+        return cand.tree(self.select([cand.ranked])[0])
 
     def propose(self, gen, reqs, lengths):
         cands = [self.candidates(r.tokens, min(k, self.max_k)) for r, k in zip(reqs, lengths)]
-        keep = self.select([c[3] for c in cands])
-        return [Draft(*self._tree(c, n)) for c, n in zip(cands, keep)]
+        keep = self.select([c.ranked for c in cands])
+        return [Draft(*c.tree(n)) for c, n in zip(cands, keep)]

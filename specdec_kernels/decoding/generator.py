@@ -1,24 +1,28 @@
 """The speculative decode loop for a batch of requests with independent progress.
 
-Each step, for every unfinished request:
+Each step (:meth:`Generator.step`), for every unfinished request:
 
-1. draft — the drafter proposes a tree (node 0 = the root, the last verified token, whose
-   K/V is not yet cached; node i has parent ``parents[i] < i``), at most ``k`` deep, where
-   ``k`` comes from the speculation-length schedule and the tokens the request may still emit;
-2. verify — one target forward over all nodes of all requests through ``tree_attention``
-   (node j at cache position ``prefix_len + j``, RoPE position ``prefix_len + depth``);
-3. accept — ``tree_rejection_sample`` (greedy, or temperature with top-k/top-p applied to
-   the target logits first) gives the accepted path and one recovered/bonus token;
-4. compact — ``compact_kv`` moves the accepted nodes' K/V next to the root and commits them.
+1. draft (:meth:`Generator.draft`) — the drafter proposes a tree (node 0 = the root, the last
+   verified token, whose K/V is not yet cached; node i has parent ``parents[i] < i``), at
+   most ``k`` deep, where ``k`` comes from the speculation-length schedule and the tokens the
+   request may still emit;
+2. verify (:meth:`Generator.verify`) — one target forward over all nodes of all requests
+   through ``tree_attention`` (node j at cache position ``prefix_len + j``, RoPE position
+   ``prefix_len + depth``);
+3. accept (:meth:`Generator.accept`) — ``tree_rejection_sample`` (greedy, or temperature
+   with top-k/top-p applied to the target logits first) gives the accepted path and one
+   recovered/bonus token;
+4. commit — ``compact_kv`` (``PagedKVCache.compact``) moves the accepted nodes' K/V next to
+   the root and commits them in the cache; :meth:`Generator.commit` appends the emitted
+   tokens to the requests, truncated at an EOS token or at ``max_new_tokens``.
 
-The emitted tokens are truncated at an EOS token or at ``max_new_tokens``. Plain
-autoregressive decoding is the same loop with no drafter (a tree of the root alone).
+Plain autoregressive decoding is the same loop with no drafter (a tree of the root alone).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -56,6 +60,28 @@ class Request:
     @property
     def remaining(self) -> int:
         return self.max_new_tokens - len(self.output)
+
+
+@dataclass
+class Verification:
+    """The draft trees of one step, padded to N nodes, and the target's forward over them."""
+
+    parents: torch.Tensor  # int32 [B, N], -1 padded
+    tokens: torch.Tensor  # int64 [B, N], -1 padded
+    num_nodes: torch.Tensor  # int32 [B]
+    sizes: list  # int: num_nodes as Python ints
+    depth: list  # int: each tree's depth
+    hidden: torch.Tensor  # [T, H] pre-norm hidden states; request b's nodes at rows qo_indptr[b]:qo_indptr[b+1]
+    logits: torch.Tensor  # fp32 [T, V], the same rows
+    qo_indptr: torch.Tensor  # int32 [B+1]
+
+
+class Accepted(NamedTuple):
+    """What ``tree_rejection_sample`` gives for one step."""
+
+    nodes: torch.Tensor  # int32 [B, N-1]: accepted node indices, in path order, -1 padded
+    tokens: torch.Tensor  # int64 [B, N]: the accepted draft tokens then the recovered/bonus token
+    num_accepted: torch.Tensor  # int32 [B] (-1: a NaN row)
 
 
 class Generator:
@@ -109,16 +135,37 @@ class Generator:
 
     @torch.inference_mode()
     def step(self, reqs: list[Request], on_tokens=None, eos=frozenset()) -> None:
-        model, cache = self.model, self.cache
+        """One speculative step for every request of ``reqs`` (see the module docstring)."""
         t0 = time.perf_counter()
+        drafts = self.draft(reqs)
+        t1 = time.perf_counter()
+        verified = self.verify(reqs, drafts)
+        t2 = time.perf_counter()
+        accepted = self.accept(reqs, drafts, verified)
+        t3 = time.perf_counter()
+        self.cache.compact([r.slot for r in reqs], accepted.nodes, accepted.num_accepted)
+        t4 = time.perf_counter()
+        for r in reqs:
+            r.stats.time_draft += t1 - t0
+            r.stats.time_verify += t2 - t1
+            r.stats.time_sample += t3 - t2
+            r.stats.time_compact += t4 - t3
+        num_accepted = self.commit(reqs, verified, accepted, on_tokens, eos)
+        if self.drafter is not None:
+            self.drafter.verified(self, reqs, num_accepted)
+
+    def draft(self, reqs: list[Request]) -> list[Draft]:
+        """Each request's draft tree, at most as deep as its schedule's length and the tokens
+        it may still emit allow (the root alone without a drafter)."""
         ks = [max(0, min(self.schedule.length(r.rid), r.remaining - 1)) for r in reqs]
         if self.drafter is not None and max(ks) > 0:
-            drafts = self.drafter.propose(self, reqs, ks)
-        else:
-            drafts = [Draft.root_only(r.tokens[-1]) for r in reqs]
-        t1 = time.perf_counter()
+            return self.drafter.propose(self, reqs, ks)
+        return [Draft.root_only(r.tokens[-1]) for r in reqs]
 
-        # ---- verify: one forward over every node of every request.
+    def verify(self, reqs: list[Request], drafts: list[Draft]) -> Verification:
+        """One target forward over every node of every request (node j of request b at cache
+        position ``length + j``, RoPE position ``length + depth``; K/V written, not committed)."""
+        model, cache = self.model, self.cache
         B = len(reqs)
         sizes = [len(d.tokens) for d in drafts]
         N = max(sizes)
@@ -138,16 +185,20 @@ class Generator:
         mask = None if is_chain else tree_mask_ragged(build_tree_mask(parents, num_nodes), new.qo_indptr, tokens.shape[0])
         batch = Batch(block_table, prefix_lens, new.qo_indptr, new.slot_mapping, mask)
         hidden = model.forward(tokens, positions, cache, batch)
-        flat_logits = model.logits(hidden)
-        t2 = time.perf_counter()
+        return Verification(parents, tree_tokens, num_nodes, sizes, [max(dep) for dep in depths], hidden,
+                            model.logits(hidden), new.qo_indptr)
 
-        # ---- accept.
+    def accept(self, reqs: list[Request], drafts: list[Draft], v: Verification) -> Accepted:
+        """``tree_rejection_sample`` of every request's tree against the target logits (greedy,
+        or at the request's temperature with top-k/top-p applied to the target first)."""
+        B, N = v.parents.shape
+        sizes = v.sizes
         if all(s == N for s in sizes):
-            logits = flat_logits.view(B, N, -1)
+            logits = v.logits.view(B, N, -1)
         else:
-            logits = flat_logits.new_zeros(B, N, flat_logits.shape[-1])
+            logits = v.logits.new_zeros(B, N, v.logits.shape[-1])
             for b in range(B):
-                logits[b, : sizes[b]] = flat_logits[new.qo_indptr[b]: new.qo_indptr[b] + sizes[b]]
+                logits[b, : sizes[b]] = v.logits[v.qo_indptr[b]: v.qo_indptr[b] + sizes[b]]
         temperature = torch.tensor([r.sampling.temperature for r in reqs], dtype=torch.float32)
         sampled = [b for b, r in enumerate(reqs) if r.sampling.temperature > 0]
         draft_probs = None
@@ -168,23 +219,24 @@ class Generator:
                         draft_probs[b, : d.probs.shape[0]] = d.probs
         seed = torch.tensor([r.sampling.seed for r in reqs], dtype=torch.int64)
         offset = torch.tensor([r.offset for r in reqs], dtype=torch.int64)
-        accepted_nodes, out_tokens, num_accepted = ops.tree_rejection_sample(
-            parents, tree_tokens, num_nodes, logits, draft_probs, temperature, seed, offset)
-        t3 = time.perf_counter()
+        return Accepted(*ops.tree_rejection_sample(v.parents, v.tokens, v.num_nodes, logits, draft_probs, temperature,
+                                                   seed, offset))
 
-        # ---- compact and commit (root + accepted nodes).
-        cache.compact(slots, accepted_nodes, num_accepted)
-        t4 = time.perf_counter()
-
-        n_acc = num_accepted.tolist()
-        out_rows = out_tokens.tolist()
-        indptr = new.qo_indptr.tolist()
+    def commit(self, reqs: list[Request], v: Verification, acc: Accepted, on_tokens=None,
+               eos=frozenset()) -> list[int]:
+        """After the cache compaction: append each request's emitted tokens (cut at an EOS
+        token and at ``max_new_tokens``), move its root and Philox offset on, record its
+        statistics and schedule, stream the new tokens. Returns the accepted counts."""
+        N = v.parents.shape[1]
+        n_acc = acc.num_accepted.tolist()
+        out_rows = acc.tokens.tolist()
+        indptr = v.qo_indptr.tolist()
         for b, r in enumerate(reqs):
             if n_acc[b] < 0:
                 raise RuntimeError(f"request {r.rid}: the target logits contain NaN")
             emitted = out_rows[b][: n_acc[b] + 1]
-            last_node = int(accepted_nodes[b, n_acc[b] - 1]) if n_acc[b] > 0 else 0
-            r.hidden = hidden[indptr[b] + last_node]
+            last_node = int(acc.nodes[b, n_acc[b] - 1]) if n_acc[b] > 0 else 0
+            r.hidden = v.hidden[indptr[b] + last_node]
             r.offset += N
             keep = emitted[: r.remaining]
             for i, t in enumerate(keep):
@@ -195,15 +247,8 @@ class Generator:
             r.output.extend(keep)
             if len(keep) < len(emitted) or r.remaining <= 0 or (keep and keep[-1] in eos):
                 r.done = True
-            depth = max(depths[b])
-            r.stats.record(depth, sizes[b] - 1, n_acc[b], len(keep))
-            st = r.stats
-            st.time_draft += t1 - t0
-            st.time_verify += t2 - t1
-            st.time_sample += t3 - t2
-            st.time_compact += t4 - t3
-            self.schedule.update(r.rid, depth, n_acc[b])
+            r.stats.record(v.depth[b], v.sizes[b] - 1, n_acc[b], len(keep))
+            self.schedule.update(r.rid, v.depth[b], n_acc[b])
             if on_tokens is not None and keep:
                 on_tokens(r, keep)
-        if self.drafter is not None:
-            self.drafter.verified(self, reqs, n_acc)
+        return n_acc

@@ -40,14 +40,6 @@ class Batch:
     tree_mask: torch.Tensor | None = None
 
 
-def cache_slots(cache: PagedKVCache, slot: int, positions: torch.Tensor) -> torch.Tensor:
-    """Flat cache indices (int64) of ``positions`` of the request in ``slot`` (blocks must be
-    reserved)."""
-    bs = cache.block_size
-    blocks = cache.block_table[slot].to(torch.int64)[positions // bs]
-    return blocks * bs + positions % bs
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2) + eps) * weight over the last dim (torch's fused kernel: one op
     instead of six per call, 61 calls per decode step)."""
@@ -224,7 +216,7 @@ class Llama:
         self._ensure_rope(start + S)
         new = cache.append_slots([slot], [S])
         positions = new.cache_positions.to(torch.int64)
-        all_slots = cache_slots(cache, slot, torch.arange(start + S, device=tokens.device))
+        all_slots = cache.slot_mapping(slot, torch.arange(start + S, device=tokens.device))
         # The mask lets query s see keys 0..start+s.
         mask = None if start == 0 else torch.ones(S, start + S, dtype=torch.bool, device=tokens.device).tril(start)
         cos, sin = self.cos[positions], self.sin[positions]
