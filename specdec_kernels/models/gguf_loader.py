@@ -6,6 +6,8 @@ undoes that, giving the Hugging Face (rotate-half) layout the model uses.
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import torch
 
@@ -84,6 +86,34 @@ def load_gguf_state_dict(path: str, config: LlamaConfig | None = None, reader=No
     return config, sd
 
 
+def _type_label(type_name: str) -> str:
+    """``Q4_1`` -> ``4-bit Q4_1``; float types (F32, F16, BF16) as they are."""
+    m = re.search(r"\d+", type_name)
+    return f"{m.group()}-bit {type_name}" if type_name.startswith(("Q", "IQ", "TQ")) and m else type_name
+
+
+def dtype_label(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+
+
+def weights_format(reader, running_dtype: torch.dtype = torch.float32) -> str:
+    """How the file stores the weights, read from its tensor types, e.g. ``GGUF, 4-bit Q4_1
+    linears / Q8_0 embedding, running as fp32``."""
+    def types(names):
+        found = sorted({t.tensor_type.name for t in reader.tensors if names(t.name)})
+        return "+".join(found)
+
+    linears = types(lambda n: n.startswith("blk.") and not n.endswith("norm.weight") and n.endswith(".weight"))
+    parts = [f"{_type_label(linears)} linears"] if linears else []
+    embedding = types(lambda n: n == "token_embd.weight")
+    if embedding:
+        parts.append(f"{_type_label(embedding) if embedding != linears else embedding} embedding")
+    output = types(lambda n: n == "output.weight")
+    if output:
+        parts.append(f"{output} LM head")
+    return f"GGUF, {' / '.join(parts)}, running as {dtype_label(running_dtype)}"
+
+
 def load_gguf(path: str):
     """(Llama model, Tokenizer) from a GGUF file."""
     import gguf
@@ -96,4 +126,6 @@ def load_gguf(path: str):
     config = read_config(reader)
     config.eos_token_ids = tuple(tokenizer.eos_token_ids)
     config, sd = load_gguf_state_dict(path, config, reader)
-    return Llama.from_hf_state_dict(config, sd, name=str(_field(reader, "general.name", "gguf"))), tokenizer
+    model = Llama.from_hf_state_dict(config, sd, name=str(_field(reader, "general.name", "gguf")))
+    model.weights_format = weights_format(reader, model.dtype)
+    return model, tokenizer

@@ -27,7 +27,11 @@ def load_hf_dir(path: str):
 
         tokenizer = Tokenizer.from_hf_dir(path, config.eos_token_ids)
         config.eos_token_ids = tuple(tokenizer.eos_token_ids)
-    return Llama.from_hf_state_dict(config, sd, name=os.path.basename(os.path.normpath(path))), tokenizer
+    model = Llama.from_hf_state_dict(config, sd, name=os.path.basename(os.path.normpath(path)))
+    stored = "+".join(sorted({str(t.dtype).removeprefix("torch.") for t in sd.values()}))
+    running = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(model.dtype), str(model.dtype))
+    model.weights_format = f"safetensors, {stored} weights, running as {running}"
+    return model, tokenizer
 
 
 def save_hf_dir(model: Llama, path: str) -> None:
