@@ -36,6 +36,7 @@ import torch  # noqa: E402  (loads libtorch before the extension)
 
 from bench.common import RESULTS_DIR, print_table, write_results  # noqa: E402
 from specdec_kernels import ops  # noqa: E402
+from specdec_kernels.cli import Parser  # noqa: E402
 from specdec_kernels.decoding import Generator, SpecSchedule, make_drafter  # noqa: E402
 from specdec_kernels.decoding.registry import DRAFTER_INFO, default_schedule  # noqa: E402
 from specdec_kernels.models import load_model  # noqa: E402
@@ -47,7 +48,7 @@ def drafter_spec(text: str) -> str:
     """``--drafters`` item check: a registered drafter, optionally ``:schedule``."""
     name, _, schedule = text.partition(":")
     if name not in DRAFTER_INFO or name == "none":
-        raise argparse.ArgumentTypeError(f"unknown drafter {name!r}: choose from {', '.join(DRAFTER_INFO)} "
+        raise argparse.ArgumentTypeError(f"unknown drafter {name!r}: choose from {', '.join(n for n in DRAFTER_INFO if n != 'none')} "
                                          "(ours-ar, the autoregressive baseline, always runs)")
     if schedule and schedule not in SpecSchedule.KINDS:
         raise argparse.ArgumentTypeError(f"unknown schedule {schedule!r} in {text!r}: choose from "
@@ -137,25 +138,25 @@ def write_chart(summary: list, cat_rows: list, methods: list, title: str, path: 
 
 
 def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESULTS_DIR) -> int:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
+    p = Parser(prog=prog, description=__doc__.split("\n\n")[0])  # one-line errors, defaults in --help
+    p.add_argument("--model", default="smollm2-135m", help="registered name, .gguf file or HF checkpoint folder")
     p.add_argument("--prompts", default=None,
                    help="jsonl of {prompt} or Spec-Bench {turns, category} rows, given by path, e.g. a copy of "
                         "Spec-Bench's question.jsonl (Apache-2.0; not shipped); default: the package's prompts")
-    p.add_argument("--max-prompts", type=int, default=10)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--max-prompts", type=int, default=10, help="prompts used (round-robin over categories); 0 = all")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4], help="batch sizes to run (transformers only at 1)")
     p.add_argument("--drafters", nargs="+", default=DEFAULT_DRAFTERS, type=drafter_spec, metavar="DRAFTER[:SCHEDULE]",
                    help="drafters to run, each with its default schedule unless one follows a colon; drafters: "
                         + ", ".join(f"{n} ({i.schedule})" for n, i in DRAFTER_INFO.items() if n != "none")
                         + f"; schedules: {', '.join(SpecSchedule.KINDS)}")
     p.add_argument("--k", type=int, default=4, help="speculation length (initial, for the adaptive schedules)")
-    p.add_argument("--self-spec-layers", type=int, default=8)
+    p.add_argument("--self-spec-layers", type=int, default=8, help="layers of the target that self-spec / draft run")
     p.add_argument("--prompt-lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (default 1: on a shared machine more threads stall in barriers)")
-    p.add_argument("--out-dir", default=str(default_out_dir), help="folder of the results (default: %(default)s)")
+                   help="torch threads (1: on a shared machine more threads stall in barriers)")
+    p.add_argument("--out-dir", default=str(default_out_dir), help="folder of the results")
     p.add_argument("--out-name", default=None,
                    help="results name: OUT_DIR/NAME.json and NAME_speedup.png (default: e2e for the "
                         "package's prompts, e2e_spec_bench for a spec_bench*.jsonl, else e2e_<file stem>)")
