@@ -278,3 +278,18 @@ def check_medusa_topk(hidden, res_weight, res_bias, lm_head, top_k, topk_ids, to
         if t.dtype != dtype or tuple(t.shape) != (M, K, top_k) or not t.is_contiguous() or t.device != dev:
             raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape [{M}, {K}, {top_k}] on {dev}, "
                              f"got {t.dtype} {list(t.shape)} on {t.device} (contiguous: {t.is_contiguous()})")
+
+
+def check_one_device(op: str, args: dict) -> None:
+    """Raise a ValueError unless every tensor argument of ``op`` (lists included) is on one
+    device. The fakes below are also the ops' Meta kernels: a call through ``torch.ops``
+    with one meta tensor among CPU tensors dispatches to them, and would otherwise return
+    without writing anything."""
+    devices = {}
+    for name, value in args.items():
+        for i, t in enumerate(value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(t, torch.Tensor):
+                devices.setdefault(t.device, f"{name}[{i}]" if isinstance(value, (list, tuple)) else name)
+    if len(devices) > 1:
+        got = ", ".join(f"{name} on {device}" for device, name in devices.items())
+        raise ValueError(f"{op}: every tensor argument must be on one device, got {got}")

@@ -8,7 +8,8 @@ optional arguments, allocate the outputs and return them. Their argument checks 
 of ``specdec_kernels.checks`` (errors that name the argument), run once per call: by the
 wrapper on CPU, by the Triton launcher on CUDA (see that module). The fakes
 (``register_fake``) describe the ops to ``torch.compile`` and ``opcheck``: ops that only
-write into their arguments return nothing, so their fakes check nothing and return None.
+write into their arguments return nothing, so their fakes only check that all tensors are on
+one device (they are the Meta kernels too) and return None.
 """
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ def philox_uniform(seed: torch.Tensor, offset: torch.Tensor | int, position: int
 
 @torch.library.register_fake("specdec::philox_uniform")
 def _philox_uniform_fake(seed, offset, position, purpose, num):
+    checks.check_one_device("philox_uniform", locals())
     return seed.new_empty((seed.shape[0], num), dtype=torch.float32)
 
 
@@ -310,17 +312,20 @@ def apply_top_k_top_p(
 @torch.library.register_fake("specdec::chain_rejection_sample")
 def _chain_rejection_sample_fake(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed,
                                  offset, output_token_ids, num_accepted):
+    checks.check_one_device("chain_rejection_sample", locals())
     return None
 
 
 @torch.library.register_fake("specdec::tree_rejection_sample")
 def _tree_rejection_sample_fake(parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature, seed,
                                 offset, accepted_nodes, output_token_ids, num_accepted):
+    checks.check_one_device("tree_rejection_sample", locals())
     return None
 
 
 @torch.library.register_fake("specdec::apply_top_k_top_p")
 def _apply_top_k_top_p_fake(logits, top_k, top_p, min_p):
+    checks.check_one_device("apply_top_k_top_p", locals())
     return None
 
 
@@ -418,6 +423,7 @@ def tree_attention(
 
 @torch.library.register_fake("specdec::tree_attention")
 def _tree_attention_fake(q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tree_mask, sm_scale, out, lse):
+    checks.check_one_device("tree_attention", locals())
     return None
 
 
@@ -469,6 +475,7 @@ def compact_kv(
 
 @torch.library.register_fake("specdec::compact_kv")
 def _compact_kv_fake(k_caches, v_caches, block_table, prefix_lens, accepted_nodes, num_accepted):
+    checks.check_one_device("compact_kv", locals())
     return None
 
 
@@ -608,9 +615,11 @@ def medusa_topk(
 
 @torch.library.register_fake("specdec::medusa_topk")
 def _medusa_topk_fake(hidden, res_weight, res_bias, lm_head, top_k, topk_ids, topk_logprobs):
+    checks.check_one_device("medusa_topk", locals())
     return None
 
 
 @torch.library.register_fake("specdec::skinny_linear")
 def _skinny_linear_fake(x, weight, bias, out):
+    checks.check_one_device("skinny_linear", locals())
     return None

@@ -52,7 +52,9 @@ def _row_stats_kernel(logits_ptr, temp_ptr, rows_ptr, pmax_ptr, psum_ptr, parg_p
         scale = 1.0 / tl.where(temp > 0.0, temp, 1.0)
         idx = tile * BLOCK + tl.arange(0, BLOCK)
         mask = idx < V
-        x = tl.load(logits_ptr + row * V + idx, mask=mask, other=float("-inf")).to(tl.float32) * scale
+        # Lanes past V are -inf after the scaling (-inf * scale is NaN when T = +inf).
+        x = tl.where(mask, tl.load(logits_ptr + row * V + idx, mask=mask, other=0.0).to(tl.float32) * scale,
+                     float("-inf"))
         bad = tl.max(((x != x) | (x == float("inf"))).to(tl.int32), axis=0)
         m = tl.max(x, axis=0)
         arg = tl.min(tl.where(x == m, idx, NO_INDEX), axis=0)
