@@ -25,6 +25,7 @@ import sys
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -40,10 +41,24 @@ import torch  # noqa: E402  (loads libtorch before the extension)
 
 from bench.common import RESULTS_DIR, print_table, write_results  # noqa: E402
 from specdec_kernels import ops  # noqa: E402
+from specdec_kernels.cli import Parser  # noqa: E402
 from specdec_kernels.decoding import Generator, SpecSchedule, make_drafter  # noqa: E402
+from specdec_kernels.decoding.registry import DRAFTER_INFO, default_schedule  # noqa: E402
 from specdec_kernels.models import load_model  # noqa: E402
 
-DEFAULT_DRAFTERS = ["ngram", "ngram:heuristic", "ngram-tree:max", "self-spec", "medusa", "medusa+ngram", "draft-tree"]
+DEFAULT_DRAFTERS = ["ngram:constant", "ngram:heuristic", "ngram-tree:max", "self-spec", "medusa", "medusa+ngram", "draft-tree"]
+
+
+def drafter_spec(text: str) -> str:
+    """``--drafters`` item check: a registered drafter, optionally ``:schedule``."""
+    name, _, schedule = text.partition(":")
+    if name not in DRAFTER_INFO or name == "none":
+        raise argparse.ArgumentTypeError(f"unknown drafter {name!r}: choose from {', '.join(n for n in DRAFTER_INFO if n != 'none')} "
+                                         "(ours-ar, the autoregressive baseline, always runs)")
+    if schedule and schedule not in SpecSchedule.KINDS:
+        raise argparse.ArgumentTypeError(f"unknown schedule {schedule!r} in {text!r}: choose from "
+                                         f"{', '.join(SpecSchedule.KINDS)}")
+    return text
 
 
 def load_prompts(path: str | None, max_prompts: int, tokenizer) -> list[dict]:
@@ -127,8 +142,6 @@ def write_chart(summary: list, cat_rows: list, methods: list, title: str, path: 
     print(f"wrote {path}")
 
 
-def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESULTS_DIR) -> int:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
 def _llama_cpp_runner(gguf_path: str, args, eos_ids):
     """A function ids -> [llama.cpp result] (bench/llama_cpp_baseline.py, one subprocess per
     call so that it runs between our methods like the others), or None with the reason
@@ -159,16 +172,21 @@ def _llama_cpp_runner(gguf_path: str, args, eos_ids):
     return run
 
 
-    p.add_argument("--model", default="smollm2-135m")
+def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESULTS_DIR) -> int:
+    p = Parser(prog=prog, description=__doc__.split("\n\n")[0])  # one-line errors, defaults in --help
+    p.add_argument("--model", default="smollm2-135m", help="registered name, .gguf file or HF checkpoint folder")
     p.add_argument("--prompts", default=None,
-                   help="jsonl of {prompt} or Spec-Bench {turns, category} rows (default: the package's prompts)")
-    p.add_argument("--max-prompts", type=int, default=10)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
-    p.add_argument("--drafters", nargs="+", default=DEFAULT_DRAFTERS,
-                   help="drafter[:schedule] names (ngram, ngram-tree, self-spec, medusa, medusa+ngram, draft, draft-tree)")
+                   help="jsonl of {prompt} or Spec-Bench {turns, category} rows, given by path, e.g. a copy of "
+                        "Spec-Bench's question.jsonl (Apache-2.0; not shipped); default: the package's prompts")
+    p.add_argument("--max-prompts", type=int, default=10, help="prompts used (round-robin over categories); 0 = all")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4], help="batch sizes to run (transformers only at 1)")
+    p.add_argument("--drafters", nargs="+", default=DEFAULT_DRAFTERS, type=drafter_spec, metavar="DRAFTER[:SCHEDULE]",
+                   help="drafters to run, each with its default schedule unless one follows a colon; drafters: "
+                        + ", ".join(f"{n} ({i.schedule})" for n, i in DRAFTER_INFO.items() if n != "none")
+                        + f"; schedules: {', '.join(SpecSchedule.KINDS)}")
     p.add_argument("--k", type=int, default=4, help="speculation length (initial, for the adaptive schedules)")
-    p.add_argument("--self-spec-layers", type=int, default=8)
+    p.add_argument("--self-spec-layers", type=int, default=8, help="layers of the target that self-spec / draft run")
     p.add_argument("--prompt-lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     p.add_argument("--weights", default="native", choices=("native", "fp32", "bf16", "q8_0", "q4_0"),
@@ -178,8 +196,8 @@ def _llama_cpp_runner(gguf_path: str, args, eos_ids):
                    help="interpreter that runs llama-cpp-python for the llama.cpp baseline (default: this one)")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp baseline")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (default 1: on a shared machine more threads stall in barriers)")
-    p.add_argument("--out-dir", default=str(default_out_dir), help="folder of the results (default: %(default)s)")
+                   help="torch threads (1: on a shared machine more threads stall in barriers)")
+    p.add_argument("--out-dir", default=str(default_out_dir), help="folder of the results")
     p.add_argument("--out-name", default=None,
                    help="results name: OUT_DIR/NAME.json and NAME_speedup.png (default: e2e for the "
                         "package's prompts, e2e_spec_bench for a spec_bench*.jsonl, else e2e_<file stem>)")
@@ -210,7 +228,7 @@ def _llama_cpp_runner(gguf_path: str, args, eos_ids):
         target = target or model
         name, _, schedule = (drafter_spec or "none").partition(":")
         drafter = make_drafter(name, target, self_spec_layers=args.self_spec_layers, max_k=16)
-        gen = Generator(target, drafter, SpecSchedule(schedule or "constant", args.k))
+        gen = Generator(target, drafter, SpecSchedule(schedule or default_schedule(name), args.k))
         t = time.perf_counter()
         reqs = gen.generate(batch_ids, N)
         return reqs, time.perf_counter() - t
@@ -269,6 +287,12 @@ def _llama_cpp_runner(gguf_path: str, args, eos_ids):
                            decode_forwards=sum(len(o) for o in outs), decode_seconds=dt - pre)
                 row["mean_accepted_length"] = statistics.mean(r.stats.mean_accepted_length for r in reqs)
                 row["stats"] = [r.stats.summary() for r in reqs]
+                # Prefill and decode rates apart (tokens_per_s below spans both): the requests'
+                # prefills run one after another, their decode steps together.
+                row["prefill_tokens_per_s"] = (sum(r.stats.prefill_tokens for r in reqs)
+                                               / max(sum(r.stats.time_prefill for r in reqs), 1e-9))
+                row["decode_tokens_per_s"] = (sum(len(r.output) for r in reqs)
+                                              / max(max(r.stats.total_time for r in reqs), 1e-9))
             tokens = sum(len(o) for o in outs)
             row.update(tokens=tokens, seconds=dt, tokens_per_s=tokens / dt)
             if method == "ours-ar" and bs == 1:
@@ -344,8 +368,12 @@ def _llama_cpp_runner(gguf_path: str, args, eos_ids):
 
     for r in runs:
         r.pop("outputs")
+    # The prompt file by name and content hash: a path would name a folder of this machine.
+    config = dict(vars(args), prompts=Path(args.prompts).name if args.prompts else None,
+                  prompts_sha256=hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest() if args.prompts else None)
     out = write_results(args.out_name, {"model": model.name, "weights": model.weight_format, "load_seconds": load_s,
-                                                "load_average": os.getloadavg(), "llama_cpp": getattr(llama, "version", None), "config": vars(args),
+                                        "load_average": os.getloadavg(), "llama_cpp": getattr(llama, "version", None),
+                                        "config": config,
                                         "skinny_linear_rows": ops.skinny_linear_rows(torch.float32),
                                         "summary": summary, "by_category": cat_rows, "targets": targets, "runs": runs},
                         out_dir=args.out_dir)

@@ -18,7 +18,7 @@ from . import ops  # noqa: E402
 from .ops import *  # noqa: E402,F401,F403
 
 HAS_TRITON = _platform.has_triton()
-if HAS_TRITON:
+if HAS_TRITON and _platform.triton_kernels_usable():
     # (Bound under another name: `triton` would read as the top-level package.)
     from . import triton as _triton_kernels  # noqa: E402,F401  (registers the CUDA kernels)
 

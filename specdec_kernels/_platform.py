@@ -34,3 +34,23 @@ def has_triton() -> bool:
     """Triton is optional: CPU-only installs work without it. (The probe must not import
     it: importing triton reads TRITON_INTERPRET, which the tests set first.)"""
     return importlib.util.find_spec("triton") is not None
+
+
+def triton_kernels_usable() -> bool:
+    """Whether importing the package should load the Triton kernels: when a CUDA device is
+    there to run them, or under ``TRITON_INTERPRET=1`` (they then run on CPU tensors, as in
+    the tests). Elsewhere importing triton would only cost startup time (~1 s), so a CPU-only
+    process skips it; ``import specdec_kernels.triton`` still loads them on demand."""
+    import torch
+
+    return os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
+
+
+def user_cache_dir() -> "Path":
+    """Where ``specdec`` commands write what nobody asked to keep elsewhere (benchmark results,
+    trained heads, generated training data): $XDG_CACHE_HOME/specdec_kernels, by default
+    ~/.cache/specdec_kernels. Never inside the package or the working directory, so that no
+    command overwrites a tracked file unless its path is passed explicitly."""
+    from pathlib import Path
+
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specdec_kernels"

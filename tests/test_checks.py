@@ -8,7 +8,7 @@ import torch
 
 import specdec_kernels
 from specdec_kernels import checks
-from tests.conftest import requires_triton
+from tests.helpers import requires_triton
 
 PACKAGE = pathlib.Path(specdec_kernels.__file__).parent
 i32, i64 = torch.int32, torch.int64

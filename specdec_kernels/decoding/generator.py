@@ -120,6 +120,7 @@ class Generator:
             r.offset = 0
             r.done = max_new_tokens <= 0
             r.stats.time_prefill = time.perf_counter() - t0
+            r.stats.prefill_tokens = len(r.prompt) - 1
         if self.drafter:
             self.drafter.start(self, reqs)
         active = [r for r in reqs if not r.done]

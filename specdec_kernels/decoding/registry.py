@@ -1,16 +1,55 @@
-"""Drafters by name: what ``specdec generate --drafter`` and the end-to-end benchmark take."""
+"""Drafters by name: what ``specdec generate --drafter`` and the end-to-end benchmark take.
+
+``DRAFTER_INFO`` is the one table of drafters: each name with the speculation-length schedule
+it runs with unless ``--schedule`` says otherwise (the one that suits how it drafts) and a
+one-line description. A new drafter adds a row here and a branch in ``make_drafter``.
+"""
 from __future__ import annotations
 
-from .drafters import (MEDUSA_SMALL_CHOICES, Drafter, MedusaDrafter, ModelDrafter, NgramDrafter, NgramTreeDrafter,
-                       SelfSpecDrafter, medusa_heads_for)
+from typing import TYPE_CHECKING, NamedTuple
 
-DRAFTERS = ("none", "ngram", "ngram-tree", "self-spec", "medusa", "medusa+ngram", "medusa-untrained", "draft",
-            "draft-tree")
+if TYPE_CHECKING:
+    from .drafters import Drafter
+
+
+class DrafterInfo(NamedTuple):
+    schedule: str  # default speculation-length schedule (SpecSchedule.KINDS)
+    description: str  # one line, shown by --help
+
+
+DRAFTER_INFO = {
+    "none": DrafterInfo("constant", "no drafter: plain autoregressive decoding, one token per step"),
+    "ngram": DrafterInfo("heuristic", "prompt lookup: the continuation of the latest earlier match of the last "
+                                      "tokens, as a chain (length grows while all drafts are accepted)"),
+    "ngram-tree": DrafterInfo("max", "prompt lookup over several earlier matches merged into one tree, sized by "
+                                     "expected accepted tokens over the measured verify cost"),
+    "self-spec": DrafterInfo("constant", "the target's first --self-spec-layers layers draft a chain"),
+    "medusa": DrafterInfo("constant", "the Medusa heads shipped for the model (or --medusa-checkpoint) draft a tree"),
+    "medusa+ngram": DrafterInfo("constant", "the Medusa tree plus the prompt-lookup chain as one more branch"),
+    "medusa-untrained": DrafterInfo("constant", "untrained Medusa heads on a static small tree (for comparison)"),
+    "draft": DrafterInfo("constant", "a draft model (--draft-model, default the target's first layers) drafts "
+                                     "a chain"),
+    "draft-tree": DrafterInfo("constant", "a draft model drafts a tree, its top 3 tokens at each step"),
+}
+DRAFTERS = tuple(DRAFTER_INFO)
+# The drafter `specdec generate` runs by default: the fastest at batch 1 on the package's
+# prompts in the README's end-to-end benchmark (ngram-tree with the max schedule).
+DEFAULT_DRAFTER = "ngram-tree"
+
+
+def default_schedule(name: str | None) -> str:
+    """The schedule ``name`` runs with when none is given."""
+    return DRAFTER_INFO[name or "none"].schedule if (name or "none") in DRAFTER_INFO else "constant"
 
 
 def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: str | None = None,
                  medusa_checkpoint: str | None = None, max_k: int = 16) -> Drafter | None:
     """A drafter by name for ``model`` (None for plain autoregressive decoding)."""
+    # Imported here: the table above serves --help and argument checks without loading the
+    # decode loop's modules.
+    from .drafters import (MEDUSA_SMALL_CHOICES, MedusaDrafter, ModelDrafter, NgramDrafter, NgramTreeDrafter,
+                           SelfSpecDrafter, medusa_heads_for)
+
     if name in ("none", "ar", None):
         return None
     if name == "ngram":

