@@ -17,6 +17,14 @@ Each step (:meth:`Generator.step`), for every unfinished request:
    tokens to the requests, truncated at an EOS token or at ``max_new_tokens``.
 
 Plain autoregressive decoding is the same loop with no drafter (a tree of the root alone).
+
+A request that goes wrong fails alone (:meth:`Generator.fail`: ``Request.error`` set, ``done``,
+its cache slot freed); the others go on exactly as they would alone. The failures: NaN target
+logits (the samplers' ``num_accepted = -1``), its drafter raising (the batch's proposal is
+retried request by request to find which; the request fails rather than going on undrafted,
+so that an error in a drafter is seen), or the cache having no blocks for its tree
+(``OutOfBlocksError``). A prompt plus ``max_new_tokens`` beyond the model's context is a
+ValueError from :meth:`Generator.generate` before any work.
 """
 from __future__ import annotations
 
@@ -27,6 +35,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .. import ops
+from ..kv_cache import OutOfBlocksError
 from ..models.llama import Batch, Llama
 from ..tree import tree_mask as build_tree_mask, tree_mask_ragged
 from .drafters import Draft, Drafter
@@ -55,6 +64,7 @@ class Request:
     offset: int = 0  # Philox counter base
     hidden: torch.Tensor | None = None  # pre-norm hidden state of the node that produced the root
     done: bool = False
+    error: str | None = None  # why the request failed (then done, with the output so far)
     stats: RequestStats = field(default_factory=RequestStats)
 
     @property
@@ -106,6 +116,12 @@ class Generator:
         reqs = [Request(list(p), max_new_tokens, s, rid=i) for i, (p, s) in enumerate(zip(prompts, sampling))]
         if any(len(r.prompt) == 0 for r in reqs):
             raise ValueError("every prompt needs at least one token")
+        context = self.model.config.max_position_embeddings
+        for r in reqs:
+            if len(r.prompt) + max_new_tokens > context:
+                raise ValueError(f"request {r.rid}: a prompt of {len(r.prompt)} tokens + max_new_tokens = "
+                                 f"{max_new_tokens} exceed the model's context of {context} positions "
+                                 "(config.max_position_embeddings)")
         eos = self.eos if stop_at_eos else set()
         extra = (self.drafter.max_nodes if self.drafter else 1) + 2
         max_len = max(len(r.prompt) for r in reqs) + max_new_tokens + extra
@@ -139,6 +155,17 @@ class Generator:
         """One speculative step for every request of ``reqs`` (see the module docstring)."""
         t0 = time.perf_counter()
         drafts = self.draft(reqs)
+        # Reserve each tree's cache blocks alone, so that a request the cache cannot hold fails alone.
+        for r, d in zip(reqs, drafts):
+            if not r.done:
+                try:
+                    self.cache.reserve([r.slot], [len(d.tokens)])
+                except OutOfBlocksError as e:
+                    self.fail(r, f"the KV cache cannot grow: {e}")
+        drafts = [d for r, d in zip(reqs, drafts) if not r.done]
+        reqs = [r for r in reqs if not r.done]
+        if not reqs:
+            return
         t1 = time.perf_counter()
         verified = self.verify(reqs, drafts)
         t2 = time.perf_counter()
@@ -159,9 +186,22 @@ class Generator:
         """Each request's draft tree, at most as deep as its schedule's length and the tokens
         it may still emit allow (the root alone without a drafter)."""
         ks = [max(0, min(self.schedule.length(r.rid), r.remaining - 1)) for r in reqs]
-        if self.drafter is not None and max(ks) > 0:
+        if self.drafter is None or max(ks) == 0:
+            return [Draft.root_only(r.tokens[-1]) for r in reqs]
+        try:
             return self.drafter.propose(self, reqs, ks)
-        return [Draft.root_only(r.tokens[-1]) for r in reqs]
+        except Exception as e:
+            if len(reqs) == 1:
+                self.fail(reqs[0], f"the drafter failed: {type(e).__name__}: {e}")
+                return [Draft.root_only(reqs[0].tokens[-1])]
+        # Find the request(s) it fails for: propose again one request at a time.
+        return [self.draft([r])[0] for r in reqs]
+
+    def fail(self, r: Request, error: str) -> None:
+        """End request ``r`` with ``error`` (:meth:`generate` frees its cache slot); its output
+        is what it emitted so far."""
+        r.error = f"request {r.rid}: {error}"
+        r.done = True
 
     def verify(self, reqs: list[Request], drafts: list[Draft]) -> Verification:
         """One target forward over every node of every request (node j of request b at cache
@@ -234,7 +274,8 @@ class Generator:
         indptr = v.qo_indptr.tolist()
         for b, r in enumerate(reqs):
             if n_acc[b] < 0:
-                raise RuntimeError(f"request {r.rid}: the target logits contain NaN")
+                self.fail(r, "the target logits contain NaN")
+                continue
             emitted = out_rows[b][: n_acc[b] + 1]
             last_node = int(acc.nodes[b, n_acc[b] - 1]) if n_acc[b] > 0 else 0
             r.hidden = v.hidden[indptr[b] + last_node]
