@@ -3,6 +3,7 @@
     specdec generate --model smollm2-135m --drafter ngram --prompt "Tell me about Paris."
     specdec bench [--prompts FILE] [--max-prompts N] [--max-new-tokens N] [--batch-sizes 1 4]
     specdec train-medusa --model smollm2-135m [--out FILE]   (regenerates the shipped Medusa heads)
+    specdec train-eagle --model smollm2-135m [--out FILE]    (trains the EAGLE draft head)
 """
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ import sys
 import time
 
 DRAFTERS = ("none", "ngram", "ngram-tree", "self-spec", "medusa", "medusa+ngram", "medusa-untrained", "draft",
-            "draft-tree")
+            "draft-tree", "eagle", "eagle+ngram", "eagle-untrained")
 
 
 def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: str | None = None,
-                 medusa_checkpoint: str | None = None, max_k: int = 16):
+                 medusa_checkpoint: str | None = None, max_k: int = 16, eagle_checkpoint: str | None = None):
     """A drafter by name for ``model`` (None for plain autoregressive decoding)."""
     from .decoding import (MedusaDrafter, ModelDrafter, NgramDrafter, NgramTreeDrafter, SelfSpecDrafter,
                            medusa_heads_for)
@@ -38,6 +39,13 @@ def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: st
         drafter = MedusaDrafter(model, medusa_heads_for(model, "untrained"), MEDUSA_SMALL_CHOICES)
         drafter.name = "medusa-untrained"
         return drafter
+    if name in ("eagle", "eagle+ngram", "eagle-untrained"):  # the package's trained EAGLE head unless one is given
+        from .decoding.eagle_drafter import EagleDrafter
+        from .eagle import eagle_head_for
+
+        head = eagle_head_for(model, "untrained" if name == "eagle-untrained" else eagle_checkpoint)
+        return EagleDrafter(model, head, ngram=NgramDrafter(max_k=max_k) if name == "eagle+ngram" else None,
+                            name=name)
     if name in ("draft", "draft-tree"):
         if draft_model:
             from .models import load_model
@@ -63,7 +71,7 @@ def cmd_generate(args) -> int:
     model, tok = load_model(args.model)
     print(f"[loaded {model.name} in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
     drafter = make_drafter(args.drafter, model, self_spec_layers=args.self_spec_layers, draft_model=args.draft_model,
-                           medusa_checkpoint=args.medusa_checkpoint)
+                           medusa_checkpoint=args.medusa_checkpoint, eagle_checkpoint=args.eagle_checkpoint)
     if args.drafter == "medusa" and not args.medusa_checkpoint:
         from .medusa import default_medusa_checkpoint
 
@@ -102,6 +110,10 @@ def main(argv=None) -> int:
         from .medusa_training import main as train_main
 
         return train_main(argv[1:])
+    if argv[:1] == ["train-eagle"]:
+        from .training.eagle_training import main as train_eagle_main
+
+        return train_eagle_main(argv[1:])
     p = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding on CPU/GPU.")
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate text for one prompt, streaming, then print stats")
@@ -120,10 +132,13 @@ def main(argv=None) -> int:
     g.add_argument("--draft-model", default=None, help="draft checkpoint (default: the target's first layers)")
     g.add_argument("--medusa-checkpoint", default=None, help="Medusa heads (.safetensors/.pt with the Medusa keys, e.g. medusa_lm_head.safetensors; "
                    "default: the heads the package ships for the model, 'untrained' for untrained heads)")
+    g.add_argument("--eagle-checkpoint", default=None, help="EAGLE head .safetensors (default: the head the package "
+                   "ships for the model)")
     g.add_argument("--threads", type=int, default=0)
     g.set_defaults(func=cmd_generate)
     sub.add_parser("bench", help="end-to-end benchmark (specdec bench --help)")
     sub.add_parser("train-medusa", help="train Medusa heads by self-distillation (specdec train-medusa --help)")
+    sub.add_parser("train-eagle", help="train the EAGLE draft head by self-distillation (specdec train-eagle --help)")
     args = p.parse_args(argv)
     return args.func(args)
 

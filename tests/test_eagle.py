@@ -248,3 +248,16 @@ def test_shipped_head_accepts_on_the_real_model():
         assert r.output == ar, name
         results[name] = r.stats.mean_accepted_length
     assert results["trained"] >= 2.0 and results["untrained"] < 1.5, results
+
+
+def test_cli_drafters_by_name(model, prompts):
+    """``make_drafter`` builds the eagle drafters (a model without a shipped head gets an
+    untrained one) and they decode exactly."""
+    from specdec_kernels.cli import make_drafter
+
+    ar = Generator(model, None).generate(prompts[1:3], 8)
+    for name in ("eagle", "eagle+ngram", "eagle-untrained"):
+        drafter = make_drafter(name, model)
+        assert drafter.name == name
+        reqs = Generator(model, drafter, SpecSchedule("max", 4, max_k=4)).generate(prompts[1:3], 8)
+        assert [r.output for r in reqs] == [r.output for r in ar], name

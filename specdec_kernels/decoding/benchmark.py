@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_DRAFTERS = ["ngram", "ngram:heuristic", "ngram-tree:max", "self-spec", "medusa", "medusa+ngram", "draft-tree"]
+DEFAULT_DRAFTERS = ["ngram", "ngram:heuristic", "ngram-tree:max", "self-spec", "medusa", "medusa+ngram", "draft-tree",
+                    "eagle:max", "eagle+ngram:max"]
 
 
 def load_prompts(path: str | None, max_prompts: int, tokenizer) -> list[dict]:
@@ -132,7 +133,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     p.add_argument("--drafters", nargs="+", default=DEFAULT_DRAFTERS,
-                   help="drafter[:schedule] names (ngram, ngram-tree, self-spec, medusa, medusa+ngram, draft, draft-tree)")
+                   help="drafter[:schedule] names (ngram, ngram-tree, self-spec, medusa, medusa+ngram, draft, draft-tree, "
+                        "eagle, eagle+ngram; ':max' lets tree drafters size their own trees)")
     p.add_argument("--k", type=int, default=4, help="speculation length (initial, for the adaptive schedules)")
     p.add_argument("--self-spec-layers", type=int, default=8)
     p.add_argument("--prompt-lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")

@@ -224,7 +224,7 @@ def train(head: EagleHead, train_ex: Examples, held_ex: Examples, *, steps: int,
             sched.step()
             done += 1
             bar.update(1)
-            bar.set_postfix(epoch=epoch, loss=f"{float(loss):.3f}", top1=f"{hits[0] / max(1, counts[0]):.2f}")
+            bar.set_postfix(epoch=epoch, loss=f"{float(loss.detach()):.3f}", top1=f"{hits[0] / max(1, counts[0]):.2f}")
         ev = evaluate(head, held_ex, steps, feat_scale=feat_scale, fuse=fuse)
         ev["epoch"] = epoch
         history.append(ev)
@@ -242,7 +242,7 @@ def train(head: EagleHead, train_ex: Examples, held_ex: Examples, *, steps: int,
 
 
 @torch.no_grad()
-def decode_acceptance(model, tok, head, prompts: list[str], *, max_new_tokens: int = 48) -> dict:
+def decode_acceptance(model, tok, head, prompts: list[str], *, max_new_tokens: int = 40) -> dict:
     """Mean accepted length of real greedy decoding with the EAGLE drafter on ``prompts``
     (never the benchmark's), batch 1, and whether every output equals autoregressive."""
     from ..decoding import Generator, SpecSchedule
@@ -271,7 +271,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--shard-size", type=int, default=32)
     p.add_argument("--topk", type=int, default=32, help="target logits cached per position")
-    p.add_argument("--draft-vocab-size", type=int, default=4096)
+    p.add_argument("--draft-vocab-size", type=int, default=8192,
+                   help="tokens the head drafts from (8192 covered 0.93 of held-out greedy tokens, 4096 0.89)")
     p.add_argument("--features", choices=("top", "fused"), default="top")
     p.add_argument("--unroll", type=int, default=3, help="training-time-test steps (draft depths trained)")
     p.add_argument("--epochs", type=int, default=4)
@@ -281,7 +282,7 @@ def main(argv=None) -> int:
     p.add_argument("--held-out", type=float, default=0.08)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--eval-prompts", type=int, default=6, help="validation prompts decoded for the final acceptance")
+    p.add_argument("--eval-prompts", type=int, default=4, help="validation prompts decoded for the final acceptance")
     p.add_argument("--data-only", action="store_true")
     args = p.parse_args(argv)
 
