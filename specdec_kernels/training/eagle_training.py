@@ -192,9 +192,13 @@ def evaluate(head, examples: Examples, steps: int, *, feat_scale: float, batch_s
 
 def train(head: EagleHead, train_ex: Examples, held_ex: Examples, *, steps: int, epochs: int, batch_seqs: int,
           lr: float, seed: int, feat_scale: float, fuse=None, log=print, progress: bool = True,
-          max_updates: int = 0) -> dict:
-    """AdamW + cosine schedule over ``epochs``; returns the history (held-out scores per
-    epoch) and leaves the best epoch's weights in ``head``."""
+          max_updates: int = 0, max_seconds: float = 0, on_best=None) -> dict:
+    """AdamW + cosine schedule over ``epochs`` (or ``max_updates``); returns the history
+    (held-out scores per epoch) and leaves the best epoch's weights in ``head``.
+    ``on_best(head, scores)`` is called whenever an epoch improves the held-out score (the
+    trainer saves the head then, so an interrupted run keeps its best epoch).
+    ``max_seconds`` (0 = off): a wall-clock safety net, checked after every update — when
+    it stops the run early the result says so (``stopped_early``)."""
     from tqdm import tqdm
 
     torch.manual_seed(seed)
@@ -210,10 +214,15 @@ def train(head: EagleHead, train_ex: Examples, held_ex: Examples, *, steps: int,
     bar = tqdm(total=total, desc="train eagle", unit="step", disable=not progress)
     head.train()
     done = 0
+    t_start = time.perf_counter()
+    stopped_early = False
     for epoch in range(epochs):
         perm = torch.randperm(len(train_ex), generator=g).tolist()
         for s in range(0, len(perm), batch_seqs):
             if done >= total:
+                break
+            if max_seconds and time.perf_counter() - t_start > max_seconds:
+                stopped_early = True
                 break
             batch = train_ex.batch(perm[s: s + batch_seqs])
             loss, hits, counts = losses(head, batch, steps, feat_scale=feat_scale, fuse=fuse)
@@ -232,13 +241,16 @@ def train(head: EagleHead, train_ex: Examples, held_ex: Examples, *, steps: int,
             f"expected chain length {ev['expected_chain_length']:.3f}")
         if best is None or ev["expected_chain_length"] > best[0]:
             best = (ev["expected_chain_length"], epoch, {k: v.detach().clone() for k, v in head.state_dict().items()})
-        if done >= total:
+            if on_best is not None:
+                on_best(head, ev)
+        if done >= total or stopped_early:
             break
     bar.close()
     if best is not None and best[1] != history[-1]["epoch"]:
         log(f"keeping epoch {best[1]} (best held-out expected chain length)")
         head.load_state_dict(best[2])
-    return {"history": history, "best_epoch": best[1] if best else None}
+    return {"history": history, "best_epoch": best[1] if best else None, "updates": done,
+            "stopped_early": stopped_early}
 
 
 @torch.no_grad()
@@ -277,6 +289,8 @@ def main(argv=None) -> int:
     p.add_argument("--unroll", type=int, default=3, help="training-time-test steps (draft depths trained)")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--max-updates", type=int, default=0, help="stop after this many optimiser steps (0: all epochs)")
+    p.add_argument("--max-minutes", type=float, default=0,
+                   help="wall-clock safety net (0 = off): stop updating after this long; reported if it triggers")
     p.add_argument("--batch-seqs", type=int, default=8)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--held-out", type=float, default=0.08)
@@ -322,18 +336,30 @@ def main(argv=None) -> int:
     if args.features == "fused":
         fuse = torch.nn.Parameter(torch.cat([torch.zeros(H, (len(layer_index) - 1) * H), torch.eye(H)], 1))
     t1 = time.perf_counter()
+    base_meta = {"model": args.model, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
+                 "positions": int(data["tokens"].shape[0]), "train_sequences": len(train_seqs),
+                 "epochs": args.epochs, "max_updates": args.max_updates, "unroll": args.unroll, "lr": args.lr,
+                 "seed": args.seed, "draft_vocab_size": args.draft_vocab_size, "features": args.features,
+                 "trained_by": "specdec train-eagle (self-distillation on synthetic prompts)"}
+
+    def save_best(h, ev):  # keep the best epoch on disk as training goes
+        if args.features != "top":
+            return
+        save_eagle_head(h, args.out, metadata={**base_meta, "epoch": ev["epoch"],
+                                               "held_out_top1_by_depth": json.dumps([round(a, 4) for a in ev["top1_by_depth"]]),
+                                               "held_out_expected_chain_length": round(ev["expected_chain_length"], 4)})
+
     result = train(head, train_ex, held_ex, steps=args.unroll, epochs=args.epochs, batch_seqs=args.batch_seqs,
-                   lr=args.lr, seed=args.seed, feat_scale=feat_scale, fuse=fuse, max_updates=args.max_updates)
+                   lr=args.lr, seed=args.seed, feat_scale=feat_scale, fuse=fuse, max_updates=args.max_updates,
+                   max_seconds=args.max_minutes * 60, on_best=save_best)
     train_s = time.perf_counter() - t1
-    print(f"trained in {train_s:.0f}s")
+    print(f"trained in {train_s:.0f}s ({result['updates']} updates"
+          f"{', stopped by --max-minutes' if result['stopped_early'] else ''})")
     best = result["history"][result["best_epoch"]]
-    meta = {"model": args.model, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
-            "positions": int(data["tokens"].shape[0]), "train_sequences": len(train_seqs),
-            "epochs": args.epochs, "unroll": args.unroll, "lr": args.lr, "seed": args.seed,
-            "features": args.features, "train_seconds": round(train_s),
+    meta = {**base_meta, "updates": result["updates"], "stopped_by_time_limit": result["stopped_early"],
+            "epoch": best["epoch"], "train_seconds": round(train_s),
             "held_out_top1_by_depth": json.dumps([round(a, 4) for a in best["top1_by_depth"]]),
-            "held_out_expected_chain_length": round(best["expected_chain_length"], 4),
-            "trained_by": "specdec train-eagle (self-distillation on synthetic prompts)"}
+            "held_out_expected_chain_length": round(best["expected_chain_length"], 4)}
     if args.features == "top" and args.eval_prompts:
         from ..medusa_training import VALIDATION_PROMPTS
 
