@@ -192,13 +192,15 @@ def evaluate(head, examples: Examples, steps: int, *, feat_scale: float, batch_s
 
 def train(head: EagleHead, train_ex: Examples, held_ex: Examples, *, steps: int, epochs: int, batch_seqs: int,
           lr: float, seed: int, feat_scale: float, fuse=None, log=print, progress: bool = True,
-          max_updates: int = 0, max_seconds: float = 0, on_best=None) -> dict:
+          max_updates: int = 0, max_seconds: float = 0, stop_after: int = 0, on_best=None) -> dict:
     """AdamW + cosine schedule over ``epochs`` (or ``max_updates``); returns the history
     (held-out scores per epoch) and leaves the best epoch's weights in ``head``.
     ``on_best(head, scores)`` is called whenever an epoch improves the held-out score (the
     trainer saves the head then, so an interrupted run keeps its best epoch).
     ``max_seconds`` (0 = off): a wall-clock safety net, checked after every update — when
-    it stops the run early the result says so (``stopped_early``)."""
+    it stops the run early the result says so (``stopped_early``). ``stop_after`` (0 = off):
+    stop after that many updates without changing the learning-rate schedule (replays a run
+    that the time limit stopped)."""
     from tqdm import tqdm
 
     torch.manual_seed(seed)
@@ -221,7 +223,7 @@ def train(head: EagleHead, train_ex: Examples, held_ex: Examples, *, steps: int,
         for s in range(0, len(perm), batch_seqs):
             if done >= total:
                 break
-            if max_seconds and time.perf_counter() - t_start > max_seconds:
+            if (max_seconds and time.perf_counter() - t_start > max_seconds) or (stop_after and done >= stop_after):
                 stopped_early = True
                 break
             batch = train_ex.batch(perm[s: s + batch_seqs])
@@ -291,6 +293,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-updates", type=int, default=0, help="stop after this many optimiser steps (0: all epochs)")
     p.add_argument("--max-minutes", type=float, default=0,
                    help="wall-clock safety net (0 = off): stop updating after this long; reported if it triggers")
+    p.add_argument("--stop-after", type=int, default=0,
+                   help="stop after this many updates, keeping the schedule of --max-updates (replays a timed-out run)")
     p.add_argument("--batch-seqs", type=int, default=8)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--held-out", type=float, default=0.08)
@@ -351,7 +355,7 @@ def main(argv=None) -> int:
 
     result = train(head, train_ex, held_ex, steps=args.unroll, epochs=args.epochs, batch_seqs=args.batch_seqs,
                    lr=args.lr, seed=args.seed, feat_scale=feat_scale, fuse=fuse, max_updates=args.max_updates,
-                   max_seconds=args.max_minutes * 60, on_best=save_best)
+                   max_seconds=args.max_minutes * 60, stop_after=args.stop_after, on_best=save_best)
     train_s = time.perf_counter() - t1
     print(f"trained in {train_s:.0f}s ({result['updates']} updates"
           f"{', stopped by --max-minutes' if result['stopped_early'] else ''})")
