@@ -5,6 +5,7 @@
     specdec bench [--prompts FILE] [--max-prompts N] [--max-new-tokens N] [--out-dir DIR]
         (bench/bench_e2e.py of a source checkout; results in ~/.cache/specdec_kernels/bench by default)
     specdec train-medusa --model smollm2-135m [--out FILE]   (trains Medusa heads; a new file by default)
+    specdec train-eagle --model smollm2-135m [--out FILE]    (trains the EAGLE head; a new file by default)
 
 Bad input (an unknown model, numbers out of range, an empty or non-UTF-8 prompt) ends with
 one line on stderr saying what is wrong and how to fix it, and exit status 2. Ctrl-C during
@@ -134,7 +135,8 @@ def cmd_generate(args) -> int:
     schedule = args.schedule or default_schedule(args.drafter)
     try:
         drafter = make_drafter(args.drafter, model, self_spec_layers=args.self_spec_layers,
-                               draft_model=args.draft_model, medusa_checkpoint=args.medusa_checkpoint)
+                               draft_model=args.draft_model, medusa_checkpoint=args.medusa_checkpoint,
+                               eagle_checkpoint=args.eagle_checkpoint)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(f"--drafter {args.drafter}: {e}") from None
     if args.drafter == "medusa" and not args.medusa_checkpoint:
@@ -247,6 +249,8 @@ def build_parser() -> Parser:
     g.add_argument("--medusa-checkpoint", default=None,
                    help="Medusa heads (.safetensors/.pt with the Medusa keys); None: the heads the package ships "
                         "for the model; 'untrained' for untrained heads")
+    g.add_argument("--eagle-checkpoint", default=None,
+                   help="EAGLE head .safetensors for eagle / eagle+ngram; None: the head the package ships for the model")
     g.add_argument("--threads", type=number(int, low=0, meaning="0 = torch's default"), default=0,
                    help="torch CPU threads; 0 = torch's default")
     g.add_argument("--no-ar-check", action="store_true",
@@ -257,6 +261,8 @@ def build_parser() -> Parser:
                    help="end-to-end benchmark, bench/bench_e2e.py of a source checkout (specdec bench --help)")
     sub.add_parser("train-medusa", add_help=False,
                    help="train Medusa heads by self-distillation (specdec train-medusa --help)")
+    sub.add_parser("train-eagle", add_help=False,
+                   help="train the EAGLE draft head by self-distillation (specdec train-eagle --help)")
     return p
 
 
@@ -269,6 +275,10 @@ def main(argv=None) -> int:
             from .training.medusa_training import main as train_main
 
             return train_main(argv[1:])
+        if argv[:1] == ["train-eagle"]:
+            from .training.eagle_training import main as train_eagle_main
+
+            return train_eagle_main(argv[1:])
         args = build_parser().parse_args(argv)
         return args.func(args)
     except UsageError as e:

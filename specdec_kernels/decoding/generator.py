@@ -63,6 +63,11 @@ class Request:
     slot: int = -1
     offset: int = 0  # Philox counter base
     hidden: torch.Tensor | None = None  # pre-norm hidden state of the node that produced the root
+    # Pre-norm hidden states for feature-level drafters (EAGLE): of the prompt's tokens but the
+    # last [P-1, H] (after the prefill), then of the root and the accepted nodes of the last step
+    # [n_accepted + 1, H] (row i produced emitted token i).
+    prompt_hidden: torch.Tensor | None = None
+    path_hidden: torch.Tensor | None = None
     done: bool = False
     error: str | None = None  # why the request failed (then done, with the output so far)
     stats: RequestStats = field(default_factory=RequestStats)
@@ -133,6 +138,7 @@ class Generator:
             # The prompt's last token is the first root: only the tokens before it are cached.
             h = self.model.prefill(torch.tensor(r.prompt[:-1], dtype=torch.int64), self.cache, r.slot)
             r.hidden = h[-1] if h.shape[0] else torch.zeros(self.model.config.hidden_size, dtype=self.model.dtype)
+            r.prompt_hidden = h
             r.offset = 0
             r.done = max_new_tokens <= 0
             r.stats.time_prefill = time.perf_counter() - t0
@@ -279,6 +285,8 @@ class Generator:
             emitted = out_rows[b][: n_acc[b] + 1]
             last_node = int(acc.nodes[b, n_acc[b] - 1]) if n_acc[b] > 0 else 0
             r.hidden = v.hidden[indptr[b] + last_node]
+            r.path_hidden = v.hidden[indptr[b] + torch.cat([torch.zeros(1, dtype=torch.int64),
+                                                             acc.nodes[b, : n_acc[b]].to(torch.int64)])]
             r.offset += N
             keep = emitted[: r.remaining]
             for i, t in enumerate(keep):

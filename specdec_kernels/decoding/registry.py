@@ -30,6 +30,10 @@ DRAFTER_INFO = {
     "draft": DrafterInfo("constant", "a draft model (--draft-model, default the target's first layers) drafts "
                                      "a chain"),
     "draft-tree": DrafterInfo("constant", "a draft model drafts a tree, its top 3 tokens at each step"),
+    "eagle": DrafterInfo("max", "the EAGLE-style head shipped for the model (or --eagle-checkpoint) drafts a "
+                                "dynamic tree sized by the measured step cost"),
+    "eagle+ngram": DrafterInfo("max", "the EAGLE tree plus the prompt-lookup chain as one more branch"),
+    "eagle-untrained": DrafterInfo("max", "an untrained EAGLE head (for comparison)"),
 }
 DRAFTERS = tuple(DRAFTER_INFO)
 # The drafter `specdec generate` runs by default: the fastest at batch 1 on the package's
@@ -43,7 +47,8 @@ def default_schedule(name: str | None) -> str:
 
 
 def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: str | None = None,
-                 medusa_checkpoint: str | None = None, max_k: int = 16) -> Drafter | None:
+                 medusa_checkpoint: str | None = None, max_k: int = 16,
+                 eagle_checkpoint: str | None = None) -> Drafter | None:
     """A drafter by name for ``model`` (None for plain autoregressive decoding)."""
     # Imported here: the table above serves --help and argument checks without loading the
     # decode loop's modules.
@@ -66,6 +71,13 @@ def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: st
         drafter = MedusaDrafter(model, medusa_heads_for(model, "untrained"), MEDUSA_SMALL_CHOICES)
         drafter.name = "medusa-untrained"
         return drafter
+    if name in ("eagle", "eagle+ngram", "eagle-untrained"):  # the package's trained head unless one is given
+        from ..eagle import eagle_head_for
+        from .eagle_drafter import EagleDrafter
+
+        head = eagle_head_for(model, "untrained" if name == "eagle-untrained" else eagle_checkpoint)
+        return EagleDrafter(model, head, ngram=NgramDrafter(max_k=max_k) if name == "eagle+ngram" else None,
+                            name=name)
     if name in ("draft", "draft-tree"):
         if draft_model:
             from ..models import load_model

@@ -259,16 +259,20 @@ class Llama:
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, cache: PagedKVCache, slot: int, *, num_layers: int | None = None,
-                commit: bool = True) -> torch.Tensor:
+                commit: bool = True, return_layers=None):
         """Causal forward of one request's tokens (int64 [S]) after the ``start`` tokens its
         cache slot holds (positions start..start+S-1); writes their K/V and commits them.
-        Returns hidden [S, H]."""
+        Returns hidden [S, H]; with ``return_layers`` (layer counts, e.g. (2, 15, 30)) returns
+        (hidden, [the hidden states [S, H] after that many layers, in the given order]) —
+        the low/middle/high features of EAGLE-style drafting and its training data."""
         c = self.config
         S = tokens.shape[0]
         start = cache.length(slot)
         if S == 0:
-            return torch.zeros(0, c.hidden_size, dtype=self.dtype, device=self.device)
+            empty = torch.zeros(0, c.hidden_size, dtype=self.dtype, device=self.device)
+            return empty if return_layers is None else (empty, [empty for _ in return_layers])
         self._ensure_rope(start + S)
+        captured = {}
         new = cache.append_slots([slot], [S])
         positions = new.cache_positions.to(torch.int64)
         all_slots = cache.slot_mapping(slot, torch.arange(start + S, device=tokens.device))
@@ -286,6 +290,10 @@ class Llama:
                 attn_mask=mask, is_causal=mask is None, enable_gqa=True)
             h = h + linear(attn[0].transpose(0, 1).reshape(S, -1), L["wo"])
             h = self._mlp(L, h)
+            captured[i + 1] = h
         if commit:
             cache.commit([slot], [S])
+        if return_layers is not None:
+            captured[0] = self.embed_tokens(tokens)
+            return h, [captured[n] for n in return_layers]
         return h
