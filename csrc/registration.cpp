@@ -4,7 +4,7 @@
 // CPU, m) in the file that implements the op), Triton kernels for the CUDA key and fakes for
 // the Meta key in Python (specdec_kernels/triton/, specdec_kernels/ops.py).
 //
-// Conventions (DESIGN.md): index tensors int32, token ids int64, padding -1; outputs are
+// Conventions (docs/design.md): index tensors int32, token ids int64, padding -1; outputs are
 // caller-given tensors marked (a!); no op synchronises with the host.
 #include <Python.h>
 #include <torch/library.h>

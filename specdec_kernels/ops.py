@@ -109,7 +109,7 @@ def chain_rejection_sample(
     output_token_ids: torch.Tensor | None = None,
     num_accepted: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lossless verification of a chain of drafted tokens per request (DESIGN.md).
+    """Lossless verification of a chain of drafted tokens per request (docs/design.md).
 
     Args:
         draft_token_ids: int64 (or int32) [B, K], the drafted tokens (entries beyond
@@ -179,7 +179,7 @@ def tree_rejection_sample(
     output_token_ids: torch.Tensor | None = None,
     num_accepted: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Lossless verification of a tree of drafted tokens per request (DESIGN.md).
+    """Lossless verification of a tree of drafted tokens per request (docs/design.md).
 
     Args:
         parents: int32 (or int64) [B, N]; node 0 is the root (the last verified token),

@@ -8,7 +8,7 @@ import torch
 
 import specdec_kernels
 from specdec_kernels import checks
-from tests.conftest import requires_triton
+from tests.helpers import requires_triton
 
 PACKAGE = pathlib.Path(specdec_kernels.__file__).parent
 i32, i64 = torch.int32, torch.int64
@@ -85,7 +85,7 @@ def _compact():
 
 def _skinny():
     x, w = torch.randn(2, 8), torch.randn(4, 8)
-    return (lambda: specdec_kernels.skinny_linear(x, w), "check_skinny_linear", "medusa",
+    return (lambda: specdec_kernels.skinny_linear(x, w), "check_skinny_linear", "linear",
             lambda tr: tr.skinny_linear(x, w, None, torch.empty(2, 4)))
 
 

@@ -1,6 +1,6 @@
 // CPU kernels of specdec::chain_rejection_sample and specdec::tree_rejection_sample.
 //
-// Semantics: DESIGN.md and the docstrings in ops.py.
+// Semantics: docs/design.md and the docstrings in ops.py.
 //
 // Rejection sampling runs in three phases, none of which materialises a softmax. Every
 // row in use must be checked (NaN / +inf / all -inf make the request -1), but the walk
