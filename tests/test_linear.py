@@ -512,7 +512,7 @@ def test_quantized_triton_launcher_checks_its_arguments():
     (GGML.F32, 9, 7, 37, True),
 ])
 def test_quantized_nothing_outside_the_tensors_is_read_or_written(backend, block_type, M, N, H, with_bias):
-    from tests.conftest import assert_guard_intact, guarded
+    from tests.helpers import assert_guard_intact, guarded
 
     g = torch.Generator().manual_seed(M * N + H)
     blocks, values = random_weight(N, H, block_type, g)
