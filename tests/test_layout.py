@@ -110,9 +110,6 @@ def test_no_import_cycle_between_package_modules():
         " <-> ".join(c) for c in found)
 
 
-@pytest.mark.xfail(strict=True, reason="specdec_kernels/triton/tree_attention.py and kv_compaction.py import "
-                   "ops._check_* (issue 9 item 3 moves the argument checks into one public module): remove this "
-                   "marker when it lands")
 def test_no_private_names_imported_across_modules():
     known = modules(*OWN)
     found = []
