@@ -21,7 +21,6 @@ e2e_spec_bench for a spec_bench*.jsonl prompt file; --out-dir for another folder
 ``specdec bench ...`` runs this script from a source checkout, writing to a per-user cache
 folder unless given --out-dir.
 """
-import sys
 from __future__ import annotations
 
 import argparse

@@ -154,6 +154,10 @@ def cmd_generate(args) -> int:
             ids = tok.chat_prompt(prompt)
         except ValueError as e:  # no chat template in the checkpoint
             raise UsageError(f"{e} (--raw)") from None
+    context = model.config.max_position_embeddings
+    if len(ids) + args.max_new_tokens > context:
+        raise UsageError(f"the prompt ({len(ids)} tokens) plus --max-new-tokens {args.max_new_tokens} exceed the "
+                         f"model's context of {context} positions: lower --max-new-tokens")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     gen = Generator(model, drafter, SpecSchedule(schedule, args.k))
     pieces, current = [], []
@@ -180,6 +184,10 @@ def cmd_generate(args) -> int:
     dt = time.perf_counter() - t0
     print()
     print(f"{label} {len(req.output)} tokens in {dt:.2f}s; {req.stats.format()}", file=sys.stderr)
+    if req.error is not None:  # the decode loop ended this request early (e.g. NaN logits)
+        print(f"specdec generate: error: generation stopped after {len(req.output)} tokens: {req.error}",
+              file=sys.stderr)
+        return 1
     if drafter is not None and not args.no_ar_check and req.stats.steps:
         ar = measure_autoregressive(model, ids)
         if slower_than_autoregressive(req.stats, ar):

@@ -85,7 +85,7 @@ class EagleHead(nn.Module):
             L = target.layers[init_layer]
             with torch.no_grad():
                 for name in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down"):
-                    getattr(head, name).copy_(L[name].float())
+                    getattr(head, name).copy_(dense(L[name]).float())  # native weights: dequantised
         return head.attach(target)
 
     def attach(self, target) -> "EagleHead":

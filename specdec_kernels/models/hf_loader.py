@@ -44,7 +44,7 @@ def load_hf_dir(path: str, weights: str = "native"):
     if weights in ("q8_0", "q4_0"):
         model = model.quantized(weights.upper())
     stored = "+".join(sorted({str(t.dtype).removeprefix("torch.") for t in sd.values()}))
-    running = weights.upper() if weights in ("q8_0", "q4_0") else weights
+    running = {"native": "fp32", "q8_0": "Q8_0", "q4_0": "Q4_0"}.get(weights, weights)
     model.weights_format = f"safetensors, {stored} weights, running as {running}"
     return model, tokenizer
 
