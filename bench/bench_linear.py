@@ -1,7 +1,13 @@
-"""Benchmark of specdec::skinny_linear on CPU against F.linear (issue 5).
+"""Benchmark of the linear area on CPU: specdec::skinny_linear and specdec::quantized_linear.
 
   python bench/bench_linear.py            # full run (a few minutes)
   python bench/bench_linear.py --quick    # ~30 s smoke run
+
+quantized_linear (weights as GGUF blocks: Q4_1 and Q8_0 as the SmolLM2 file holds them, and
+Q4_0) against F.linear and skinny_linear on the same weights dequantised to fp32, for the
+SmolLM2 shapes and one 7B-class shape (11008 x 4096) at M = 1..32, the weights cold (a pool
+of copies larger than the L3, as in a decode step). Effective bandwidth = quantised bytes per
+second as a fraction of the copy bandwidth; vs_M1 = time at M / time at M = 1.
 
 skinny_linear against F.linear for the SmolLM2 layer shapes [N, H] at M = 1..64, with the
 weight hot in the caches and cold (a different weight copy per call); the largest M at
@@ -76,6 +82,52 @@ def bench_skinny(shapes, ms, copy_bw, reps, pbar, dtype=torch.float32, cold_byte
     return rows
 
 
+def bench_quantized(shapes, block_types, ms, copy_bw, reps, pbar, cold_bytes=384 * 2**20):
+    """quantized_linear vs F.linear / skinny_linear on the dequantised fp32 weight, all three
+    cold: each call takes the least recently used of a pool of copies (> L3 in all, per kind)."""
+    from specdec_kernels.gguf_blocks import quantize
+
+    rows = []
+    for (N, H), block_type in itertools.product(shapes, block_types):
+        torch.manual_seed(0)
+        qw = quantize(torch.randn(N, H) * 0.05, block_type)
+        dense = qw.dequantize()
+        qbytes, fbytes = qw.nbytes, dense.numel() * 4
+        q_pool = [qw.blocks.clone() for _ in range(max(2, -(-cold_bytes // qbytes)))]
+        f_pool = [dense.clone() for _ in range(max(2, -(-cold_bytes // fbytes)))]
+        del dense
+        turn = itertools.count()
+        r = 5 if N * H >= 10**7 else reps
+        base = {}
+        for M in ms:
+            x = torch.randn(M, H)
+            out = torch.empty(M, N)
+
+            def ours():
+                torch.ops.specdec.quantized_linear(x, q_pool[next(turn) % len(q_pool)], qw.block_type, None, out)
+
+            t_ours = time_fn(ours, warmup=2, reps=r)
+            t_ref = time_fn(lambda: F.linear(x, f_pool[next(turn) % len(f_pool)]), warmup=2, reps=r)
+            t_skinny = time_fn(lambda: torch.ops.specdec.skinny_linear(x, f_pool[next(turn) % len(f_pool)], None, out),
+                               warmup=2, reps=r) if M <= 64 else None
+            torch.ops.specdec.quantized_linear(x, qw.blocks, qw.block_type, None, out)
+            assert torch.allclose(out, F.linear(x, f_pool[0]), atol=1e-3 * H**0.5, rtol=1e-3)
+            base.setdefault("us", t_ours["median_us"])
+            gbs = qbytes / (t_ours["median_us"] * 1e-6) / 1e9
+            rows.append({
+                "N": N, "H": H, "block_type": qw.type_name, "M": M, "weight_MB": qbytes / 1e6,
+                "ours_us": t_ours["median_us"], "F.linear_fp32_us": t_ref["median_us"],
+                "skinny_fp32_us": t_skinny["median_us"],
+                "x_F.linear": t_ref["median_us"] / t_ours["median_us"],
+                "x_skinny": t_skinny["median_us"] / t_ours["median_us"],
+                "vs_M1": t_ours["median_us"] / base["us"], "GB/s": gbs, "frac_copy": gbs / copy_bw,
+                "ours": t_ours, "F.linear_fp32": t_ref, "skinny_fp32": t_skinny,
+            })
+            pbar.update(1)
+        del q_pool, f_pool
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a ~30 s smoke run (no cold-weight timings)")
@@ -96,15 +148,26 @@ def main():
 
     copy_bw = copy_bandwidth_gbs()
     print(f"copy bandwidth: {copy_bw:.1f} GB/s, torch threads: {torch.get_num_threads()}")
-    total = len(skinny_shapes) * len(ms) + (0 if args.quick else 2 * len(ms))
+    if args.quick:
+        q_shapes, q_types, q_ms = [(1536, 576)], ["Q4_1"], [1, 8]
+    else:
+        q_shapes = [(1536, 576), (576, 1536), (49152, 576), (11008, 4096)]
+        q_types, q_ms = ["Q4_1", "Q8_0", "Q4_0"], [1, 4, 8, 16, 32]
+    total = len(skinny_shapes) * len(ms) + (0 if args.quick else 2 * len(ms)) + len(q_shapes) * len(q_types) * len(q_ms)
     with tqdm(total=total, desc="bench_linear") as pbar:
         skinny_rows = bench_skinny(skinny_shapes, ms, copy_bw, reps, pbar, cold_bytes=0 if args.quick else 384 * 2**20)
         if not args.quick:
             skinny_rows += bench_skinny([(1536, 576), (576, 1536)], ms, copy_bw, reps, pbar, torch.bfloat16)
+        quant_rows = bench_quantized(q_shapes, q_types, q_ms, copy_bw, reps, pbar,
+                                     cold_bytes=64 * 2**20 if args.quick else 384 * 2**20)
 
     print("\nskinny_linear vs F.linear (median us; vs_M1 = ours / ours at M=1)")
     print_table(skinny_rows, ["N", "H", "dtype", "M", "ours_us", "F.linear_us", "x_F.linear", "vs_M1", "frac_copy",
                               "cold_ours_us", "cold_F.linear_us", "cold_x_F.linear", "cold_vs_M1", "cold_frac_copy"])
+
+    print("\nquantized_linear (cold GGUF blocks) vs F.linear / skinny_linear on the dequantised fp32 weight (cold)")
+    print_table(quant_rows, ["N", "H", "block_type", "M", "weight_MB", "ours_us", "F.linear_fp32_us", "skinny_fp32_us",
+                             "x_F.linear", "x_skinny", "vs_M1", "GB/s", "frac_copy"])
 
     # Threshold for ops.linear: largest M such that skinny_linear beats F.linear on every
     # fp32 shape for every M' <= M (hot and cold weights separately).
@@ -128,13 +191,20 @@ def main():
                                  for r in skinny_rows if r["M"] == 8},
         "skinny_M8_cold_x_F.linear": {f"{r['N']}x{r['H']}:{r['dtype']}": round(r.get("cold_x_F.linear", float("nan")), 3)
                                       for r in skinny_rows if r["M"] == 8},
+        "quantized_M1_frac_copy": {f"{r['N']}x{r['H']}:{r['block_type']}": round(r["frac_copy"], 3)
+                                   for r in quant_rows if r["M"] == 1},
+        "quantized_M8_vs_M1": {f"{r['N']}x{r['H']}:{r['block_type']}": round(r["vs_M1"], 3)
+                               for r in quant_rows if r["M"] == 8},
+        "quantized_M16_vs_M1": {f"{r['N']}x{r['H']}:{r['block_type']}": round(r["vs_M1"], 3)
+                                for r in quant_rows if r["M"] == 16},
         "linear_threshold_hot": threshold("x_F.linear"),
         "linear_threshold_cold": threshold("cold_x_F.linear"),
     }
     print("\ntargets:", targets)
     path = write_results("linear", {
         "command": " ".join(["python", "bench/bench_linear.py"] + sys.argv[1:]),
-        "copy_bandwidth_gbs": copy_bw, "skinny_linear": skinny_rows, "targets": targets,
+        "copy_bandwidth_gbs": copy_bw, "skinny_linear": skinny_rows, "quantized_linear": quant_rows,
+        "targets": targets,
     })
     print(f"wrote {path}")
 

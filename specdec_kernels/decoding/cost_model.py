@@ -45,6 +45,7 @@ __all__ = ["StepCost", "calibrate", "step_cost_for", "cache_dir", "cost_key", "c
 CALIBRATION_POINTS = ((1, 1), (1, 16), (1, 4), (1, 64), (4, 1), (4, 4), (1, 8), (1, 2), (1, 32), (4, 16))
 CALIBRATION_MIN_POINTS = 6
 CALIBRATION_BUDGET_S = 2.0  # seconds of timed forwards at most (one more point may start before it ends)
+POINT_BUDGET_S = 0.25  # past this, a point stops repeating (at least one timed run after the warm-up)
 
 
 class StepCost:
@@ -140,7 +141,8 @@ def as_step_cost(cost) -> Callable:
 # ---- calibration ------------------------------------------------------------------------
 def _time_step(model, batch: int, rows_per_request: int, context: int, repeats: int) -> float:
     """Median seconds of forward + logits of ``rows_per_request`` new rows (a chain, causal)
-    for ``batch`` requests with ``context`` cached positions each (the cached K/V are whatever
+    for ``batch`` requests (``repeats`` timed runs after a warm-up, fewer once the point has
+    taken POINT_BUDGET_S) with ``context`` cached positions each (the cached K/V are whatever
     the fresh cache holds: the cost does not depend on their values)."""
     from ..models.llama import Batch
 
@@ -152,8 +154,11 @@ def _time_step(model, batch: int, rows_per_request: int, context: int, repeats: 
                            generator=torch.Generator().manual_seed(0))
     positions = (context + torch.arange(rows_per_request)).repeat(batch)
     times = []
+    start = time.perf_counter()
     with torch.inference_mode():
         for i in range(repeats + 1):
+            if len(times) >= 1 and time.perf_counter() - start > POINT_BUDGET_S:
+                break  # a large step measured once is enough: its noise is small against its length
             new = cache.append_slots(slots, [rows_per_request] * batch)
             block_table, prefix_lens = cache.batch_view(slots)
             t0 = time.perf_counter()
