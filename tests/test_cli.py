@@ -255,3 +255,29 @@ def test_beyond_the_context_is_one_error_line(tiny_dir, env):
     """A budget past the model's context (8192 positions here) fails before any work."""
     one_error_line(specdec(["generate", "--model", str(tiny_dir), "--prompt", "go", "--max-new-tokens", "9000",
                             "--drafter", "none"], env), "context")
+
+
+@pytest.mark.parametrize("command", ["generate", "train-medusa", "train-eagle"])
+def test_every_flag_has_help_and_its_default(command, env):
+    """``--help`` gives one line of help per flag and shows the defaults."""
+    r = specdec([command, "--help"], env)
+    assert r.returncode == 0, r.stderr.decode()
+    text = r.stdout.decode()
+    options = text.split("options:", 1)[1].split("\n\n", 1)[0]
+    entries, current = [], None
+    for line in options.splitlines():
+        if line.startswith("  -"):
+            current = [line]
+            entries.append(current)
+        elif current is not None:
+            current.append(line)
+    assert len(entries) > 3
+    for entry in entries:
+        flag = entry[0].split()[0].rstrip(",")
+        if flag in ("-h", "--help"):
+            continue
+        first = entry[0].strip()
+        # argparse puts the help on the flag's line after two or more spaces, or on the next lines
+        has_help = "  " in first or len(entry) > 1
+        assert has_help, f"{command} {flag} has no help"
+    assert "(default:" in text

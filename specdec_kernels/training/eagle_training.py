@@ -274,34 +274,38 @@ def decode_acceptance(model, tok, head, prompts: list[str], *, max_new_tokens: i
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="specdec train-eagle", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
+    p = argparse.ArgumentParser(prog="specdec train-eagle", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="registered name, .gguf file or HF checkpoint folder")
     p.add_argument("--out", default="eagle_head.safetensors",
-                   help="output .safetensors (default: a new file in the working directory; the shipped one is "
-                        "specdec_kernels/data/eagle_smollm2_135m.safetensors)")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+                   help="output .safetensors, a new file in the working directory by default (the shipped one is "
+                        "specdec_kernels/data/eagle_smollm2_135m.safetensors); an existing file is replaced only "
+                        "with --overwrite")
+    p.add_argument("--overwrite", action="store_true", help="allow --out to replace an existing file")
     p.add_argument("--cache-dir", default=str(distill_data.DEFAULT_CACHE), help="where the generated data is cached")
-    p.add_argument("--num-prompts", type=int, default=320)
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--shard-size", type=int, default=32)
+    p.add_argument("--num-prompts", type=int, default=320,
+                   help="synthetic prompts the model answers for the training data")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated per training prompt")
+    p.add_argument("--shard-size", type=int, default=32, help="prompts per cached data shard (the unit of resuming)")
     p.add_argument("--topk", type=int, default=32, help="target logits cached per position")
     p.add_argument("--draft-vocab-size", type=int, default=8192,
                    help="tokens the head drafts from (8192 covered 0.93 of held-out greedy tokens, 4096 0.89)")
-    p.add_argument("--features", choices=("top", "fused"), default="top")
+    p.add_argument("--features", choices=("top", "fused"), default="top",
+                   help="top: the target's last hidden state; fused: low/middle/high layers' states fused (EAGLE-3)")
     p.add_argument("--unroll", type=int, default=3, help="training-time-test steps (draft depths trained)")
-    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=4, help="passes over the training sequences")
     p.add_argument("--max-updates", type=int, default=0, help="stop after this many optimiser steps (0: all epochs)")
     p.add_argument("--max-minutes", type=float, default=0,
                    help="wall-clock safety net (0 = off): stop updating after this long; reported if it triggers")
     p.add_argument("--stop-after", type=int, default=0,
                    help="stop after this many updates, keeping the schedule of --max-updates (replays a timed-out run)")
-    p.add_argument("--batch-seqs", type=int, default=8)
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--held-out", type=float, default=0.08)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--batch-seqs", type=int, default=8, help="training sequences per optimiser step")
+    p.add_argument("--lr", type=float, default=5e-4, help="peak AdamW learning rate")
+    p.add_argument("--held-out", type=float, default=0.08, help="fraction of sequences held out for validation")
+    p.add_argument("--seed", type=int, default=0, help="seed of prompts, split, initialisation and shuffling")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--eval-prompts", type=int, default=4, help="validation prompts decoded for the final acceptance")
-    p.add_argument("--data-only", action="store_true")
+    p.add_argument("--data-only", action="store_true", help="generate (or complete) the cached data, then stop")
     args = p.parse_args(argv)
 
     if os.path.exists(args.out) and not args.overwrite and not args.data_only:
