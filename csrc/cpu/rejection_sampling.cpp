@@ -36,7 +36,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <iterator>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "check.h"
@@ -657,6 +659,19 @@ void sample_requests(const std::vector<Request>& reqs, const at::Tensor& logits,
     if (valid[b] && specs[b].row >= 0) walks[b].final_token = winner[b];
 }
 
+using NamedTensors = std::initializer_list<std::pair<const at::Tensor*, const char*>>;
+
+// The outputs are written while the inputs are still read (and written one after another):
+// none may share memory with an input or another output.
+void check_outputs_apart(NamedTensors outputs, NamedTensors inputs) {
+  for (auto it = outputs.begin(); it != outputs.end(); ++it) {
+    for (const auto& [in, in_name] : inputs)
+      if (in->defined()) check_no_overlap(*it->first, it->second, *in, in_name);
+    for (auto other = std::next(it); other != outputs.end(); ++other)
+      check_no_overlap(*it->first, it->second, *other->first, other->second);
+  }
+}
+
 void check_common(const at::Tensor& target_logits, const std::optional<at::Tensor>& draft_probs,
                   const at::Tensor& temperature, const at::Tensor& seed, const at::Tensor& offset, int64_t batch,
                   int64_t rows, int64_t q_rows) {
@@ -718,6 +733,11 @@ void chain_rejection_sample_cpu(const at::Tensor& draft_token_ids, const at::Ten
   auto temp = temperature.contiguous();
   auto seed_c = seed.contiguous();
   auto offset_c = offset.contiguous();
+  const at::Tensor no_q;
+  check_outputs_apart({{&output_token_ids, "output_token_ids"}, {&num_accepted, "num_accepted"}},
+                      {{&drafts, "draft_token_ids"}, {&num_drafts, "num_draft_tokens"}, {&logits, "target_logits"},
+                       {q ? &*q : &no_q, "draft_probs"}, {&temp, "temperature"}, {&seed_c, "seed"},
+                       {&offset_c, "offset"}});
   const int64_t* d = drafts.data_ptr<int64_t>();
   const int32_t* nd = num_drafts.data_ptr<int32_t>();
 
@@ -784,6 +804,12 @@ void tree_rejection_sample_cpu(const at::Tensor& parents, const at::Tensor& tree
   auto temp = temperature.contiguous();
   auto seed_c = seed.contiguous();
   auto offset_c = offset.contiguous();
+  const at::Tensor no_q;
+  check_outputs_apart({{&accepted_nodes, "accepted_nodes"}, {&output_token_ids, "output_token_ids"},
+                       {&num_accepted, "num_accepted"}},
+                      {{&par, "parents"}, {&tokens, "tree_token_ids"}, {&nn, "num_nodes"}, {&logits, "target_logits"},
+                       {q ? &*q : &no_q, "draft_probs"}, {&temp, "temperature"}, {&seed_c, "seed"},
+                       {&offset_c, "offset"}});
   const int32_t* p = par.data_ptr<int32_t>();
   const int64_t* t = tokens.data_ptr<int64_t>();
   const int32_t* n_ptr = nn.data_ptr<int32_t>();
