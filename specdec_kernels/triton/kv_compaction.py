@@ -119,6 +119,16 @@ def _pointer_tables(entry, k_caches, v_caches) -> tuple[torch.Tensor, torch.Tens
     pointers = (tuple(t.data_ptr() for t in k_caches), tuple(t.data_ptr() for t in v_caches))
     if entry is not None and entry.pointer_tables is not None and entry.pointer_tables[0] == pointers:
         return entry.pointer_tables[1], entry.pointer_tables[2]
+    # Every layer's K and V must be memory of its own: a tensor given twice (say as
+    # k_caches[l] and v_caches[l]) would have its rows moved twice (the C++ kernel also
+    # finds overlapping dense views; tensors starting at one address are caught here).
+    names = [f"k_caches[{i}]" for i in range(len(k_caches))] + [f"v_caches[{i}]" for i in range(len(v_caches))]
+    first_at = {}
+    for name, pointer in zip(names, pointers[0] + pointers[1]):
+        if pointer in first_at:
+            raise ValueError(f"{first_at[pointer]} and {name} share memory: every layer's K and V must be a tensor "
+                             "of its own (its rows would be moved twice)")
+        first_at[pointer] = name
     device = k_caches[0].device
     tables = (
         pointers,
