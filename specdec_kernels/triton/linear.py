@@ -57,6 +57,9 @@ def _check(condition, message):
 def _check_skinny_linear(x, weight, bias, out):
     """The shapes the launcher indexes with (through torch.ops on a CUDA tensor no wrapper has
     checked them): a mismatch would read or write past a tensor."""
+    for t, name in ((x, "x"), (weight, "weight"), (bias, "bias"), (out, "out")):
+        _check(t is None or t.dtype in (torch.float32, torch.bfloat16, torch.float16),
+               f"{name} must have dtype float32, bfloat16 or float16, got {t.dtype if t is not None else None}")
     _check(x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1],
            f"weight must have shape [N, {x.shape[-1]}] (x is {list(x.shape)}), got {list(weight.shape)}")
     M, N = x.shape[0], weight.shape[0]

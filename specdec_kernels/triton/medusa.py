@@ -148,6 +148,9 @@ def _check_medusa_topk(hidden, res_weight, res_bias, lm_head, top_k, topk_ids, t
     checked them; the ops.medusa_topk rules that matter here): a mismatch would read or write
     past a tensor."""
     _check(hidden.dim() == 2, f"hidden must have 2 dimensions, got shape {list(hidden.shape)}")
+    for t, name in ((hidden, "hidden"), (res_weight, "res_weight"), (res_bias, "res_bias"), (lm_head, "lm_head")):
+        _check(t.dtype in (torch.float32, torch.bfloat16, torch.float16),
+               f"{name} must have dtype float32, bfloat16 or float16, got {t.dtype}")
     M, H = hidden.shape
     _check(res_weight.dim() == 4 and res_weight.shape[0] >= 1 and tuple(res_weight.shape[2:]) == (H, H),
            f"res_weight must have shape [K >= 1, L, {H}, {H}], got {list(res_weight.shape)}")
