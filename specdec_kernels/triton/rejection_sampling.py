@@ -280,6 +280,9 @@ def _sample_tree(parents, tokens, num_nodes, logits, draft_probs, temperature, s
     vocab = logits.shape[-1]
     device = logits.device
     logits = logits.contiguous()
+    # The kernels index every tensor as contiguous (a strided temperature read the wrong
+    # requests' values; found by fuzzing).
+    temperature, seed, offset = temperature.contiguous(), seed.contiguous(), offset.contiguous()
     tiles = triton.cdiv(vocab, BLOCK_V)
     rows = batch * n_max
     pmax = torch.empty(rows, tiles, dtype=torch.float32, device=device)
