@@ -468,6 +468,8 @@ def apply_top_k_top_p(logits, top_k, top_p, min_p):
     """Triton launcher of ``specdec::apply_top_k_top_p`` (in place on logits [R, V])."""
     # Checked here too (through torch.ops on a CUDA tensor no wrapper has): the kernel
     # indexes row r at r * V and reads one parameter per row.
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"logits must have dtype float32, bfloat16 or float16, got {logits.dtype}")
     if logits.dim() != 2 or not logits.is_contiguous():
         raise ValueError(f"logits must be a contiguous [R, V] tensor, got shape {list(logits.shape)} "
                          f"(contiguous: {logits.is_contiguous()})")
