@@ -101,6 +101,13 @@ def _philox_uniform_fake(seed, offset, position, purpose, num):
 
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+# Rejection sampling samples at temperatures T >= MIN_SAMPLING_TEMPERATURE (compared in fp32,
+# where 2^-64 is exact); smaller ones, like 0, negative and NaN ones, are greedy: the limit of
+# sampling as T -> 0. Sampling computes l / T in fp32, which overflows for |l| > 3.4e38 * T:
+# at T = 1e-30 already for logits of 3.4e8, at 2^-64 only beyond 1.8e19; and at such a T the
+# softmax of any two logits that differ is one-hot in fp32 unless they lie within ~1e-19.
+MIN_SAMPLING_TEMPERATURE = 2.0**-64
+
 
 def _check_sampling_common(target_logits, draft_probs, temperature, seed, offset, batch, rows, q_rows, device):
     check_tensor(target_logits, "target_logits", dtype=_LOGIT_DTYPES, dims=3, device=device)
@@ -174,16 +181,20 @@ def chain_rejection_sample(
         draft_probs: fp32 [B, K, V], the draft distributions q the drafts were drawn from,
             or None for deterministic drafters (q = one-hot on the drafted token: accept
             with probability p(x), residual = p with x zeroed).
-        temperature: fp32 [B]; > 0 samples from softmax(logits / T), anything else
-            (0, negative, NaN) is greedy: accept while the draft equals the first argmax
-            of the raw logits, then emit that argmax.
+        temperature: fp32 [B]; T >= ``MIN_SAMPLING_TEMPERATURE`` (2^-64, ~5.4e-20)
+            samples from softmax(logits / T); anything else (smaller, 0, negative, NaN) is
+            greedy, the limit of sampling as T -> 0: accept while the draft equals the
+            first argmax of the raw logits, then emit that argmax.
         seed, offset: int64 [B], the Philox key and counter base of each request.
         output_token_ids, num_accepted: optional destinations (int64 [B, K+1], int32 [B]).
 
     Returns ``(output_token_ids, num_accepted)``: accepted drafts, then one recovered or
     bonus token, then -1; ``num_accepted[b]`` drafts were accepted. A request whose rows
     0..num_draft_tokens[b] hold a NaN or +inf, or a row that is entirely -inf, gets
-    ``num_accepted = -1`` and an all -1 row.
+    ``num_accepted = -1`` and an all -1 row; for a sampled request this holds for l / T as
+    computed in fp32 (l times 1/T), so l / T overflowing fp32 (|l| > 3.4e38 * T) or a -inf
+    logit at T = +inf (NaN) also give -1. The outputs must not share memory with the
+    inputs (the CPU kernel raises a RuntimeError naming both).
 
     Randomness (``specdec_kernels.rng``): the acceptance of draft k uses the uniform u at
     position k + 1 (PURPOSE_ACCEPT, index 0) and is accepted iff u <= p(x) / q(x) (so
@@ -241,8 +252,9 @@ def tree_rejection_sample(
     u <= p'(x) / q(x) else p' <- normalize(max(p' - q, 0)); without, accept iff
     u <= p'(x) else p'(x) <- 0 and renormalise (if p' has no mass left, which only
     rounding can cause, p' <- p_i). After the last rejection or at a leaf the last token
-    is drawn from p'. Greedy requests follow the first argmax. NaN rows: as for chains
-    (rows 0..num_nodes-1).
+    is drawn from p'. Greedy requests (T < ``MIN_SAMPLING_TEMPERATURE``, 0, negative, NaN)
+    follow the first argmax. NaN rows and memory shared by outputs and inputs: as for
+    chains (rows 0..num_nodes-1).
 
     Randomness: the acceptance of node c uses position c (PURPOSE_ACCEPT, index 0), the
     token drawn at node i uses position i (PURPOSE_SAMPLE, index v). A call consumes

@@ -55,6 +55,12 @@ constexpr int64_t kChunk = 1024;        // elements converted / scored at a time
 constexpr int64_t kRaceTile = 16384;    // vocabulary entries per race task
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
+// Requests with T >= 2^-64 sample; smaller temperatures (and 0, negative, NaN) are greedy,
+// the limit of sampling as T -> 0 (specdec_kernels.ops.MIN_SAMPLING_TEMPERATURE: below it
+// l / T would overflow fp32 for ordinary logits and the request would read as invalid).
+constexpr float kMinSamplingTemperature = 0x1p-64f;
+inline bool is_sampled(float temperature) { return temperature >= kMinSamplingTemperature; }
+
 // ---------------------------------------------------------------------------------------
 // Loading a chunk of logits as float.
 // ---------------------------------------------------------------------------------------
@@ -179,7 +185,7 @@ RowStats row_stats(const scalar_t* row, int64_t vocab, float temperature, const 
                    int num_check = 0, float* check_max = nullptr) {
   RowStats st;
   st.full = true;  // also when the row turns out invalid
-  const bool greedy = !(temperature > 0.0f);
+  const bool greedy = !is_sampled(temperature);
   const float scale = greedy ? 1.0f : 1.0f / temperature;
   float buf[kChunk];
   float m = -kInf;
@@ -493,7 +499,7 @@ WalkResult walk(const TreeView& tree, const scalar_t* logits, int64_t vocab, int
                 const float* q_rows, float temperature, int64_t seed, int64_t offset) {
   WalkResult res;
   int64_t node = 0;
-  if (!(temperature > 0.0f)) {
+  if (!is_sampled(temperature)) {
     while (true) {
       const int64_t best = stats[node].argmax;
       int64_t next = -1;
@@ -610,9 +616,9 @@ void sample_requests(const std::vector<Request>& reqs, const at::Tensor& logits,
       const int64_t b = r / rows_per_request, k = r % rows_per_request;
       const int64_t num_rows = reqs[b].num_rows;
       const float t = temperature[b];
-      if (k >= num_rows || (k > 0 && t > 0.0f)) continue;
+      if (k >= num_rows || (k > 0 && is_sampled(t))) continue;
       const scalar_t* row = data + (reqs[b].row0 + k) * vocab;
-      if (!(t > 0.0f)) {
+      if (!is_sampled(t)) {
         stats[r] = row_stats(row, vocab, t);
         continue;
       }

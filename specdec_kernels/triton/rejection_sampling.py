@@ -28,10 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops import check_chain_rejection_args, check_tree_rejection_args
+from ..ops import MIN_SAMPLING_TEMPERATURE, check_chain_rejection_args, check_tree_rejection_args
 from .rng import philox_uniform
 
 BLOCK_V = 1024
+# Requests with T below this (and 0, negative, NaN) are greedy (2^-64 is exact in fp32).
+MIN_T: tl.constexpr = tl.constexpr(MIN_SAMPLING_TEMPERATURE)
 
 
 @triton.jit
@@ -44,7 +46,7 @@ def _row_stats_kernel(logits_ptr, temp_ptr, rows_ptr, pmax_ptr, psum_ptr, parg_p
     num_rows = tl.load(rows_ptr + b)
     if k < num_rows:
         temp = tl.load(temp_ptr + b)
-        scale = 1.0 / tl.where(temp > 0.0, temp, 1.0)
+        scale = 1.0 / tl.where(temp >= MIN_T, temp, 1.0)
         idx = tile * BLOCK + tl.arange(0, BLOCK)
         mask = idx < V
         # Lanes past V are -inf after the scaling (-inf * scale is NaN when T = +inf).
@@ -89,7 +91,7 @@ def _walk_kernel(parents_ptr, tokens_ptr, num_nodes_ptr, logits_ptr, q_ptr, temp
     par = tl.load(parents_ptr + b * N + nidx, mask=nidx < n, other=-2)
     tok = tl.load(tokens_ptr + b * N + nidx, mask=nidx < n, other=-1)
     temp = tl.load(temp_ptr + b)
-    sampled = temp > 0.0
+    sampled = temp >= MIN_T
     inv_t = 1.0 / tl.where(sampled, temp, 1.0)
     seed = tl.load(seed_ptr + b)
     offset = tl.load(offset_ptr + b)
