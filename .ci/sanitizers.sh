@@ -59,6 +59,7 @@ TESTS=(
   tests/test_apply_top_k_top_p.py
   tests/test_tree_attention.py
   tests/test_kv_compaction.py
+  tests/test_kv_cache.py
   tests/test_medusa.py
   tests/test_linear.py
   tests/test_registration.py
@@ -70,5 +71,7 @@ done
 
 cd "$WORK"
 echo "sanitizers: running ${#TESTS[@]} test files with $ASAN_LIB preloaded"
-LD_PRELOAD="$ASAN_LIB $STDCXX_LIB" python -m pytest -q -p no:cacheprovider -x -k "not triton" "${TESTS[@]}"
+# --capture=sys: pytest captures Python's output only, so a report (written to file descriptor
+# 2 by the sanitizer runtime just before it ends the process) reaches the log.
+LD_PRELOAD="$ASAN_LIB $STDCXX_LIB" python -m pytest -q -p no:cacheprovider --capture=sys -x -k "not triton" "${TESTS[@]}"
 echo "sanitizers: no ASan/UBSan report"
