@@ -80,28 +80,12 @@ def check_concurrent_equals_serial(make_calls, what):
 # ---------------------------------------------------------------------------------------
 
 
-def chain_calls(backend="cpu"):
-    def call_for(i):
-        gen = torch.Generator().manual_seed(i)
-        if backend == "cpu":
-            inp = make_chain_inputs(16, 4, 5000, gen=gen, greedy_mask=torch.arange(16) % 5 == i)
-        else:  # the interpreter is slow: small shapes
-            inp = make_chain_inputs(2, 3, 40, gen=gen)
-        if backend == "cpu":
-            return lambda: ops.chain_rejection_sample(*chain_args(inp))
-        from specdec_kernels.triton import rejection_sampling as tr
-
-        def run():
-            batch, k = inp["draft_token_ids"].shape
-            out, acc = torch.empty(batch, k + 1, dtype=torch.int64), torch.empty(batch, dtype=torch.int32)
-            tr.chain_rejection_sample(*chain_args(inp), out, acc)
-            return out, acc
-        return run
-    return [call_for(i) for i in range(THREADS)]
-
-
 def test_chain_rejection_sample():
-    check_concurrent_equals_serial(chain_calls, "chain_rejection_sample")
+    def calls():
+        inputs = [make_chain_inputs(16, 4, 5000, gen=torch.Generator().manual_seed(i),
+                                    greedy_mask=torch.arange(16) % 5 == i) for i in range(THREADS)]
+        return [lambda inp=inp: ops.chain_rejection_sample(*chain_args(inp)) for inp in inputs]
+    check_concurrent_equals_serial(calls, "chain_rejection_sample")
 
 
 def test_tree_rejection_sample():
@@ -199,9 +183,29 @@ def test_every_op_at_once():
 
 
 @requires_triton
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="Triton's interpreter keeps the launch grid in a module-level object: launches from "
+                           "several threads at once fail inside it (ValueError: x >= grid_dim[0]); on a GPU the "
+                           "launchers run from threads")
 def test_triton_kernels_in_threads():
-    """The Triton launchers (here under the interpreter) from several threads at once."""
-    check_concurrent_equals_serial(lambda: chain_calls("triton")[:2], "triton chain_rejection_sample")
+    """The Triton launchers (our Python keeps no launch state) from several threads at once."""
+    def calls():
+        from specdec_kernels.triton import rejection_sampling as tr
+
+        out = []
+        for i in range(THREADS):
+            inp = {k: (v.cuda() if v is not None else None)
+                   for k, v in make_chain_inputs(64, 4, 32000, gen=torch.Generator().manual_seed(i)).items()}
+
+            def run(inp=inp):
+                out_ids = torch.empty(64, 5, dtype=torch.int64, device="cuda")
+                acc = torch.empty(64, dtype=torch.int32, device="cuda")
+                tr.chain_rejection_sample(*chain_args(inp), out_ids, acc)
+                torch.cuda.synchronize()
+                return out_ids.cpu(), acc.cpu()
+            out.append(run)
+        return out
+    check_concurrent_equals_serial(calls, "triton chain_rejection_sample")
 
 
 # ---------------------------------------------------------------------------------------
