@@ -70,7 +70,7 @@ def test_cpu_matches_reference(case, backend):
 
 
 @requires_triton
-@fuzz_settings(8)
+@fuzz_settings(5)
 @given(case=valid_cases(max_requests=2, max_nodes=7, max_prefix=7))
 def test_triton_matches_reference(case):
     k, v, *rest = case

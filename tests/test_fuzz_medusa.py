@@ -91,14 +91,14 @@ def check_against_reference(ids, logprobs, case):
     assert (ids.sort(-1).values.diff(dim=-1) > 0).all()
 
 
-@fuzz_settings(40)
+@fuzz_settings(25)
 @given(case=medusa_cases())
 def test_cpu_matches_reference(case):
     check_against_reference(*run_backend("cpu", case), case)
 
 
 @requires_triton
-@fuzz_settings(6)
+@fuzz_settings(4)
 @given(case=medusa_cases(max_m=2, max_heads=2, max_layers=1, vocabs=(1, 7, 100), hiddens=(1, 8)))
 def test_triton_matches_reference(case):
     check_against_reference(*run_backend("triton", case), case)

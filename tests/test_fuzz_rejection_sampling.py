@@ -221,7 +221,7 @@ def triton_rs():
 # ---------------------------------------------------------------------------------------
 
 
-@fuzz_settings(60)
+@fuzz_settings(40)
 @given(case=chain_cases())
 def test_chain_cpu_matches_reference(case):
     expected = ref.chain_rejection_sample(*(case[n] for n in CHAIN_INPUTS))
@@ -230,7 +230,7 @@ def test_chain_cpu_matches_reference(case):
     assert_same(ops.chain_rejection_sample(*(case[n] for n in CHAIN_INPUTS)), expected, case)
 
 
-@fuzz_settings(60)
+@fuzz_settings(40)
 @given(case=tree_cases())
 def test_tree_cpu_matches_reference(case):
     expected = ref.tree_rejection_sample(*(case[n] for n in TREE_INPUTS))
@@ -239,7 +239,7 @@ def test_tree_cpu_matches_reference(case):
 
 
 @requires_triton
-@fuzz_settings(8)
+@fuzz_settings(5)
 @given(case=chain_cases(max_batch=2, max_drafts=3, vocabs=(1, 2, 17, 1030)))
 def test_chain_triton_matches_reference(case):
     expected = ref.chain_rejection_sample(*(case[n] for n in CHAIN_INPUTS))
@@ -248,7 +248,7 @@ def test_chain_triton_matches_reference(case):
 
 
 @requires_triton
-@fuzz_settings(8)
+@fuzz_settings(5)
 @given(case=tree_cases(max_batch=2, max_nodes=5, vocabs=(1, 3, 17)))
 def test_tree_triton_matches_reference(case):
     expected = ref.tree_rejection_sample(*(case[n] for n in TREE_INPUTS))

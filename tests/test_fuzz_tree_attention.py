@@ -136,7 +136,7 @@ def assert_matches(out, lse, expected_out, expected_lse, dtype, case):
     torch.testing.assert_close(lse[seen].double(), expected_lse[seen], atol=LSE_TOL[dtype], rtol=1e-6)
 
 
-@fuzz_settings(40)
+@fuzz_settings(25)
 @given(case=attention_cases())
 def test_cpu_matches_reference(case):
     out, lse = run_backend("cpu", case)
@@ -145,7 +145,7 @@ def test_cpu_matches_reference(case):
 
 
 @requires_triton
-@fuzz_settings(6)
+@fuzz_settings(4)
 @given(case=attention_cases(max_batch=2, node_counts=st.integers(0, 5) | st.sampled_from([65]), head_dims=(1, 8, 40),
                             max_prefix=9),
        num_splits=st.sampled_from([None, 1, 3]))
