@@ -131,8 +131,8 @@ def test_bad_inputs_raise(data, mutation, backend):
 
         fn = lambda: launcher(x, weight, bias, out)  # noqa: E731
     _, error = call_or_clear_error(fn)
-    if error is None and mutation == "x:last_dim_strided":  # allowed if computed right
-        check(out if backend != "wrapper" else fn(), {**case, "x": x.contiguous()})
+    if error is None and mutation in ("x:last_dim_strided", "weight:strided"):  # allowed if computed right
+        check(out if backend != "wrapper" else fn(), {**case, "x": x.contiguous(), "weight": weight.contiguous()})
         return
     assert error is not None, f"{mutation} accepted by {backend}"
     assert any(n in str(error) for n in ["x", "weight", "bias", "out", "device"]), f"{mutation} on {backend}: {error}"
@@ -156,6 +156,7 @@ def test_bad_outputs_raise_or_are_correct(data, mutation, backend):
     x, weight, bias = case["x"].clone(), case["weight"], case["bias"]
     if mutation == "out:aliases_x":  # out written over x (a square layer, in place)
         weight = torch.randn(x.shape[1], x.shape[1]).to(weight.dtype)
+        bias = None
         case = {**case, "weight": weight}
     if mutation == "out:aliases_weight":  # out written over the weight (M = N, same dtype)
         x = torch.randn(weight.shape[0], weight.shape[1]).to(weight.dtype)

@@ -54,6 +54,19 @@ def _check(condition, message):
         raise ValueError(message)
 
 
+def _shares_memory(a, b) -> bool:
+    """Whether the memory spans of two tensors intersect (same storage, overlapping bytes)."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t):
+        extent = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
+        return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def _check_skinny_linear(x, weight, bias, out):
     """The shapes the launcher indexes with (through torch.ops on a CUDA tensor no wrapper has
     checked them): a mismatch would read or write past a tensor."""
@@ -66,6 +79,12 @@ def _check_skinny_linear(x, weight, bias, out):
     if bias is not None:
         _check(tuple(bias.shape) == (N,), f"bias must have shape [{N}], got {list(bias.shape)}")
     _check(out.dim() == 2 and tuple(out.shape) == (M, N), f"out must have shape [{M}, {N}], got {list(out.shape)}")
+    for t, name in ((x, "x"), (weight, "weight"), (bias, "bias")):
+        if t is None:
+            continue
+        _check(t.device == out.device, f"{name} must be on {out.device} (out's device), got {t.device}")
+        _check(not _shares_memory(out, t), f"out must not share memory with {name} (the kernel reads {name} while "
+               "it writes out): pass a separate tensor")
 
 
 def launch_linear(x, weight, bias, out, *, heads=1, stride_xh=0, stride_wh=0, stride_bh=0, stride_oh=0,

@@ -151,6 +151,9 @@ def _check_medusa_topk(hidden, res_weight, res_bias, lm_head, top_k, topk_ids, t
     for t, name in ((hidden, "hidden"), (res_weight, "res_weight"), (res_bias, "res_bias"), (lm_head, "lm_head")):
         _check(t.dtype in (torch.float32, torch.bfloat16, torch.float16),
                f"{name} must have dtype float32, bfloat16 or float16, got {t.dtype}")
+    for t, name in ((res_weight, "res_weight"), (res_bias, "res_bias"), (lm_head, "lm_head"), (topk_ids, "topk_ids"),
+                    (topk_logprobs, "topk_logprobs")):
+        _check(t.device == hidden.device, f"{name} must be on {hidden.device} (hidden's device), got {t.device}")
     M, H = hidden.shape
     _check(res_weight.dim() == 4 and res_weight.shape[0] >= 1 and tuple(res_weight.shape[2:]) == (H, H),
            f"res_weight must have shape [K >= 1, L, {H}, {H}], got {list(res_weight.shape)}")

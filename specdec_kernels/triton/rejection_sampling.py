@@ -470,6 +470,8 @@ def apply_top_k_top_p(logits, top_k, top_p, min_p):
     """Triton launcher of ``specdec::apply_top_k_top_p`` (in place on logits [R, V])."""
     # Checked here too (through torch.ops on a CUDA tensor no wrapper has): the kernel
     # indexes row r at r * V and reads one parameter per row.
+    if logits.device.type == "meta":
+        raise ValueError("logits is a meta tensor: there is no data to mask")
     if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"logits must have dtype float32, bfloat16 or float16, got {logits.dtype}")
     if logits.dim() != 2 or not logits.is_contiguous():
@@ -477,6 +479,8 @@ def apply_top_k_top_p(logits, top_k, top_p, min_p):
                          f"(contiguous: {logits.is_contiguous()})")
     for t, name, dtype in ((top_k, "top_k", torch.int32), (top_p, "top_p", torch.float32),
                            (min_p, "min_p", torch.float32)):
+        if t is not None and t.device != logits.device:
+            raise ValueError(f"{name} must be on {logits.device} (the logits' device), got {t.device}")
         if t is not None and (t.dtype != dtype or tuple(t.shape) != (logits.shape[0],)):
             raise ValueError(f"{name} must be a {dtype} tensor of shape [{logits.shape[0]}], got {t.dtype} "
                              f"{list(t.shape)}")
