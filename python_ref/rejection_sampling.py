@@ -1,7 +1,7 @@
 """Pure-Python reference of rejection sampling (chain and tree) and of top-k/top-p/min-p.
 
 Readable loops over requests, positions and vocabulary entries, in float64, following
-DESIGN.md literally (p' is an explicit list that is renormalised after every rejection).
+docs/design.md literally (p' is an explicit list that is renormalised after every rejection).
 Random numbers come from ``specdec_kernels.rng`` with the layout documented there:
 
 - acceptance draw of chain draft k / tree node c: position k + 1 / c, PURPOSE_ACCEPT, index 0;
@@ -85,7 +85,7 @@ def _rows(logits: torch.Tensor, count: int) -> list[list[float]]:
 
 
 def chain_rejection_sample(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed, offset):
-    """Returns (output_token_ids int64 [B, K+1], num_accepted int32 [B]); see DESIGN.md."""
+    """Returns (output_token_ids int64 [B, K+1], num_accepted int32 [B]); see docs/design.md."""
     batch, max_drafts = draft_token_ids.shape
     vocab = target_logits.shape[-1]
     out = torch.full((batch, max_drafts + 1), -1, dtype=torch.int64)

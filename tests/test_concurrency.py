@@ -17,9 +17,8 @@ import torch
 
 import specdec_kernels
 from specdec_kernels import ops
-from tests.conftest import requires_triton
+from tests.helpers import chain_args, make_chain_inputs, make_tree_inputs, requires_triton, tree_args
 from tests.test_kv_compaction import make_case as kv_case
-from tests.test_rejection_sampling import chain_args, make_chain_inputs, make_tree_inputs, tree_args
 from tests.test_tree_attention import make_case as attention_case
 from tests.test_tree_attention import op_args as attention_args
 from tests.test_tree_attention import random_tree

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import specdec_kernels  # noqa: F401
 from python_ref import rejection_sampling as ref
 from specdec_kernels import ops
-from tests.conftest import assert_guard_intact, guarded, requires_triton
+from tests.helpers import assert_guard_intact, guarded, requires_triton
 from tests.fuzzing import call_or_clear_error, fuzz_settings
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

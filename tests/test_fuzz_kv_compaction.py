@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import specdec_kernels
 from python_ref.kv_compaction import compact_kv as compact_kv_ref
-from tests.conftest import assert_guard_intact, guarded, requires_triton
+from tests.helpers import assert_guard_intact, guarded, requires_triton
 from tests.fuzzing import call_or_clear_error, fuzz_settings
 from tests.test_kv_compaction import batches, clone_caches, make_case, valid_move_reference
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import specdec_kernels  # noqa: F401
 from specdec_kernels import ops, rng
-from tests.conftest import assert_guard_intact, guarded
+from tests.helpers import assert_guard_intact, guarded
 from tests.fuzzing import call_or_clear_error, fuzz_settings
 
 INT64 = st.sampled_from([0, -1, 2**63 - 1, -(2**63), 2**32 - 1, 2**32]) | st.integers(-(2**63), 2**63 - 1)

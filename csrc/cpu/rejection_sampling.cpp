@@ -1,5 +1,6 @@
-// CPU kernels of specdec::chain_rejection_sample and specdec::tree_rejection_sample
-// (semantics: DESIGN.md and the docstrings in ops.py).
+// CPU kernels of specdec::chain_rejection_sample and specdec::tree_rejection_sample.
+//
+// Semantics: docs/design.md and the docstrings in ops.py.
 //
 // Rejection sampling runs in three phases, none of which materialises a softmax. Every
 // row in use must be checked (NaN / +inf / all -inf make the request -1), but the walk
@@ -56,8 +57,9 @@ constexpr int64_t kRaceTile = 16384;    // vocabulary entries per race task
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
 // Requests with T >= 2^-64 sample; smaller temperatures (and 0, negative, NaN) are greedy,
-// the limit of sampling as T -> 0 (specdec_kernels.ops.MIN_SAMPLING_TEMPERATURE: below it
-// l / T would overflow fp32 for ordinary logits and the request would read as invalid).
+// the limit of sampling as T -> 0 (MIN_SAMPLING_TEMPERATURE, specdec_kernels/checks.py:
+// below it l / T would overflow fp32 for ordinary logits and the request would read as
+// invalid).
 constexpr float kMinSamplingTemperature = 0x1p-64f;
 inline bool is_sampled(float temperature) { return temperature >= kMinSamplingTemperature; }
 
@@ -683,8 +685,7 @@ void check_common(const at::Tensor& target_logits, const std::optional<at::Tenso
                   int64_t rows, int64_t q_rows) {
   check_cpu(target_logits, "target_logits");
   check_dim(target_logits, 3, "target_logits");
-  TORCH_CHECK(target_logits.scalar_type() == at::kFloat || target_logits.scalar_type() == at::kBFloat16 ||
-                  target_logits.scalar_type() == at::kHalf,
+  TORCH_CHECK(is_float_dtype(target_logits.scalar_type()),
               "target_logits must have dtype float32, bfloat16 or float16, got ", target_logits.scalar_type());
   check_size(target_logits, 0, batch, "target_logits");
   check_size(target_logits, 1, rows, "target_logits");
@@ -706,6 +707,19 @@ void check_common(const at::Tensor& target_logits, const std::optional<at::Tenso
     check_dim(*t, 1, name);
     check_size(*t, 0, batch, name);
   }
+}
+
+// Runs the three phases for reqs on the arguments both ops share, already made contiguous
+// by the op (which checks its outputs against exactly these tensors, the ones read);
+// draft_probs rows per request: q_rows_per_request, logits rows: rows_per_request.
+void sample(const std::vector<Request>& reqs, const at::Tensor& logits, const std::optional<at::Tensor>& q,
+            const at::Tensor& temp, const at::Tensor& seed_c, const at::Tensor& offset_c, int64_t q_rows_per_request,
+            int64_t rows_per_request, std::vector<WalkResult>& walks, std::vector<char>& valid) {
+  SPECDEC_DISPATCH_FLOAT_TYPES(logits.scalar_type(), "rejection_sample", [&] {
+    sample_requests<scalar_t>(reqs, logits, q ? q->data_ptr<float>() : nullptr, q_rows_per_request,
+                              temp.data_ptr<float>(), seed_c.data_ptr<int64_t>(), offset_c.data_ptr<int64_t>(),
+                              rows_per_request, walks, valid);
+  });
 }
 
 }  // namespace
@@ -758,10 +772,7 @@ void chain_rejection_sample_cpu(const at::Tensor& draft_token_ids, const at::Ten
   }
   std::vector<WalkResult> walks;
   std::vector<char> valid;
-  SPECDEC_DISPATCH_FLOAT_TYPES(logits.scalar_type(), "chain_rejection_sample", [&] {
-    sample_requests<scalar_t>(reqs, logits, q ? q->data_ptr<float>() : nullptr, max_drafts, temp.data_ptr<float>(),
-                              seed_c.data_ptr<int64_t>(), offset_c.data_ptr<int64_t>(), max_drafts + 1, walks, valid);
-  });
+  sample(reqs, logits, q, temp, seed_c, offset_c, max_drafts, max_drafts + 1, walks, valid);
   output_token_ids.fill_(-1);
   int64_t* out = output_token_ids.data_ptr<int64_t>();
   int32_t* acc = num_accepted.data_ptr<int32_t>();
@@ -837,10 +848,7 @@ void tree_rejection_sample_cpu(const at::Tensor& parents, const at::Tensor& tree
   }
   std::vector<WalkResult> walks;
   std::vector<char> valid;
-  SPECDEC_DISPATCH_FLOAT_TYPES(logits.scalar_type(), "tree_rejection_sample", [&] {
-    sample_requests<scalar_t>(reqs, logits, q ? q->data_ptr<float>() : nullptr, max_nodes, temp.data_ptr<float>(),
-                              seed_c.data_ptr<int64_t>(), offset_c.data_ptr<int64_t>(), max_nodes, walks, valid);
-  });
+  sample(reqs, logits, q, temp, seed_c, offset_c, max_nodes, max_nodes, walks, valid);
   accepted_nodes.fill_(-1);
   output_token_ids.fill_(-1);
   int32_t* an = accepted_nodes.data_ptr<int32_t>();

@@ -5,13 +5,25 @@ import glob
 import json
 import os
 
+import torch
+
 from .config import LlamaConfig
 from .llama import Llama
 
 
-def load_hf_dir(path: str):
-    """(Llama model, Tokenizer or None) from a directory with config.json and safetensors."""
+WEIGHT_FORMATS = ("native", "fp32", "bf16", "q8_0", "q4_0")
+
+
+def load_hf_dir(path: str, weights: str = "native"):
+    """(Llama model, Tokenizer or None) from a directory with config.json and safetensors.
+
+    ``weights``: "native"/"fp32" fp32 tensors (a Hugging Face checkpoint has no block
+    format), "bf16", or "q8_0"/"q4_0": quantised on load to GGUF blocks
+    (``gguf_blocks.quantize``), e.g. a quantised draft model."""
     from safetensors.torch import load_file
+
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
 
     with open(os.path.join(path, "config.json")) as f:
         config = LlamaConfig.from_hf(json.load(f))
@@ -27,7 +39,14 @@ def load_hf_dir(path: str):
 
         tokenizer = Tokenizer.from_hf_dir(path, config.eos_token_ids)
         config.eos_token_ids = tuple(tokenizer.eos_token_ids)
-    return Llama.from_hf_state_dict(config, sd, name=os.path.basename(os.path.normpath(path))), tokenizer
+    model = Llama.from_hf_state_dict(config, sd, name=os.path.basename(os.path.normpath(path)),
+                                     dtype=torch.bfloat16 if weights == "bf16" else torch.float32)
+    if weights in ("q8_0", "q4_0"):
+        model = model.quantized(weights.upper())
+    stored = "+".join(sorted({str(t.dtype).removeprefix("torch.") for t in sd.values()}))
+    running = {"native": "fp32", "q8_0": "Q8_0", "q4_0": "Q4_0"}.get(weights, weights)
+    model.weights_format = f"safetensors, {stored} weights, running as {running}"
+    return model, tokenizer
 
 
 def save_hf_dir(model: Llama, path: str) -> None:
