@@ -625,8 +625,10 @@ def medusa_topk(
     checks.check_tensor(res_weight, "res_weight", dims=4)
     hidden = hidden.contiguous()
     if out is None:
-        # A bad top_k allocates nothing here: the check below (or the launcher's) names it.
-        size = (hidden.shape[0], res_weight.shape[0], top_k if isinstance(top_k, int) and top_k > 0 else 0)
+        # A bad top_k allocates nothing here (top_k = 2^40 would fail to allocate, with a
+        # message naming no argument): the check below (or the launcher's) names it.
+        vocab = lm_head.shape[-2] if isinstance(lm_head, torch.Tensor) and lm_head.dim() >= 2 else 0
+        size = (hidden.shape[0], res_weight.shape[0], top_k if isinstance(top_k, int) and 0 < top_k <= vocab else 0)
         topk_ids = torch.empty(size, dtype=torch.int64, device=hidden.device)
         topk_logprobs = torch.empty(size, dtype=torch.float32, device=hidden.device)
     else:
