@@ -21,10 +21,10 @@ def main(source_tree: str) -> None:
     source = Path(source_tree).resolve()
     assert not any(Path(p or ".").resolve() == source for p in sys.path), f"the source tree is on sys.path: {sys.path}"
 
-    import torch
+    import torch  # noqa: F401  (libtorch first, as the package itself does)
 
     import specdec_kernels
-    from specdec_kernels import _C, ops
+    from specdec_kernels import _C
 
     installed = Path(specdec_kernels.__file__).resolve().parent
     assert "site-packages" in installed.parts and source not in installed.parents, f"imported from {installed}"
@@ -46,6 +46,16 @@ def main(source_tree: str) -> None:
     for rel in data:
         assert resources.files("specdec_kernels").joinpath(str(rel)).is_file(), f"package data missing: {rel}"
     print(f"package data: {', '.join(map(str, data))}")
+    run_every_op()
+
+
+def run_every_op() -> None:
+    """Every op of ``specdec_kernels.list_ops()`` through its wrapper on CPU, with a plausible
+    result (an op added to the package and not run here fails the last assertion)."""
+    import torch
+
+    import specdec_kernels
+    from specdec_kernels import ops
 
     gen = torch.Generator().manual_seed(0)
     i32 = torch.int32
@@ -96,6 +106,13 @@ def main(source_tree: str) -> None:
     x, w = torch.randn(4, 16, generator=gen), torch.randn(8, 16, generator=gen)
     torch.testing.assert_close(ops.skinny_linear(x, w), x @ w.T, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ops.linear(x, w), x @ w.T, atol=1e-5, rtol=1e-5)
+
+    # quantized_linear on F32 blocks (GGML type 0: the weight's fp32 bytes as they are)
+    torch.testing.assert_close(ops.quantized_linear(x, w.view(torch.uint8), 0), x @ w.T, atol=1e-5, rtol=1e-5)
+
+    ran = {"philox_uniform", "chain_rejection_sample", "tree_rejection_sample", "apply_top_k_top_p", "tree_attention",
+           "compact_kv", "medusa_topk", "skinny_linear", "quantized_linear"}
+    assert set(specdec_kernels.list_ops()) == ran, f"ops not run here: {set(specdec_kernels.list_ops()) - ran}"
     print("every op ran on CPU")
 
 
