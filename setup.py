@@ -10,11 +10,16 @@ from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
-extra_compile_args = ["-O3", "-std=c++20", "-fopenmp", "-Wno-unknown-pragmas", "-march=x86-64-v2", "-mavx2", "-mfma", "-mf16c",
+# -ffp-contract=off: every product is rounded before it is added, as written (the kernels use
+# explicit fmadd where they want one). Otherwise GCC fuses exp(l * s - m) into an FMA whose
+# unrounded product makes the largest logit's weight exp(error) instead of 1: for |l / T|
+# beyond ~1e9 that weight is 0 or inf and a valid row read as invalid (found by fuzzing).
+extra_compile_args = ["-O3", "-std=c++20", "-fopenmp", "-ffp-contract=off", "-Wno-unknown-pragmas", "-march=x86-64-v2",
+                      "-mavx2", "-mfma", "-mf16c",
                       # Select ATen's AVX2 at::vec specialisations (the default is the generic one).
                       "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
 if os.uname().machine != "x86_64":
-    extra_compile_args = ["-O3", "-std=c++20", "-fopenmp"]
+    extra_compile_args = ["-O3", "-std=c++20", "-fopenmp", "-ffp-contract=off"]
 
 # Name, version, packages, package data and the `specdec` script are in pyproject.toml.
 setup(

@@ -1,6 +1,7 @@
 // Argument checks shared by the CPU kernels; every message names the argument.
 #pragma once
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 
 #define SPECDEC_CHECK(cond, ...) TORCH_CHECK(cond, __VA_ARGS__)
 
@@ -33,6 +34,16 @@ inline void check_output(const at::Tensor& t, at::ScalarType dtype, at::IntArray
   check_dim(t, static_cast<int64_t>(sizes.size()), name);
   for (size_t d = 0; d < sizes.size(); ++d) check_size(t, static_cast<int64_t>(d), sizes[d], name);
   check_contiguous(t, name);
+}
+
+// An output must not share memory with an input the kernel still reads while writing it
+// (e.g. output_token_ids passed as tree_token_ids too). Checked on the tensors the kernel
+// actually reads (after .contiguous(), which copies a strided input).
+inline void check_no_overlap(const at::Tensor& out, const char* out_name, const at::Tensor& in, const char* in_name) {
+  const auto status = at::get_overlap_status(out, in);
+  TORCH_CHECK(status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial, out_name,
+              " must not share memory with ", in_name, " (the op reads ", in_name, " while it writes ", out_name,
+              "): pass a separate tensor");
 }
 
 }  // namespace specdec

@@ -13,8 +13,9 @@ A row is *invalid* (the request gets num_accepted = -1 and all -1 outputs) when 
 request's rows in use (chain rows 0..n, tree nodes 0..num_nodes-1) holds a NaN or +inf,
 or is entirely -inf: the raw logits of a greedy request, l / T as the kernels compute it
 (in fp32, l times the fp32 reciprocal of T) of a sampled one, so that l / T overflowing
-fp32 (e.g. l = 3e38 at T = 0.5) or a -inf logit at T = +inf (NaN) also make it invalid. Temperature <= 0 (or NaN) means greedy. Tests only: never imported by
-the package.
+fp32 (e.g. l = 3e38 at T = 0.5) or a -inf logit at T = +inf (NaN) also make it invalid.
+A temperature below ``MIN_SAMPLING_TEMPERATURE`` (2^-64; 0, negative and NaN ones too)
+means greedy. Tests only: never imported by the package.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import math
 
 import torch
 
+from specdec_kernels.ops import MIN_SAMPLING_TEMPERATURE
 from specdec_kernels.rng import PURPOSE_ACCEPT, PURPOSE_SAMPLE, philox_uniform, sample_from_weights
 
 
@@ -31,9 +33,14 @@ def scaled_row(row: list[float], temperature: float) -> list[float]:
     return (torch.tensor(row, dtype=torch.float32) * inv_t).tolist()
 
 
+def is_sampled(temperature: float) -> bool:
+    """T >= 2^-64 samples; smaller (0, negative, NaN) is greedy, the limit as T -> 0."""
+    return temperature >= MIN_SAMPLING_TEMPERATURE
+
+
 def row_is_valid(row: list[float], temperature: float) -> bool:
     """No NaN, no +inf, not all -inf: in the raw row when greedy, in l / T when sampled."""
-    values = scaled_row(row, temperature) if temperature > 0 else row
+    values = scaled_row(row, temperature) if is_sampled(temperature) else row
     if any(math.isnan(x) or x == math.inf for x in values):
         return False
     return max(values) > -math.inf
@@ -94,7 +101,7 @@ def chain_rejection_sample(draft_token_ids, num_draft_tokens, target_logits, dra
             num_accepted[b] = -1
             continue
         emitted = []
-        if not t > 0:  # greedy
+        if not is_sampled(t):  # greedy
             for k in range(n + 1):
                 best = argmax_first(rows[k])
                 emitted.append(best)
@@ -150,7 +157,7 @@ def tree_rejection_sample(parents, tree_token_ids, num_nodes, target_logits, dra
         path, node = [], 0
         while True:
             children = [j for j in range(1, n) if par[j] == node]
-            if not t > 0:
+            if not is_sampled(t):
                 best = argmax_first(rows[node])
                 nxt = next((c for c in children if tokens[c] == best), None)
                 if nxt is None:

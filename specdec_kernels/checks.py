@@ -2,8 +2,9 @@
 
 Every function here takes an op's arguments exactly as the op receives them (outputs
 included, already allocated) and raises a ValueError that names the argument at fault and
-what was expected. The checks read only shapes, dtypes, devices and strides, never values,
-so they never synchronise with the device; the data-dependent faults (a token id out of
+what was expected. The checks read only shapes, dtypes, devices, strides and data
+addresses (outputs must not share memory with inputs), never values, so they never
+synchronise with the device; the data-dependent faults (a token id out of
 range, a non-monotone ``qo_indptr``) are the kernels' own business, as are the C++ kernels'
 checks of every argument (``csrc/check.h``), which guard their memory accesses for callers
 of ``torch.ops.specdec.*`` and stay.
@@ -68,6 +69,78 @@ def check_contiguous(t: torch.Tensor, name: str, what: str = "") -> None:
         raise ValueError(f"{name} must be contiguous{what}")
 
 
+def check_has_data(t: torch.Tensor, name: str) -> None:
+    """Launchers only (the ops' checks accept meta tensors, which the wrappers pass on to the
+    fakes): a kernel that reads and writes ``t`` needs its data, which a meta tensor has not
+    (Triton would fail with a message naming no argument)."""
+    if t.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor: there is no data for the kernel to work on")
+
+
+# ---------------------------------------------------------------------------------------
+# Memory shared by two arguments.
+# ---------------------------------------------------------------------------------------
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: its elements fill [data_ptr, data_ptr + numel * itemsize)
+    exactly, in some order of the dimensions (size-1 dimensions do not count)."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for size, stride in sorted((size, stride) for size, stride in zip(t.shape, t.stride()) if size != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _memory(t):
+    """(device, first byte, end byte, dense) of a tensor whose addresses can be compared: one
+    with elements and data (not meta); else None."""
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or t.numel() == 0:
+        return None
+    start = t.data_ptr()
+    return t.device, start, start + t.numel() * t.element_size(), _is_dense(t)
+
+
+def _overlap(a, b) -> bool:
+    return a[0] == b[0] and (a[1] == b[1] or (a[3] and b[3] and a[1] < b[2] and b[1] < a[2]))
+
+
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` certainly share memory, judged from their layouts (as
+    ``at::get_overlap_status`` in the C++ kernels' ``csrc/check.h``): both hold data on one
+    device, and they start at one address, or both are dense and their byte ranges
+    intersect. Strided views that interleave may share no element (the layers of a
+    layer-minor cache pool) and are not reported. Inside a torch.compile trace the tensors
+    are fake and nothing is reported (the kernel or launcher that runs the op checks the
+    real ones)."""
+    if torch.compiler.is_compiling():
+        return False
+    ma, mb = _memory(a), _memory(b)
+    return ma is not None and mb is not None and _overlap(ma, mb)
+
+
+def check_outputs_apart(outputs, inputs) -> None:
+    """Raise a ValueError naming both unless no output shares memory (``shares_memory``)
+    with an input or with another output (``outputs``, ``inputs``: (tensor or None, name)
+    pairs). The kernels read the inputs while they write the outputs, one after another: an
+    output written over an input changes what is read next (the C++ kernels check the same:
+    RuntimeError)."""
+    if torch.compiler.is_compiling():
+        return
+    named = [(_memory(t), name) for t, name in (*outputs, *inputs)]
+    for i in range(len(outputs)):
+        out, out_name = named[i]
+        if out is None:
+            continue
+        for other, other_name in named[i + 1:]:
+            if other is not None and _overlap(out, other):
+                raise ValueError(f"{out_name} must not share memory with {other_name} (the op reads or writes "
+                                 f"{other_name} while it writes {out_name}): pass a separate tensor")
+
+
 # ---------------------------------------------------------------------------------------
 # Random numbers.
 # ---------------------------------------------------------------------------------------
@@ -81,6 +154,16 @@ def check_philox_uniform(seed, offset) -> None:
 # ---------------------------------------------------------------------------------------
 # Rejection sampling.
 # ---------------------------------------------------------------------------------------
+
+# Rejection sampling samples at temperatures T >= MIN_SAMPLING_TEMPERATURE (compared in fp32,
+# where 2^-64 is exact); smaller ones, like 0, negative and NaN ones, are greedy: the limit of
+# sampling as T -> 0. Sampling computes l / T in fp32, which overflows for |l| > 3.4e38 * T:
+# at T = 1e-30 already for logits of 3.4e8, at 2^-64 only beyond 1.8e19; and at such a T the
+# softmax of any two logits that differ is one-hot in fp32 unless they lie within ~1e-19.
+# (Here, with the checks, because the wrappers, the Triton kernels and python_ref all read it;
+# the C++ kernels have the same constant, kMinSamplingTemperature.)
+MIN_SAMPLING_TEMPERATURE = 2.0**-64
+
 
 
 def _check_sampling_inputs(target_logits, draft_probs, temperature, seed, offset, batch, rows, q_rows, device):
@@ -96,6 +179,11 @@ def _check_sampling_inputs(target_logits, draft_probs, temperature, seed, offset
     check_tensor(offset, "offset", dtype=torch.int64, shape=(batch,), device=device)
 
 
+def _sampling_inputs(target_logits, draft_probs, temperature, seed, offset):
+    return ((target_logits, "target_logits"), (draft_probs, "draft_probs"), (temperature, "temperature"),
+            (seed, "seed"), (offset, "offset"))
+
+
 def check_chain_rejection_sample(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed,
                                  offset, output_token_ids, num_accepted) -> None:
     check_tensor(draft_token_ids, "draft_token_ids", dtype=torch.int64, dims=2)
@@ -106,6 +194,9 @@ def check_chain_rejection_sample(draft_token_ids, num_draft_tokens, target_logit
                            device)
     check_tensor(output_token_ids, "output_token_ids", dtype=torch.int64, shape=(batch, max_drafts + 1), device=device)
     check_tensor(num_accepted, "num_accepted", dtype=torch.int32, shape=(batch,), device=device)
+    check_outputs_apart(((output_token_ids, "output_token_ids"), (num_accepted, "num_accepted")),
+                        ((draft_token_ids, "draft_token_ids"), (num_draft_tokens, "num_draft_tokens"),
+                         *_sampling_inputs(target_logits, draft_probs, temperature, seed, offset)))
 
 
 def check_tree_rejection_sample(parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature, seed,
@@ -121,6 +212,10 @@ def check_tree_rejection_sample(parents, tree_token_ids, num_nodes, target_logit
     check_tensor(accepted_nodes, "accepted_nodes", dtype=torch.int32, shape=(batch, max_nodes - 1), device=device)
     check_tensor(output_token_ids, "output_token_ids", dtype=torch.int64, shape=(batch, max_nodes), device=device)
     check_tensor(num_accepted, "num_accepted", dtype=torch.int32, shape=(batch,), device=device)
+    check_outputs_apart(((accepted_nodes, "accepted_nodes"), (output_token_ids, "output_token_ids"),
+                         (num_accepted, "num_accepted")),
+                        ((parents, "parents"), (tree_token_ids, "tree_token_ids"), (num_nodes, "num_nodes"),
+                         *_sampling_inputs(target_logits, draft_probs, temperature, seed, offset)))
 
 
 def check_apply_top_k_top_p(logits, top_k, top_p, min_p) -> None:
@@ -216,6 +311,31 @@ def _check_cache_lists(k_caches, v_caches) -> None:
             raise ValueError(f"{where} must have the strides of k_caches[0] {first.stride()}, got {t.stride()}")
     if first.stride(3) != 1:
         raise ValueError(f"k_caches/v_caches must be contiguous in head_dim (stride 1), got strides {first.stride()}")
+    _check_caches_apart(k_caches, v_caches)
+
+
+def _check_caches_apart(k_caches, v_caches) -> None:
+    """Every layer's K and V must be memory of its own: a tensor given twice (k_caches[l] as
+    v_caches[l], a layer twice, a view of another layer's memory) would have its rows moved
+    twice (on CPU by two threads at once). The tensors share one layout here, so sorted by
+    address each needs comparing with the next only (as ``shares_memory`` would: one start
+    address, or dense byte ranges that intersect; the C++ kernel checks the same)."""
+    if torch.compiler.is_compiling():
+        return
+    first = _memory(k_caches[0])
+    if first is None:
+        return
+    _, start, end, dense = first
+    nbytes = end - start if dense else 1
+    # (address, i): i < L is k_caches[i], else v_caches[i - L] (named only on error).
+    layers = len(k_caches)
+    starts = sorted([(t.data_ptr(), i) for i, t in enumerate(k_caches)]
+                    + [(t.data_ptr(), layers + i) for i, t in enumerate(v_caches)])
+    for (address, i), (next_address, j) in zip(starts, starts[1:]):
+        if next_address < address + nbytes:
+            a, b = (f"k_caches[{n}]" if n < layers else f"v_caches[{n - layers}]" for n in (i, j))
+            raise ValueError(f"{a} and {b} share memory: every layer's K and V must be a tensor of its own (its "
+                             "rows would be moved twice)")
 
 
 def check_compact_kv(k_caches, v_caches, block_table, prefix_lens, accepted_nodes, num_accepted) -> None:
@@ -245,6 +365,8 @@ def check_skinny_linear(x, weight, bias, out) -> None:
         check_tensor(bias, "bias", dtype=FLOAT_DTYPES, shape=(N,), device=x.device)
     check_tensor(out, "out", dtype=x.dtype, shape=(M, N), device=x.device)
     check_contiguous(out, "out")
+    # out over x (an in-place square layer) gave wrong rows: out is written while x is read.
+    check_outputs_apart(((out, "out"),), ((x, "x"), (weight, "weight"), (bias, "bias")))
 
 
 def check_medusa_topk(hidden, res_weight, res_bias, lm_head, top_k, topk_ids, topk_logprobs) -> None:

@@ -16,9 +16,11 @@ from __future__ import annotations
 import torch
 
 from . import checks
+from .checks import MIN_SAMPLING_TEMPERATURE
 from .tree import qo_indptr_from_num_nodes, tree_mask_ragged
 
 __all__ = [
+    "MIN_SAMPLING_TEMPERATURE",
     "philox_uniform",
     "chain_rejection_sample",
     "tree_rejection_sample",
@@ -120,10 +122,11 @@ def chain_rejection_sample(
         draft_probs: fp32 [B, K, V], the draft distributions q the drafts were drawn from,
             or None (the default) for deterministic drafters (q = one-hot on the drafted
             token: accept with probability p(x), residual = p with x zeroed).
-        temperature: fp32 [B], or a Python number for every request (default 1.0); > 0
-            samples from softmax(logits / T), anything else (0, negative, NaN) is greedy:
-            accept while the draft equals the first argmax of the raw logits, then emit
-            that argmax.
+        temperature: fp32 [B], or a Python number for every request (default 1.0);
+            T >= ``MIN_SAMPLING_TEMPERATURE`` (2^-64, ~5.4e-20) samples from
+            softmax(logits / T); anything else (smaller, 0, negative, NaN) is greedy, the
+            limit of sampling as T -> 0: accept while the draft equals the first argmax of
+            the raw logits, then emit that argmax.
         seed, offset: int64 [B] or Python ints for every request, the Philox key and
             counter base of each request. seed=None (the default) draws seeds from
             torch's generator (``torch.manual_seed`` reproduces them); offset defaults to 0.
@@ -132,7 +135,11 @@ def chain_rejection_sample(
     Returns ``(output_token_ids, num_accepted)``: accepted drafts, then one recovered or
     bonus token, then -1; ``num_accepted[b]`` drafts were accepted. A request whose rows
     0..num_draft_tokens[b] hold a NaN or +inf, or a row that is entirely -inf, gets
-    ``num_accepted = -1`` and an all -1 row.
+    ``num_accepted = -1`` and an all -1 row; for a sampled request this holds for l / T as
+    computed in fp32 (l times 1/T), so l / T overflowing fp32 (|l| > 3.4e38 * T) or a -inf
+    logit at T = +inf (NaN) also give -1. The outputs must not share memory with the
+    inputs or with each other (a ValueError naming both; the CPU kernel, called through
+    ``torch.ops``, raises a RuntimeError).
 
     Randomness (``specdec_kernels.rng``): the acceptance of draft k uses the uniform u at
     position k + 1 (PURPOSE_ACCEPT, index 0) and is accepted iff u <= p(x) / q(x) (so
@@ -204,8 +211,9 @@ def tree_rejection_sample(
     u <= p'(x) / q(x) else p' <- normalize(max(p' - q, 0)); without, accept iff
     u <= p'(x) else p'(x) <- 0 and renormalise (if p' has no mass left, which only
     rounding can cause, p' <- p_i). After the last rejection or at a leaf the last token
-    is drawn from p'. Greedy requests follow the first argmax. NaN rows: as for chains
-    (rows 0..num_nodes-1).
+    is drawn from p'. Greedy requests (T < ``MIN_SAMPLING_TEMPERATURE``, 0, negative, NaN)
+    follow the first argmax. NaN rows and memory shared by outputs and inputs: as for
+    chains (rows 0..num_nodes-1).
 
     Randomness: the acceptance of node c uses position c (PURPOSE_ACCEPT, index 0), the
     token drawn at node i uses position i (PURPOSE_SAMPLE, index v). A call consumes
@@ -445,7 +453,10 @@ def compact_kv(
 
     k_caches, v_caches: one tensor per layer, each [num_blocks, block_size, num_kv_heads,
         head_dim], all of one shape, dtype (any, uint8 included) and device, contiguous in
-        head_dim; a contiguous cache is block_size = max_len with one block per request.
+        head_dim, each its own memory (a tensor given twice, e.g. k_caches[l] as
+        v_caches[l], would have its rows moved twice: a ValueError naming both, from the
+        CPU kernel through ``torch.ops`` a RuntimeError); a contiguous cache is
+        block_size = max_len with one block per request.
     block_table: int32 [B, max_blocks] (cache position p of request b is in block
         block_table[b, p // block_size] at offset p % block_size; -1 padded).
     prefix_lens: int32 [B], cache position of tree node 0 (the root).
@@ -506,8 +517,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
     x: [M, H] fp32/bf16/fp16; weight: [N, H] fp32/bf16/fp16, contiguous (bf16/fp16 weights
     are widened on the fly, so they stream half the bytes); bias: [N] or None; out: [M, N]
-    of x's dtype (allocated when None). Accumulates in fp32. Designed for M <= 64; any M is
-    correct (the CPU kernel just stops beating MKL). Returns out.
+    of x's dtype (allocated when None), not sharing memory with x, the weight or the bias (it
+    is written while they are read: a ValueError, from the CPU kernel through ``torch.ops``
+    a RuntimeError). Accumulates in fp32. Designed for M <= 64; any M is correct (the CPU
+    kernel just stops beating MKL). Returns out.
     """
     checks.check_tensor(x, "x", dims=2)
     checks.check_tensor(weight, "weight", dims=2)
@@ -612,8 +625,10 @@ def medusa_topk(
     checks.check_tensor(res_weight, "res_weight", dims=4)
     hidden = hidden.contiguous()
     if out is None:
-        # A bad top_k allocates nothing here: the check below (or the launcher's) names it.
-        size = (hidden.shape[0], res_weight.shape[0], top_k if isinstance(top_k, int) and top_k > 0 else 0)
+        # A bad top_k allocates nothing here (top_k = 2^40 would fail to allocate, with a
+        # message naming no argument): the check below (or the launcher's) names it.
+        vocab = lm_head.shape[-2] if isinstance(lm_head, torch.Tensor) and lm_head.dim() >= 2 else 0
+        size = (hidden.shape[0], res_weight.shape[0], top_k if isinstance(top_k, int) and 0 < top_k <= vocab else 0)
         topk_ids = torch.empty(size, dtype=torch.int64, device=hidden.device)
         topk_logprobs = torch.empty(size, dtype=torch.float32, device=hidden.device)
     else:

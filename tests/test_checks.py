@@ -147,3 +147,59 @@ def test_launcher_checks_only_cuda():
     assert checks.launcher_checks(torch.device("cuda", 0))
     assert not checks.launcher_checks(torch.device("cpu"))
     assert not checks.launcher_checks(torch.device("meta"))
+
+
+# ---------------------------------------------------------------------------------------
+# Memory shared by two arguments (outputs over inputs, a cache layer given twice).
+# ---------------------------------------------------------------------------------------
+
+
+def test_shares_memory_reports_what_certainly_overlaps():
+    buf = torch.zeros(4, 8)
+    assert checks.shares_memory(buf, buf)
+    assert checks.shares_memory(buf[1:3], buf[2:])  # dense, overlapping byte ranges
+    assert checks.shares_memory(buf.t(), buf)  # one start address
+    assert not checks.shares_memory(buf[:2], buf[2:])  # adjacent rows
+    assert not checks.shares_memory(buf[:, 0::2], buf[:, 1::2])  # interleaved, no common element
+    assert not checks.shares_memory(buf, torch.zeros(4, 8))
+    assert not checks.shares_memory(buf[:0], buf)  # no elements
+    meta = torch.zeros(4, 8, device="meta")
+    assert not checks.shares_memory(meta, meta)  # no data
+
+
+def test_outputs_sharing_memory_with_inputs_name_both():
+    x = torch.randn(4, 4)
+    with pytest.raises(ValueError, match="out must not share memory with x"):
+        specdec_kernels.skinny_linear(x, torch.randn(4, 4), out=x)
+    parents = torch.tensor([[-1, 0, 0, 1]], dtype=i32)
+    tokens = torch.randint(0, 16, (1, 4))
+    with pytest.raises(ValueError, match="output_token_ids must not share memory with tree_token_ids"):
+        specdec_kernels.tree_rejection_sample(parents, tokens, torch.tensor([4], dtype=i32), torch.randn(1, 4, 16),
+                                              output_token_ids=tokens)
+    accepted = torch.empty(1, 4, dtype=i32)
+    with pytest.raises(ValueError, match="accepted_nodes must not share memory with num_accepted"):
+        specdec_kernels.tree_rejection_sample(parents, tokens, torch.tensor([4], dtype=i32), torch.randn(1, 4, 16),
+                                              accepted_nodes=accepted[:, :3], num_accepted=accepted[:, 2])
+    drafts = torch.randint(0, 16, (1, 3))
+    with pytest.raises(ValueError, match="num_accepted must not share memory with num_draft_tokens"):
+        counts = torch.tensor([3], dtype=i32)
+        specdec_kernels.chain_rejection_sample(drafts, counts, torch.randn(1, 4, 16), num_accepted=counts)
+
+
+def test_cache_layers_given_twice_name_both():
+    k = [torch.zeros(4, 4, 1, 8) for _ in range(2)]
+    v = [torch.zeros(4, 4, 1, 8) for _ in range(2)]
+    rest = (torch.tensor([[0, 1]], dtype=i32), torch.tensor([2], dtype=i32), torch.tensor([[1, 2]], dtype=i32),
+            torch.tensor([2], dtype=i32))
+    with pytest.raises(ValueError, match=r"k_caches\[1\] and v_caches\[0\] share memory"):
+        specdec_kernels.compact_kv(k, [k[1], v[1]], *rest)
+    pool = torch.zeros(4, 4, 4, 1, 8)  # layer-minor: the layers interleave, sharing no element
+    specdec_kernels.compact_kv([pool[:, :, 0], pool[:, :, 1]], [pool[:, :, 2], pool[:, :, 3]], *rest)
+
+
+@requires_triton
+def test_launcher_refuses_meta_logits():
+    from specdec_kernels.triton import rejection_sampling as tr
+
+    with pytest.raises(ValueError, match="logits is a meta tensor"):
+        tr.apply_top_k_top_p(torch.zeros(2, 8, device="meta"), None, None, None)

@@ -21,7 +21,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "check.h"
@@ -36,6 +39,34 @@ struct RowMove {
   int64_t src;
   int64_t dst;
 };
+
+// Every layer's K and V must be memory of its own: a tensor given twice (say as k_caches[l]
+// and v_caches[l]) would have its rows moved twice, by two threads at once. The tensors are
+// sorted by address and each is compared with the next: the same tensor (or view) twice is
+// always found, and so are dense tensors whose memory overlaps (at::get_overlap_status);
+// views that interleave without sharing elements (a layer-minor pool) are allowed.
+void check_caches_apart(at::TensorList k_caches, at::TensorList v_caches) {
+  if (k_caches[0].numel() == 0) return;
+  const int64_t layers = static_cast<int64_t>(k_caches.size());
+  std::vector<int64_t> order(2 * layers);
+  for (int64_t i = 0; i < 2 * layers; ++i) order[i] = i;
+  auto tensor = [&](int64_t i) -> const at::Tensor& { return i < layers ? k_caches[i] : v_caches[i - layers]; };
+  auto name = [&](int64_t i) {
+    return (i < layers ? "k_caches[" + std::to_string(i) : "v_caches[" + std::to_string(i - layers)) + "]";
+  };
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return reinterpret_cast<uintptr_t>(tensor(a).data_ptr()) < reinterpret_cast<uintptr_t>(tensor(b).data_ptr());
+  });
+  for (int64_t j = 1; j < 2 * layers; ++j) {
+    const at::Tensor& a = tensor(order[j - 1]);
+    const at::Tensor& b = tensor(order[j]);
+    const auto status = at::get_overlap_status(a, b);
+    TORCH_CHECK(a.data_ptr() != b.data_ptr() && status != at::MemOverlapStatus::Full &&
+                    status != at::MemOverlapStatus::Partial,
+                name(order[j - 1]), " and ", name(order[j]), " share memory: every layer's K and V must be a ",
+                "tensor of its own (its rows would be moved twice)");
+  }
+}
 
 }  // namespace
 
@@ -65,6 +96,7 @@ void compact_kv_cpu(at::TensorList k_caches, at::TensorList v_caches, const at::
   }
   TORCH_CHECK(strides[3] == 1, "k_caches/v_caches must be contiguous in head_dim (stride 1), got strides ",
               strides);
+  check_caches_apart(k_caches, v_caches);
   const int64_t num_blocks = sizes[0], block_size = sizes[1], num_heads = sizes[2], head_dim = sizes[3];
 
   for (auto [t, name] : {std::pair{&block_table, "block_table"}, {&prefix_lens, "prefix_lens"},

@@ -58,6 +58,11 @@ void skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std:
   }
   if (M == 0 || N == 0) return;
   const at::Tensor x_f = x.to(at::kFloat).contiguous();
+  // out is written while x and the weight are still read (out over x: an in-place square
+  // layer gave wrong rows; found by fuzzing).
+  check_no_overlap(out, "skinny_linear: out", x_f, "x");
+  check_no_overlap(out, "skinny_linear: out", weight, "weight");
+  if (bias_f.defined()) check_no_overlap(out, "skinny_linear: out", bias_f, "bias");
   const float* xp = x_f.data_ptr<float>();
   const float* bp = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   const at::ScalarType out_t = out.scalar_type();

@@ -2,7 +2,7 @@
 // many vocabulary indices at a time, used by the CPU rejection samplers
 // (rejection_sampling.cpp): PhiloxPlan (what is the same for every index of a race), its
 // scalar twin philox_plan_uniform, and one SIMD kernel, philox_uniforms_simd, instantiated
-// for AVX2 (8 lanes) and AVX-512 (16 lanes) and chosen at run time (cpu_has_avx512).
+// for AVX2 (8 lanes) and AVX-512 (16 lanes) and chosen at run time (cpu_has_avx512, cpu_features.h).
 //
 // One template over the vector width. GCC cannot make a function's target attribute depend
 // on a template argument, and an AVX-512 intrinsic does not inline into a function compiled
@@ -24,6 +24,7 @@
 #define SPECDEC_X86_SIMD 1
 #endif
 
+#include "cpu_features.h"
 #include "philox.h"
 
 namespace specdec {
@@ -201,15 +202,6 @@ SPECDEC_AVX512 inline void philox_uniforms_avx512(const PhiloxPlan& p, uint32_t 
 
 #pragma GCC diagnostic pop
 
-// SPECDEC_DISABLE_AVX512=1 (read once) forces the AVX2 kernels, e.g. to test them.
-inline bool cpu_has_avx512() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
-                          !(std::getenv("SPECDEC_DISABLE_AVX512") && std::getenv("SPECDEC_DISABLE_AVX512")[0] == '1');
-  return has;
-}
-#else
-inline bool cpu_has_avx512() { return false; }
 #endif
 
 // out[i] = philox uniform of index base + (idx ? idx[i] : i), i < n (n a multiple of 16).

@@ -37,7 +37,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <iterator>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "check.h"
@@ -53,6 +55,13 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kChunk = 1024;        // elements converted / scored at a time (fits L1)
 constexpr int64_t kRaceTile = 16384;    // vocabulary entries per race task
 constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// Requests with T >= 2^-64 sample; smaller temperatures (and 0, negative, NaN) are greedy,
+// the limit of sampling as T -> 0 (MIN_SAMPLING_TEMPERATURE, specdec_kernels/checks.py:
+// below it l / T would overflow fp32 for ordinary logits and the request would read as
+// invalid).
+constexpr float kMinSamplingTemperature = 0x1p-64f;
+inline bool is_sampled(float temperature) { return temperature >= kMinSamplingTemperature; }
 
 // ---------------------------------------------------------------------------------------
 // Loading a chunk of logits as float.
@@ -178,7 +187,7 @@ RowStats row_stats(const scalar_t* row, int64_t vocab, float temperature, const 
                    int num_check = 0, float* check_max = nullptr) {
   RowStats st;
   st.full = true;  // also when the row turns out invalid
-  const bool greedy = !(temperature > 0.0f);
+  const bool greedy = !is_sampled(temperature);
   const float scale = greedy ? 1.0f : 1.0f / temperature;
   float buf[kChunk];
   float m = -kInf;
@@ -492,7 +501,7 @@ WalkResult walk(const TreeView& tree, const scalar_t* logits, int64_t vocab, int
                 const float* q_rows, float temperature, int64_t seed, int64_t offset) {
   WalkResult res;
   int64_t node = 0;
-  if (!(temperature > 0.0f)) {
+  if (!is_sampled(temperature)) {
     while (true) {
       const int64_t best = stats[node].argmax;
       int64_t next = -1;
@@ -609,9 +618,9 @@ void sample_requests(const std::vector<Request>& reqs, const at::Tensor& logits,
       const int64_t b = r / rows_per_request, k = r % rows_per_request;
       const int64_t num_rows = reqs[b].num_rows;
       const float t = temperature[b];
-      if (k >= num_rows || (k > 0 && t > 0.0f)) continue;
+      if (k >= num_rows || (k > 0 && is_sampled(t))) continue;
       const scalar_t* row = data + (reqs[b].row0 + k) * vocab;
-      if (!(t > 0.0f)) {
+      if (!is_sampled(t)) {
         stats[r] = row_stats(row, vocab, t);
         continue;
       }
@@ -658,6 +667,19 @@ void sample_requests(const std::vector<Request>& reqs, const at::Tensor& logits,
     if (valid[b] && specs[b].row >= 0) walks[b].final_token = winner[b];
 }
 
+using NamedTensors = std::initializer_list<std::pair<const at::Tensor*, const char*>>;
+
+// The outputs are written while the inputs are still read (and written one after another):
+// none may share memory with an input or another output.
+void check_outputs_apart(NamedTensors outputs, NamedTensors inputs) {
+  for (auto it = outputs.begin(); it != outputs.end(); ++it) {
+    for (const auto& [in, in_name] : inputs)
+      if (in->defined()) check_no_overlap(*it->first, it->second, *in, in_name);
+    for (auto other = std::next(it); other != outputs.end(); ++other)
+      check_no_overlap(*it->first, it->second, *other->first, other->second);
+  }
+}
+
 void check_common(const at::Tensor& target_logits, const std::optional<at::Tensor>& draft_probs,
                   const at::Tensor& temperature, const at::Tensor& seed, const at::Tensor& offset, int64_t batch,
                   int64_t rows, int64_t q_rows) {
@@ -687,18 +709,12 @@ void check_common(const at::Tensor& target_logits, const std::optional<at::Tenso
   }
 }
 
-// Runs the three phases for reqs on the arguments both ops share (made contiguous);
+// Runs the three phases for reqs on the arguments both ops share, already made contiguous
+// by the op (which checks its outputs against exactly these tensors, the ones read);
 // draft_probs rows per request: q_rows_per_request, logits rows: rows_per_request.
-void sample(const std::vector<Request>& reqs, const at::Tensor& target_logits,
-            const std::optional<at::Tensor>& draft_probs, const at::Tensor& temperature, const at::Tensor& seed,
-            const at::Tensor& offset, int64_t q_rows_per_request, int64_t rows_per_request,
-            std::vector<WalkResult>& walks, std::vector<char>& valid) {
-  auto logits = target_logits.contiguous();
-  std::optional<at::Tensor> q;
-  if (draft_probs.has_value()) q = draft_probs->contiguous();
-  auto temp = temperature.contiguous();
-  auto seed_c = seed.contiguous();
-  auto offset_c = offset.contiguous();
+void sample(const std::vector<Request>& reqs, const at::Tensor& logits, const std::optional<at::Tensor>& q,
+            const at::Tensor& temp, const at::Tensor& seed_c, const at::Tensor& offset_c, int64_t q_rows_per_request,
+            int64_t rows_per_request, std::vector<WalkResult>& walks, std::vector<char>& valid) {
   SPECDEC_DISPATCH_FLOAT_TYPES(logits.scalar_type(), "rejection_sample", [&] {
     sample_requests<scalar_t>(reqs, logits, q ? q->data_ptr<float>() : nullptr, q_rows_per_request,
                               temp.data_ptr<float>(), seed_c.data_ptr<int64_t>(), offset_c.data_ptr<int64_t>(),
@@ -731,6 +747,17 @@ void chain_rejection_sample_cpu(const at::Tensor& draft_token_ids, const at::Ten
   const int64_t vocab = target_logits.size(2);
   auto drafts = draft_token_ids.contiguous();
   auto num_drafts = num_draft_tokens.contiguous();
+  auto logits = target_logits.contiguous();
+  std::optional<at::Tensor> q;
+  if (draft_probs.has_value()) q = draft_probs->contiguous();
+  auto temp = temperature.contiguous();
+  auto seed_c = seed.contiguous();
+  auto offset_c = offset.contiguous();
+  const at::Tensor no_q;
+  check_outputs_apart({{&output_token_ids, "output_token_ids"}, {&num_accepted, "num_accepted"}},
+                      {{&drafts, "draft_token_ids"}, {&num_drafts, "num_draft_tokens"}, {&logits, "target_logits"},
+                       {q ? &*q : &no_q, "draft_probs"}, {&temp, "temperature"}, {&seed_c, "seed"},
+                       {&offset_c, "offset"}});
   const int64_t* d = drafts.data_ptr<int64_t>();
   const int32_t* nd = num_drafts.data_ptr<int32_t>();
 
@@ -745,7 +772,7 @@ void chain_rejection_sample_cpu(const at::Tensor& draft_token_ids, const at::Ten
   }
   std::vector<WalkResult> walks;
   std::vector<char> valid;
-  sample(reqs, target_logits, draft_probs, temperature, seed, offset, max_drafts, max_drafts + 1, walks, valid);
+  sample(reqs, logits, q, temp, seed_c, offset_c, max_drafts, max_drafts + 1, walks, valid);
   output_token_ids.fill_(-1);
   int64_t* out = output_token_ids.data_ptr<int64_t>();
   int32_t* acc = num_accepted.data_ptr<int32_t>();
@@ -788,6 +815,18 @@ void tree_rejection_sample_cpu(const at::Tensor& parents, const at::Tensor& tree
   auto par = parents.contiguous();
   auto tokens = tree_token_ids.contiguous();
   auto nn = num_nodes.contiguous();
+  auto logits = target_logits.contiguous();
+  std::optional<at::Tensor> q;
+  if (draft_probs.has_value()) q = draft_probs->contiguous();
+  auto temp = temperature.contiguous();
+  auto seed_c = seed.contiguous();
+  auto offset_c = offset.contiguous();
+  const at::Tensor no_q;
+  check_outputs_apart({{&accepted_nodes, "accepted_nodes"}, {&output_token_ids, "output_token_ids"},
+                       {&num_accepted, "num_accepted"}},
+                      {{&par, "parents"}, {&tokens, "tree_token_ids"}, {&nn, "num_nodes"}, {&logits, "target_logits"},
+                       {q ? &*q : &no_q, "draft_probs"}, {&temp, "temperature"}, {&seed_c, "seed"},
+                       {&offset_c, "offset"}});
   const int32_t* p = par.data_ptr<int32_t>();
   const int64_t* t = tokens.data_ptr<int64_t>();
   const int32_t* n_ptr = nn.data_ptr<int32_t>();
@@ -809,7 +848,7 @@ void tree_rejection_sample_cpu(const at::Tensor& parents, const at::Tensor& tree
   }
   std::vector<WalkResult> walks;
   std::vector<char> valid;
-  sample(reqs, target_logits, draft_probs, temperature, seed, offset, max_nodes, max_nodes, walks, valid);
+  sample(reqs, logits, q, temp, seed_c, offset_c, max_nodes, max_nodes, walks, valid);
   accepted_nodes.fill_(-1);
   output_token_ids.fill_(-1);
   int32_t* an = accepted_nodes.data_ptr<int32_t>();

@@ -30,13 +30,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ..checks import check_apply_top_k_top_p, check_chain_rejection_sample, check_tree_rejection_sample
+from ..checks import (MIN_SAMPLING_TEMPERATURE, check_apply_top_k_top_p, check_chain_rejection_sample,
+                      check_has_data, check_tree_rejection_sample)
 from .rng import PURPOSE_ACCEPT, PURPOSE_SAMPLE, philox_uniform
 
 BLOCK_V = 1024
 # Larger than every index: the "no index" of the min-reductions that pick the lowest index
 # among equal values (int32 max, as indices are int32).
 NO_INDEX = tl.constexpr(2147483647)
+# Requests with T below this (and 0, negative, NaN) are greedy (2^-64 is exact in fp32).
+MIN_T: tl.constexpr = tl.constexpr(MIN_SAMPLING_TEMPERATURE)
 
 
 @triton.jit
@@ -49,7 +52,7 @@ def _row_stats_kernel(logits_ptr, temp_ptr, rows_ptr, pmax_ptr, psum_ptr, parg_p
     num_rows = tl.load(rows_ptr + b)
     if k < num_rows:
         temp = tl.load(temp_ptr + b)
-        scale = 1.0 / tl.where(temp > 0.0, temp, 1.0)
+        scale = 1.0 / tl.where(temp >= MIN_T, temp, 1.0)
         idx = tile * BLOCK + tl.arange(0, BLOCK)
         mask = idx < V
         # Lanes past V are -inf after the scaling (-inf * scale is NaN when T = +inf).
@@ -229,7 +232,7 @@ def _walk_kernel(parents_ptr, tokens_ptr, num_nodes_ptr, logits_ptr, q_ptr, temp
     par = tl.load(parents_ptr + b * N + nidx, mask=nidx < n, other=-2)
     tok = tl.load(tokens_ptr + b * N + nidx, mask=nidx < n, other=-1)
     temp = tl.load(temp_ptr + b)
-    sampled = temp > 0.0
+    sampled = temp >= MIN_T
     inv_t = 1.0 / tl.where(sampled, temp, 1.0)
     seed = tl.load(seed_ptr + b)
     offset = tl.load(offset_ptr + b)
@@ -338,6 +341,9 @@ def _sample_tree(parents, tokens, num_nodes, logits, draft_probs, temperature, s
     vocab = logits.shape[-1]
     device = logits.device
     logits = logits.contiguous()
+    # The kernels index every tensor as contiguous (a strided temperature read the wrong
+    # requests' values; found by fuzzing).
+    temperature, seed, offset = temperature.contiguous(), seed.contiguous(), offset.contiguous()
     tiles = triton.cdiv(vocab, BLOCK_V)
     rows = batch * n_max
     pmax = torch.empty(rows, tiles, dtype=torch.float32, device=device)
@@ -529,8 +535,10 @@ def _top_k_top_p_kernel(logits_ptr, top_k_ptr, top_p_ptr, min_p_ptr, V, BLOCK: t
 
 def apply_top_k_top_p(logits, top_k, top_p, min_p):
     """Triton launcher of ``specdec::apply_top_k_top_p`` (in place on logits [R, V])."""
-    # The op's check (the kernel indexes row r at r * V and reads one parameter per row).
+    # The op's check (the kernel indexes row r at r * V and reads one parameter per row);
+    # a meta tensor (no data) would fail inside Triton with a message naming no argument.
     check_apply_top_k_top_p(logits, top_k, top_p, min_p)
+    check_has_data(logits, "logits")
     rows, vocab = logits.shape
     if rows == 0:
         return

