@@ -3,6 +3,7 @@
     specdec generate --model smollm2-135m --drafter ngram --prompt "Tell me about Paris."
     specdec bench [--prompts FILE] [--max-prompts N] [--max-new-tokens N] [--batch-sizes 1 4]
     specdec train-medusa --model smollm2-135m [--out FILE]   (regenerates the shipped Medusa heads)
+    specdec export-hf --model smollm2-135m --out DIR   (a Hugging Face checkpoint dir, e.g. for vLLM)
 """
 from __future__ import annotations
 
@@ -92,6 +93,16 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_export_hf(args) -> int:
+    from .models import load_model
+    from .models.hf_loader import save_hf_dir
+
+    model, tok = load_model(args.model)
+    save_hf_dir(model, args.out, tok)
+    print(f"[wrote {model.name} ({model.dtype}) and its tokenizer to {args.out}]", file=sys.stderr)
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # every later argument belongs to the benchmark's own parser
@@ -122,6 +133,11 @@ def main(argv=None) -> int:
                    "default: the heads the package ships for the model, 'untrained' for untrained heads)")
     g.add_argument("--threads", type=int, default=0)
     g.set_defaults(func=cmd_generate)
+    e = sub.add_parser("export-hf", help="write a model (weights as loaded, fp32 for GGUF) and its tokenizer as a "
+                       "Hugging Face checkpoint directory (config.json, model.safetensors, tokenizer.json, ...)")
+    e.add_argument("--model", default="smollm2-135m", help="registered name, .gguf file or HF checkpoint dir")
+    e.add_argument("--out", required=True, help="output directory")
+    e.set_defaults(func=cmd_export_hf)
     sub.add_parser("bench", help="end-to-end benchmark (specdec bench --help)")
     sub.add_parser("train-medusa", help="train Medusa heads by self-distillation (specdec train-medusa --help)")
     args = p.parse_args(argv)

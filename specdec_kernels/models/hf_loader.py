@@ -30,11 +30,20 @@ def load_hf_dir(path: str):
     return Llama.from_hf_state_dict(config, sd, name=os.path.basename(os.path.normpath(path))), tokenizer
 
 
-def save_hf_dir(model: Llama, path: str) -> None:
-    """Write config.json + model.safetensors (used by tests to hand a model to transformers)."""
+def save_hf_dir(model: Llama, path: str, tokenizer=None) -> None:
+    """Write config.json + model.safetensors, and with ``tokenizer`` (a ``Tokenizer``) its
+    tokenizer.json, tokenizer_config.json and a generation_config.json with every EOS id:
+    a checkpoint directory that transformers and vLLM load (e.g. SmolLM2 from its GGUF)."""
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
+    config = model.config.to_hf()
+    config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(model.config.to_hf(), f)
+        json.dump(config, f)
     save_file(model.hf_state_dict(), os.path.join(path, "model.safetensors"))
+    if tokenizer is not None:
+        tokenizer.save_hf_dir(path)
+        eos = list(tokenizer.eos_token_ids) or list(model.config.eos_token_ids)
+        with open(os.path.join(path, "generation_config.json"), "w") as f:
+            json.dump({"eos_token_id": eos, "bos_token_id": tokenizer.bos_token_id}, f)
