@@ -68,7 +68,12 @@ def medusa(d) -> str:
                       "fraction of copy BW"],
                      [[r["case"], r["M"], r["K"], r["lm_head"], r["dtype"], r["ours_us"], r["eager_us"], r["x_eager"],
                        r["x_batched"], r["frac_copy"]] for r in d["medusa_topk"]]))
-    out += ["", "skinny_linear at M = 8 (cold weights: a different weight copy per call, as in a decode step):", ""]
+    return "\n".join(out)
+
+
+def linear(d) -> str:
+    out = [f"Copy bandwidth {d['copy_bandwidth_gbs']:.1f} GB/s {machine_line(d)}; `{d['command']}`.", ""]
+    out += ["skinny_linear at M = 8 (cold weights: a different weight copy per call, as in a decode step):", ""]
     t = d["targets"]
     out.append(table(["weight [N, H]:dtype", "M=8 time / M=1 time", "× F.linear"],
                      [[k, t["skinny_M8_cold_vs_M1"][k], t["skinny_M8_cold_x_F.linear"][k]]
@@ -87,7 +92,7 @@ def e2e(d) -> str:
 
 def main(argv=None) -> int:
     for name, fn in [("rejection_sampling", rejection_sampling), ("tree_attention", tree_attention),
-                     ("kv_compaction", kv_compaction), ("medusa", medusa), ("e2e", e2e), ("e2e_spec_bench", e2e)]:
+                     ("kv_compaction", kv_compaction), ("medusa", medusa), ("linear", linear), ("e2e", e2e), ("e2e_spec_bench", e2e)]:
         d = load(name)
         if d is not None:
             print(f"### {name}\n\n{fn(d)}\n")

@@ -14,6 +14,13 @@ namespace specdec {
 constexpr uint32_t kPurposeAccept = 0;  // acceptance draw of a drafted token / tree node
 constexpr uint32_t kPurposeSample = 1;  // draw of the recovered or bonus token (per vocab index)
 
+// The Philox4x32 multipliers and Weyl key increments (PHILOX_M0.. in specdec_kernels/rng.py).
+constexpr uint32_t kPhiloxM0 = 0xD2511F53u;
+constexpr uint32_t kPhiloxM1 = 0xCD9E8D57u;
+constexpr uint32_t kPhiloxW0 = 0x9E3779B9u;
+constexpr uint32_t kPhiloxW1 = 0xBB67AE85u;
+constexpr float kPhiloxUniformScale = 1.0f / 16777216.0f;  // 2^-24: 24 random bits -> (0, 1]
+
 struct Philox4x32 {
   uint32_t v[4];
 };
@@ -27,12 +34,12 @@ inline void mulhilo32(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) {
 inline Philox4x32 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0, uint32_t k1) {
   for (int round = 0; round < 10; ++round) {
     if (round > 0) {
-      k0 += 0x9E3779B9u;
-      k1 += 0xBB67AE85u;
+      k0 += kPhiloxW0;
+      k1 += kPhiloxW1;
     }
     uint32_t hi0, lo0, hi1, lo1;
-    mulhilo32(0xD2511F53u, c0, hi0, lo0);
-    mulhilo32(0xCD9E8D57u, c2, hi1, lo1);
+    mulhilo32(kPhiloxM0, c0, hi0, lo0);
+    mulhilo32(kPhiloxM1, c2, hi1, lo1);
     uint32_t n0 = hi1 ^ c1 ^ k0;
     uint32_t n2 = hi0 ^ c3 ^ k1;
     c0 = n0;
@@ -44,7 +51,7 @@ inline Philox4x32 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t 
 }
 
 inline float uniform_from_bits(uint32_t x) {
-  return static_cast<float>((x >> 8) + 1u) * (1.0f / 16777216.0f);
+  return static_cast<float>((x >> 8) + 1u) * kPhiloxUniformScale;
 }
 
 // The uniform for (seed, offset + position, purpose, index).

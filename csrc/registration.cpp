@@ -41,10 +41,12 @@ TORCH_LIBRARY(specdec, m) {
       "compact_kv(Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor block_table, "
       "Tensor prefix_lens, Tensor accepted_nodes, Tensor num_accepted) -> ()");
 
-  // Medusa heads and the skinny GEMM under them (medusa.cpp).
+  // Medusa heads (medusa.cpp).
   m.def(
       "medusa_topk(Tensor hidden, Tensor res_weight, Tensor res_bias, Tensor lm_head, "
       "int top_k, Tensor(a!) topk_ids, Tensor(b!) topk_logprobs) -> ()");
+
+  // Linear layers for few rows (linear.cpp).
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()");
 
   // The counter-based generator, exposed so that tests can compare backends bit for bit.

@@ -1,22 +1,10 @@
-"""References of specdec::medusa_topk and specdec::skinny_linear (tests only).
+"""Reference of specdec::medusa_topk (tests only).
 
 Everything is computed in float64 from the inputs widened to float64, the plain way:
 full logits, log_softmax, then a sort with an explicit tie order. The kernels compute in
 fp32, so tests compare with tolerances (and exactly where inputs make fp32 exact).
 """
 import torch
-
-
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, H] @ weight [N, H]^T + bias [N], one dot product at a time, in float64."""
-    M, H = x.shape
-    N = weight.shape[0]
-    xd, wd = x.double(), weight.double()
-    out = torch.zeros(M, N, dtype=torch.float64)
-    for m in range(M):
-        for n in range(N):
-            out[m, n] = torch.dot(xd[m], wd[n]) + (float(bias[n]) if bias is not None else 0.0)
-    return out
 
 
 def medusa_head_states(hidden, res_weight, res_bias) -> torch.Tensor:

@@ -556,17 +556,18 @@ def _compact_kv_fake(k_caches, v_caches, block_table, prefix_lens, accepted_node
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Largest number of rows for which `linear` uses skinny_linear instead of F.linear on CPU.
-# Measured with `python bench/bench_medusa.py --threads 1` on the 2-core dev machine (torch
-# 2.13, MKL/oneDNN, a CPU with AVX-512 and AMX) over the SmolLM2 layer shapes [1536, 576],
-# [576, 1536], [576, 576], [192, 576], [49152, 576], with "cold" weights (each call takes
-# the next of a pool of copies larger than the 300 MB L3, as in a decode step where the
-# other layers evicted this one; bench/results/medusa.json). fp32: F.linear time /
-# skinny_linear time = 1.1-1.8x at M = 4 and 8 on every shape, 0.84-1.03x at M = 1-2 on
-# the small shapes but 1.0-1.7x on the LM head, mixed from M = 16 (MKL's AVX-512 GEMM
-# wins once the kernel is compute bound). bf16: oneDNN's bf16 GEMM (AMX) wins from M = 4
-# (skinny_linear 1.1-1.5x faster at M = 1-2). With the weight hot in L2 (a microbenchmark
-# calling one small layer in a loop) F.linear wins on [576, 576] and [192, 576] at every M.
-# (2-thread wall-clock medians on the shared machine were dominated by preemption.)
+# Measured with `python bench/bench_medusa.py --threads 1` (its skinny_linear part is now
+# bench/bench_linear.py) on the 2-core dev machine (torch 2.13, MKL/oneDNN, a CPU with
+# AVX-512 and AMX) over the SmolLM2 layer shapes [1536, 576], [576, 1536], [576, 576],
+# [192, 576], [49152, 576], with "cold" weights (each call takes the next of a pool of
+# copies larger than the 300 MB L3, as in a decode step where the other layers evicted
+# this one; bench/results/linear.json). fp32: F.linear time / skinny_linear time =
+# 1.1-1.8x at M = 4 and 8 on every shape, 0.84-1.03x at M = 1-2 on the small shapes but
+# 1.0-1.7x on the LM head, mixed from M = 16 (MKL's AVX-512 GEMM wins once the kernel is
+# compute bound). bf16: oneDNN's bf16 GEMM (AMX) wins from M = 4 (skinny_linear 1.1-1.5x
+# faster at M = 1-2). With the weight hot in L2 (a microbenchmark calling one small layer
+# in a loop) F.linear wins on [576, 576] and [192, 576] at every M. (2-thread wall-clock
+# medians on the shared machine were dominated by preemption.)
 SKINNY_LINEAR_MAX_ROWS = 8
 SKINNY_LINEAR_MAX_ROWS_BF16 = 2
 

@@ -50,12 +50,12 @@ if "nvidia" not in _triton_backends:
     print(f"this Triton has no CUDA backend (backends: {sorted(_triton_backends)})")
     sys.exit(77)
 
-from specdec_kernels.triton import kv_compaction, medusa, rejection_sampling, tree_attention  # noqa: E402
+from specdec_kernels.triton import kv_compaction, linear, medusa, rejection_sampling, tree_attention  # noqa: E402
 from specdec_kernels.triton import rng  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 MAX_SHARED_BYTES = 232448  # sm_90: 227 KiB of shared memory per block (opt-in maximum)
-MODULES = (rejection_sampling, tree_attention, kv_compaction, medusa, rng)
+MODULES = (rejection_sampling, tree_attention, kv_compaction, linear, medusa, rng)
 FLOAT_DTYPES = ("fp32", "bf16", "fp16")
 VERBOSE = "-v" in sys.argv[1:]
 FULL = "--full" in sys.argv[1:]  # also the slow-to-compile variants (fp32 attention): minutes
@@ -208,18 +208,13 @@ def kv_compaction_cases():
 
 
 # ---------------------------------------------------------------------------------------
-# Medusa (medusa_topk, skinny_linear). Written against the kernels of branch `medusa`
-# (_linear_kernel, _lm_head_topk_kernel, _merge_kernel); while medusa.py is a placeholder
-# there is nothing to compile. INTEGRATOR: if those kernels change names or parameters, the
-# coverage / signature checks below fail loudly — update this section to the launchers.
+# Linear (skinny_linear; also medusa_topk's ResBlocks and its lm_head fallback for top_k > 64).
 # ---------------------------------------------------------------------------------------
 
 
-def medusa_cases():
-    m = medusa
-    if not hasattr(m, "_linear_kernel"):
-        return
-    blocks = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32)  # _linear()
+def linear_cases():
+    m = linear
+    blocks = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32)  # launch_linear()
     for dt in FLOAT_DTYPES:  # weights (and bias) of any float dtype; x and out are fp32
         types = dict(x_ptr="*fp32", w_ptr=f"*{dt}", b_ptr=f"*{dt}", out_ptr="*fp32",
                      **i32("M", "N", "H", "stride_xh", "stride_wh", "stride_bh", "stride_oh"))
@@ -227,6 +222,15 @@ def medusa_cases():
         for has_bias, silu in ((False, False), (True, False), (True, True)):
             yield Case(m._linear_kernel, types, dict(blocks, HAS_BIAS=has_bias, RESIDUAL_SILU=silu),
                        f"weight {dt}, HAS_BIAS={has_bias} RESIDUAL_SILU={silu}")
+
+
+# ---------------------------------------------------------------------------------------
+# Medusa (medusa_topk): the lm_head top-k and merge kernels.
+# ---------------------------------------------------------------------------------------
+
+
+def medusa_cases():
+    m = medusa
     block_v, block_t, block_c = 128, 128, 512  # medusa_topk() defaults
     # top_k is a runtime argument: one lm_head kernel per weight dtype, one merge kernel per
     # power-of-two bound TOP_K_P2 = 1 .. 64 (MAX_FUSED_TOP_K); each compiles in about a second.
@@ -243,7 +247,7 @@ def medusa_cases():
             dict(TOP_K_P2=top_k_p2, BLOCK_T=block_t, BLOCK_C=block_c), f"TOP_K_P2={top_k_p2}")
 
 
-AREAS = (rejection_sampling_cases, tree_attention_cases, kv_compaction_cases, medusa_cases)
+AREAS = (rejection_sampling_cases, tree_attention_cases, kv_compaction_cases, linear_cases, medusa_cases)
 
 
 def jit_functions():
@@ -309,8 +313,6 @@ def main():
     total = time.perf_counter() - start
     slowest = ", ".join(f"{n} {t:.1f} s" for t, n in sorted(timings, reverse=True)[:3])
     print(f"{len(timings)} kernel variants compiled for sm_90 (Triton cache hits included) in {total:.1f} s (slowest: {slowest})")
-    if not hasattr(medusa, "_linear_kernel"):
-        print("note: specdec_kernels/triton/medusa.py has no kernels yet; nothing compiled for medusa")
     if failures:
         print(f"{len(failures)} failure(s): " + "; ".join(n for n, _ in failures))
         sys.exit(1)

@@ -1,5 +1,5 @@
-// CPU kernels of specdec::chain_rejection_sample, specdec::tree_rejection_sample and
-// specdec::apply_top_k_top_p (semantics: DESIGN.md and the docstrings in ops.py).
+// CPU kernels of specdec::chain_rejection_sample and specdec::tree_rejection_sample
+// (semantics: DESIGN.md and the docstrings in ops.py).
 //
 // Rejection sampling runs in three phases, none of which materialises a softmax. Every
 // row in use must be checked (NaN / +inf / all -inf make the request -1), but the walk
@@ -18,7 +18,7 @@
 //      tile), with the validity checks of the remaining unreached rows fused in (their
 //      memory traffic hidden behind Philox); the positive weights are compacted, Philox
 //      runs 16 (AVX-512) or 8 (AVX2) lanes at a time with the index-independent parts of
-//      rounds 1-2 precomputed, and the log is skipped where -log(u) >= 1 - u proves an
+//      rounds 1-2 precomputed (philox_simd.h), and the log is skipped where -log(u) >= 1 - u proves an
 //      entry cannot win (see kPruneSlack); then a reduction over tiles (ties to the lower
 //      index).
 // Streams are prefetched a 4 KiB chunk ahead (hardware prefetchers stop at pages).
@@ -33,10 +33,6 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
-#if defined(CPU_CAPABILITY_AVX2)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -44,8 +40,10 @@
 #include <vector>
 
 #include "check.h"
+#include "dispatch.h"
 #include "ops.h"
 #include "philox.h"
+#include "philox_simd.h"
 
 namespace specdec {
 namespace {
@@ -53,19 +51,7 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kChunk = 1024;        // elements converted / scored at a time (fits L1)
 constexpr int64_t kRaceTile = 16384;    // vocabulary entries per race task
-// Below this many elements per task group a thread hand-off costs more than it saves
-// (and much more on an oversubscribed machine), so tasks are grouped to at least this.
-constexpr int64_t kMinParallelElements = 1 << 16;
-
-inline int64_t grain_for(int64_t elements_per_task) {
-  return std::max<int64_t>(1, kMinParallelElements / std::max<int64_t>(1, elements_per_task));
-}
 constexpr float kInf = std::numeric_limits<float>::infinity();
-
-#define SPECDEC_DISPATCH_LOGITS(TYPE, NAME, ...)                                                   \
-  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                          \
-                                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)                   \
-                                         AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
 
 // ---------------------------------------------------------------------------------------
 // Loading a chunk of logits as float.
@@ -74,16 +60,9 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 template <typename scalar_t>
 inline const float* load_chunk(const scalar_t* src, int64_t n, float* buf) {
   if constexpr (std::is_same_v<scalar_t, float>) {
-    return src;
+    return src;  // no copy
   } else {
-    using bVec = at::vec::Vectorized<scalar_t>;
-    int64_t i = 0;
-    for (; i + bVec::size() <= n; i += bVec::size()) {
-      auto [lo, hi] = at::vec::convert_to_float<scalar_t>(bVec::loadu(src + i));
-      lo.store(buf + i);
-      hi.store(buf + i + Vec::size());
-    }
-    for (; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+    widen_to_float(src, n, buf);
     return buf;
   }
 }
@@ -239,182 +218,13 @@ RowStats row_stats(const scalar_t* row, int64_t vocab, float temperature, const 
 }
 
 // ---------------------------------------------------------------------------------------
-// Philox uniforms for a chunk of vocabulary indices.
+// Phase 3: the exponential race.
 // ---------------------------------------------------------------------------------------
 
-struct PhiloxKey {
-  uint32_t k0, k1, c1, c2, c3;  // key words and the fixed counter words (purpose, position)
-};
-
-inline PhiloxKey make_key(int64_t seed, int64_t offset, int64_t position, uint32_t purpose) {
-  const uint64_t s = static_cast<uint64_t>(seed);
-  const uint64_t c = static_cast<uint64_t>(offset) + static_cast<uint64_t>(position);
-  return {static_cast<uint32_t>(s), static_cast<uint32_t>(s >> 32), purpose, static_cast<uint32_t>(c),
-          static_cast<uint32_t>(c >> 32)};
-}
-
-// Everything of Philox4x32-10 (csrc/philox.h) that is the same for all vocabulary indices
-// of one race: the round keys and, as only counter word 0 (the index) varies, the parts
-// of rounds 1 and 2 that do not depend on it. Only word 0 of the output is used, so the
-// last round computes one product.
-struct PhiloxPlan {
-  uint32_t k0[10], k1[10];
-  uint32_t r1_x2;   // round 1: x2 = hi(M0 * index) ^ r1_x2
-  uint32_t r2_x0;   // round 2: x0 = hi(M1 * x2) ^ r2_x0
-  uint32_t r2_x2;   // round 2: x2 = x3 ^ r2_x2
-  uint32_t r3_x2;   // round 3: x2 = hi(M0 * x0) ^ r3_x2 (x3 is constant after round 2)
-  explicit PhiloxPlan(const PhiloxKey& key) {
-    for (int r = 0; r < 10; ++r) {
-      k0[r] = key.k0 + static_cast<uint32_t>(r) * 0x9E3779B9u;
-      k1[r] = key.k1 + static_cast<uint32_t>(r) * 0xBB67AE85u;
-    }
-    uint32_t hi, lo;
-    mulhilo32(0xCD9E8D57u, key.c2, hi, lo);  // round 1, word 2 is constant
-    const uint32_t x0 = hi ^ key.c1 ^ k0[0], x1 = lo;
-    r1_x2 = key.c3 ^ k1[0];
-    r2_x0 = x1 ^ k0[1];
-    mulhilo32(0xD2511F53u, x0, hi, lo);  // round 2, word 0 is constant
-    r2_x2 = hi ^ k1[1];
-    r3_x2 = lo ^ k1[2];
-  }
-};
-
-// Scalar twin of the vector kernels below (for the fallback and the tail).
-inline float philox_plan_uniform(const PhiloxPlan& p, uint32_t index) {
-  uint32_t hi0, lo0, hi1, lo1;
-  mulhilo32(0xD2511F53u, index, hi0, lo0);
-  uint32_t x2 = hi0 ^ p.r1_x2, x3 = lo0;
-  mulhilo32(0xCD9E8D57u, x2, hi1, lo1);
-  uint32_t x0 = hi1 ^ p.r2_x0, x1 = lo1;
-  x2 = x3 ^ p.r2_x2;
-  mulhilo32(0xD2511F53u, x0, hi0, lo0);
-  mulhilo32(0xCD9E8D57u, x2, hi1, lo1);
-  x0 = hi1 ^ x1 ^ p.k0[2], x1 = lo1, x2 = hi0 ^ p.r3_x2, x3 = lo0;
-  for (int r = 3; r < 9; ++r) {
-    mulhilo32(0xD2511F53u, x0, hi0, lo0);
-    mulhilo32(0xCD9E8D57u, x2, hi1, lo1);
-    x0 = hi1 ^ x1 ^ p.k0[r], x1 = lo1, x2 = hi0 ^ x3 ^ p.k1[r], x3 = lo0;
-  }
-  mulhilo32(0xCD9E8D57u, x2, hi1, lo1);
-  return uniform_from_bits(hi1 ^ x1 ^ p.k0[9]);
-}
-
-#if defined(CPU_CAPABILITY_AVX2) && defined(__GNUC__)
-#define SPECDEC_RS_X86 1
-
-// The vector kernels keep 32-bit words in the low halves of 64-bit lanes: a 32 x 32 ->
-// 64-bit product (vpmuludq) then yields lo in place and hi one dword shuffle away, and
-// the high halves (garbage) are never read by vpmuludq. The even lanes of 8 (16) indices
-// form one such vector, the odd lanes (shifted down) the other.
-
-// out[i] = uniform(base + (idx ? idx[i] : i)) for i < n, n a multiple of 8.
-inline void philox_uniforms_avx2(const PhiloxPlan& p, uint32_t base, const uint32_t* idx, int64_t n, float* out) {
-  const __m256i m0 = _mm256_set1_epi64x(0xD2511F53u), m1 = _mm256_set1_epi64x(0xCD9E8D57u);
-  auto hi = [](__m256i v) { return _mm256_shuffle_epi32(v, 0xB1); };
-  auto x3 = [](__m256i a, __m256i b, __m256i c) { return _mm256_xor_si256(_mm256_xor_si256(a, b), c); };
-  __m256i k0[10], k1[10];
-  for (int r = 0; r < 10; ++r) k0[r] = _mm256_set1_epi32(static_cast<int>(p.k0[r])), k1[r] = _mm256_set1_epi32(static_cast<int>(p.k1[r]));
-  const __m256i r1_x2 = _mm256_set1_epi32(static_cast<int>(p.r1_x2)), r2_x0 = _mm256_set1_epi32(static_cast<int>(p.r2_x0));
-  const __m256i r2_x2 = _mm256_set1_epi32(static_cast<int>(p.r2_x2)), r3_x2 = _mm256_set1_epi32(static_cast<int>(p.r3_x2));
-  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), vbase = _mm256_set1_epi32(static_cast<int>(base));
-  const __m256i one = _mm256_set1_epi32(1);
-  const __m256 scale = _mm256_set1_ps(1.0f / 16777216.0f);
-  for (int64_t i = 0; i < n; i += 8) {
-    const __m256i index = _mm256_add_epi32(
-        vbase, idx ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx + i))
-                   : _mm256_add_epi32(iota, _mm256_set1_epi32(static_cast<int>(i))));
-    __m256i x0[2], x1[2], x2[2], x3v[2];
-    for (int h = 0; h < 2; ++h) {
-      const __m256i c0 = h == 0 ? index : _mm256_srli_epi64(index, 32);
-      const __m256i q0 = _mm256_mul_epu32(m0, c0);  // round 1
-      x2[h] = _mm256_xor_si256(hi(q0), r1_x2);
-      x3v[h] = q0;
-      const __m256i q1 = _mm256_mul_epu32(m1, x2[h]);  // round 2
-      x0[h] = _mm256_xor_si256(hi(q1), r2_x0);
-      x1[h] = q1;
-      x2[h] = _mm256_xor_si256(x3v[h], r2_x2);
-    }
-    for (int h = 0; h < 2; ++h) {  // round 3
-      const __m256i q0 = _mm256_mul_epu32(m0, x0[h]), q1 = _mm256_mul_epu32(m1, x2[h]);
-      x0[h] = x3(hi(q1), x1[h], k0[2]);
-      x1[h] = q1;
-      x2[h] = _mm256_xor_si256(hi(q0), r3_x2);
-      x3v[h] = q0;
-    }
-    for (int r = 3; r < 9; ++r)
-      for (int h = 0; h < 2; ++h) {
-        const __m256i q0 = _mm256_mul_epu32(m0, x0[h]), q1 = _mm256_mul_epu32(m1, x2[h]);
-        x0[h] = x3(hi(q1), x1[h], k0[r]);
-        x1[h] = q1;
-        x2[h] = x3(hi(q0), x3v[h], k1[r]);
-        x3v[h] = q0;
-      }
-    for (int h = 0; h < 2; ++h) x0[h] = x3(hi(_mm256_mul_epu32(m1, x2[h])), x1[h], k0[9]);  // round 10
-    const __m256i word0 = _mm256_blend_epi32(x0[0], _mm256_slli_epi64(x0[1], 32), 0xAA);
-    const __m256i bits = _mm256_add_epi32(_mm256_srli_epi32(word0, 8), one);  // in [1, 2^24]: exact
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtepi32_ps(bits), scale));
-  }
-}
-
-#define SPECDEC_AVX512 __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,popcnt")))
-// GCC 12's AVX-512 headers trip -Wmaybe-uninitialized (their _mm512_undefined_*), and
-// -Wpsabi notes that these internal helpers pass 512-bit vectors: both harmless here.
+#if defined(SPECDEC_X86_SIMD)
 #pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's AVX-512 headers (see philox_simd.h)
 #pragma GCC diagnostic ignored "-Wpsabi"
-
-// The same with 16 indices per step and three-way XORs in one instruction.
-// (Lambdas would not inherit the target attribute.)
-SPECDEC_AVX512 inline __m512i avx512_hi(__m512i v) { return _mm512_shuffle_epi32(v, _MM_PERM_CDAB); }
-SPECDEC_AVX512 inline __m512i avx512_xor3(__m512i a, __m512i b, __m512i c) {
-  return _mm512_ternarylogic_epi32(a, b, c, 0x96);
-}
-
-SPECDEC_AVX512 void philox_uniforms_avx512(const PhiloxPlan& p, uint32_t base, const uint32_t* idx, int64_t n,
-                                           float* out) {
-  const __m512i m0 = _mm512_set1_epi64(0xD2511F53u), m1 = _mm512_set1_epi64(0xCD9E8D57u);
-  __m512i k0[10], k1[10];
-  for (int r = 0; r < 10; ++r) k0[r] = _mm512_set1_epi32(static_cast<int>(p.k0[r])), k1[r] = _mm512_set1_epi32(static_cast<int>(p.k1[r]));
-  const __m512i r1_x2 = _mm512_set1_epi32(static_cast<int>(p.r1_x2)), r2_x0 = _mm512_set1_epi32(static_cast<int>(p.r2_x0));
-  const __m512i r2_x2 = _mm512_set1_epi32(static_cast<int>(p.r2_x2)), r3_x2 = _mm512_set1_epi32(static_cast<int>(p.r3_x2));
-  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i vbase = _mm512_set1_epi32(static_cast<int>(base)), one = _mm512_set1_epi32(1);
-  const __m512 scale = _mm512_set1_ps(1.0f / 16777216.0f);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m512i index = _mm512_add_epi32(
-        vbase, idx ? _mm512_loadu_si512(idx + i) : _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int>(i))));
-    __m512i x0[2], x1[2], x2[2], x3v[2];
-    for (int h = 0; h < 2; ++h) {
-      const __m512i c0 = h == 0 ? index : _mm512_srli_epi64(index, 32);
-      const __m512i q0 = _mm512_mul_epu32(m0, c0);  // round 1
-      x2[h] = _mm512_xor_si512(avx512_hi(q0), r1_x2);
-      x3v[h] = q0;
-      const __m512i q1 = _mm512_mul_epu32(m1, x2[h]);  // round 2
-      x0[h] = _mm512_xor_si512(avx512_hi(q1), r2_x0);
-      x1[h] = q1;
-      x2[h] = _mm512_xor_si512(x3v[h], r2_x2);
-    }
-    for (int h = 0; h < 2; ++h) {  // round 3
-      const __m512i q0 = _mm512_mul_epu32(m0, x0[h]), q1 = _mm512_mul_epu32(m1, x2[h]);
-      x0[h] = avx512_xor3(avx512_hi(q1), x1[h], k0[2]);
-      x1[h] = q1;
-      x2[h] = _mm512_xor_si512(avx512_hi(q0), r3_x2);
-      x3v[h] = q0;
-    }
-    for (int r = 3; r < 9; ++r)
-      for (int h = 0; h < 2; ++h) {
-        const __m512i q0 = _mm512_mul_epu32(m0, x0[h]), q1 = _mm512_mul_epu32(m1, x2[h]);
-        x0[h] = avx512_xor3(avx512_hi(q1), x1[h], k0[r]);
-        x1[h] = q1;
-        x2[h] = avx512_xor3(avx512_hi(q0), x3v[h], k1[r]);
-        x3v[h] = q0;
-      }
-    for (int h = 0; h < 2; ++h) x0[h] = avx512_xor3(avx512_hi(_mm512_mul_epu32(m1, x2[h])), x1[h], k0[9]);  // round 10
-    const __m512i word0 = _mm512_mask_blend_epi32(0xAAAA, x0[0], _mm512_slli_epi64(x0[1], 32));
-    const __m512i bits = _mm512_add_epi32(_mm512_srli_epi32(word0, 8), one);  // in [1, 2^24]: exact
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_cvtepi32_ps(bits), scale));
-  }
-}
 
 // Appends the indices i < n (n a multiple of 16) with w[i] > 0 to pos and their weights to
 // wc, in order; returns how many. pos and wc need 16 entries of room beyond the count,
@@ -431,33 +241,8 @@ SPECDEC_AVX512 int64_t compact_positive_avx512(const float* w, int64_t n, uint32
   }
   return m;
 }
-
 #pragma GCC diagnostic pop
-
-// SPECDEC_DISABLE_AVX512=1 (read once) forces the AVX2 kernels, e.g. to test them.
-inline bool cpu_has_avx512() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
-                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
-                          !(std::getenv("SPECDEC_DISABLE_AVX512") && std::getenv("SPECDEC_DISABLE_AVX512")[0] == '1');
-  return has;
-}
-#else
-inline bool cpu_has_avx512() { return false; }
 #endif
-
-// out[i] = philox uniform of index base + (idx ? idx[i] : i), i < n (n a multiple of 16).
-inline void philox_uniforms(const PhiloxPlan& p, uint32_t base, const uint32_t* idx, int64_t n, float* out) {
-#if defined(SPECDEC_RS_X86)
-  if (cpu_has_avx512()) return philox_uniforms_avx512(p, base, idx, n, out);
-  return philox_uniforms_avx2(p, base, idx, n, out);
-#else
-  for (int64_t i = 0; i < n; ++i) out[i] = philox_plan_uniform(p, base + (idx ? idx[i] : static_cast<uint32_t>(i)));
-#endif
-}
-
-// ---------------------------------------------------------------------------------------
-// Phase 3: the exponential race.
-// ---------------------------------------------------------------------------------------
 
 // From which weights the last token of a request is drawn: row `row` of the logits with
 // statistics (max, inv_t), w_v = max(exp(l_v inv_t - max) - coef q_v, 0) (no q: w_v =
@@ -495,7 +280,7 @@ constexpr float kPruneMinScore = 0x1p-60f;
 constexpr float kPruneMinWeight = 0x1p-100f;
 
 inline bool any_lane(const Vec& mask) {
-#if defined(SPECDEC_RS_X86)
+#if defined(SPECDEC_X86_SIMD)
   return _mm256_movemask_ps(mask) != 0;
 #else
   float lanes[Vec::size()];
@@ -558,7 +343,7 @@ RaceResult race_tile(const scalar_t* logits, int64_t vocab, const RaceSpec& spec
     int64_t m = padded;
     const uint32_t* idx = nullptr;
     const float* wp = w;
-#if defined(SPECDEC_RS_X86)
+#if defined(SPECDEC_X86_SIMD)
     if (avx512) {
       m = compact_positive_avx512(w, padded, pos, wc);
       for (; m % kPad != 0; ++m) pos[m] = 0, wc[m] = 0.0f;  // inert: weight 0
@@ -615,7 +400,7 @@ std::vector<int64_t> run_races(const scalar_t* logits, int64_t vocab, const std:
       for (int64_t t = lo; t < hi; ++t) {
         const int64_t b = t / tiles, tile = t % tiles;
         if (!todo[b]) continue;
-        const PhiloxPlan plan(make_key(seed[b], offset[b], specs[b].position, kPurposeSample));
+        const PhiloxPlan plan(make_philox_key(seed[b], offset[b], specs[b].position, kPurposeSample));
         partial[t] = race_tile(logits, vocab, specs[b], plan, tile * kRaceTile, std::min(vocab, (tile + 1) * kRaceTile),
                                ignore_q, !ignore_q,
                                check_max.data() + check_at[b] + tile * static_cast<int64_t>(specs[b].unchecked.size()));
@@ -947,7 +732,7 @@ void chain_rejection_sample_cpu(const at::Tensor& draft_token_ids, const at::Ten
   }
   std::vector<WalkResult> walks;
   std::vector<char> valid;
-  SPECDEC_DISPATCH_LOGITS(logits.scalar_type(), "chain_rejection_sample", [&] {
+  SPECDEC_DISPATCH_FLOAT_TYPES(logits.scalar_type(), "chain_rejection_sample", [&] {
     sample_requests<scalar_t>(reqs, logits, q ? q->data_ptr<float>() : nullptr, max_drafts, temp.data_ptr<float>(),
                               seed_c.data_ptr<int64_t>(), offset_c.data_ptr<int64_t>(), max_drafts + 1, walks, valid);
   });
@@ -1020,7 +805,7 @@ void tree_rejection_sample_cpu(const at::Tensor& parents, const at::Tensor& tree
   }
   std::vector<WalkResult> walks;
   std::vector<char> valid;
-  SPECDEC_DISPATCH_LOGITS(logits.scalar_type(), "tree_rejection_sample", [&] {
+  SPECDEC_DISPATCH_FLOAT_TYPES(logits.scalar_type(), "tree_rejection_sample", [&] {
     sample_requests<scalar_t>(reqs, logits, q ? q->data_ptr<float>() : nullptr, max_nodes, temp.data_ptr<float>(),
                               seed_c.data_ptr<int64_t>(), offset_c.data_ptr<int64_t>(), max_nodes, walks, valid);
   });
@@ -1048,101 +833,9 @@ void tree_rejection_sample_cpu(const at::Tensor& parents, const at::Tensor& tree
   }
 }
 
-// ---------------------------------------------------------------------------------------
-// apply_top_k_top_p.
-// ---------------------------------------------------------------------------------------
-
-namespace {
-
-template <typename scalar_t>
-void mask_row(scalar_t* row, int64_t vocab, int64_t k, float top_p, float min_p, std::vector<float>& vals,
-              std::vector<float>& work) {
-  vals.resize(vocab);
-  for (int64_t v = 0; v < vocab; ++v) vals[v] = static_cast<float>(row[v]);
-  float m = -kInf;
-  for (float x : vals) {
-    if (std::isnan(x)) return;  // rows with NaN stay as they are (the sampler flags them)
-    m = std::max(m, x);
-  }
-  if (m == -kInf) return;
-  float threshold = -kInf;
-  if (k > 0 && k < vocab) {
-    work.assign(vals.begin(), vals.end());
-    std::nth_element(work.begin(), work.begin() + (k - 1), work.end(), std::greater<float>());
-    threshold = work[k - 1];
-  }
-  if (top_p < 1.0f) {
-    work.clear();
-    for (float x : vals)
-      if (x >= threshold) work.push_back(x);
-    std::sort(work.begin(), work.end(), std::greater<float>());
-    float z = 0.0f;
-    for (float x : work) z += std::exp(x - m);
-    const float target = top_p * z;
-    float above = 0.0f;
-    size_t i = 0;
-    float t_p = m;
-    while (i < work.size()) {
-      if (i > 0 && !(above < target)) break;
-      t_p = work[i];
-      size_t j = i;
-      for (; j < work.size() && work[j] == work[i]; ++j) above += std::exp(work[j] - m);
-      i = j;
-    }
-    threshold = std::max(threshold, t_p);
-  }
-  const float mp = std::min(min_p, 1.0f);
-  const scalar_t neg_inf = static_cast<scalar_t>(-kInf);
-  for (int64_t v = 0; v < vocab; ++v) {
-    const float x = vals[v];
-    if (x < threshold || (mp > 0.0f && !(std::exp(x - m) >= mp))) row[v] = neg_inf;
-  }
-}
-
-}  // namespace
-
-void apply_top_k_top_p_cpu(at::Tensor& logits, const std::optional<at::Tensor>& top_k,
-                           const std::optional<at::Tensor>& top_p, const std::optional<at::Tensor>& min_p) {
-  check_cpu(logits, "logits");
-  check_dim(logits, 2, "logits");
-  check_contiguous(logits, "logits");
-  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16 ||
-                  logits.scalar_type() == at::kHalf,
-              "logits must have dtype float32, bfloat16 or float16, got ", logits.scalar_type());
-  const int64_t rows = logits.size(0), vocab = logits.size(1);
-  std::optional<at::Tensor> k_c, p_c, mp_c;
-  for (auto [t, out, name, dtype] :
-       {std::tuple{&top_k, &k_c, "top_k", at::kInt}, std::tuple{&top_p, &p_c, "top_p", at::kFloat},
-        std::tuple{&min_p, &mp_c, "min_p", at::kFloat}}) {
-    if (!t->has_value()) continue;
-    check_cpu(**t, name);
-    check_dtype(**t, dtype, name);
-    check_dim(**t, 1, name);
-    check_size(**t, 0, rows, name);
-    *out = (*t)->contiguous();
-  }
-  const int32_t* kp = k_c ? k_c->data_ptr<int32_t>() : nullptr;
-  const float* pp = p_c ? p_c->data_ptr<float>() : nullptr;
-  const float* mpp = mp_c ? mp_c->data_ptr<float>() : nullptr;
-  SPECDEC_DISPATCH_LOGITS(logits.scalar_type(), "apply_top_k_top_p", [&] {
-    scalar_t* data = logits.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, grain_for(vocab), [&](int64_t lo, int64_t hi) {
-      std::vector<float> vals, work;
-      for (int64_t r = lo; r < hi; ++r) {
-        const int64_t k = kp ? kp[r] : 0;
-        const float p = pp ? pp[r] : 1.0f;
-        const float mp = mpp ? mpp[r] : 0.0f;
-        if ((k <= 0 || k >= vocab) && !(p < 1.0f) && !(mp > 0.0f)) continue;
-        mask_row(data + r * vocab, vocab, k, p, mp, vals, work);
-      }
-    });
-  });
-}
-
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("chain_rejection_sample", &chain_rejection_sample_cpu);
   m.impl("tree_rejection_sample", &tree_rejection_sample_cpu);
-  m.impl("apply_top_k_top_p", &apply_top_k_top_p_cpu);
 }
 
 }  // namespace specdec

@@ -1,8 +1,8 @@
-"""Triton kernels of specdec::medusa_topk and specdec::skinny_linear (CUDA key).
+"""Triton kernels of specdec::medusa_topk (CUDA key).
 
 medusa_topk runs in three steps, none of which writes the [M, K, V] logits:
   1. ResBlocks: per layer one launch over (row block, output block, head) of a fused
-     x_next = x + SiLU(x W^T + b) (``_linear_kernel`` with RESIDUAL_SILU).
+     x_next = x + SiLU(x W^T + b) (``_linear_kernel`` of linear.py with RESIDUAL_SILU).
   2. ``_lm_head_topk_kernel``: one program per (vocabulary tile, row block, head) computes
      the tile's logits, its max and sum of exp (log-sum-exp partials), and its top_k
      candidates by iterative max extraction (ties to the lower id); at most 64.
@@ -22,44 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .linear import launch_linear
+
 # Candidates per tile are extracted one by one; beyond this the fallback below is used.
 MAX_FUSED_TOP_K = 64
-
-
-@triton.jit(do_not_specialize=["M"])
-def _linear_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr,
-    M, N, H,
-    stride_xh, stride_wh, stride_bh, stride_oh,  # per-head (program_id(2)) strides
-    HAS_BIAS: tl.constexpr, RESIDUAL_SILU: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    """out[h, m, n] = sum_k x[h, m, k] w[h, n, k] (+ b[h, n]); with RESIDUAL_SILU
-    (requires N == H) out = x + SiLU(that). x, out: [*, M, H|N] fp32 rows of stride H|N."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    head = tl.program_id(2).to(tl.int64)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    x_base = x_ptr + head * stride_xh
-    w_base = w_ptr + head * stride_wh
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        kk = k0 + rk
-        x = tl.load(x_base + rm[:, None] * H + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < H), other=0.0)
-        # The weight tile is loaded transposed, [BLOCK_K, BLOCK_N], straight from [N, H].
-        w = tl.load(w_base + rn[None, :].to(tl.int64) * H + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < H),
-                    other=0.0)
-        acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-    if HAS_BIAS:
-        bias = tl.load(b_ptr + head * stride_bh + rn, mask=rn < N, other=0.0).to(tl.float32)
-        acc += bias[None, :]
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if RESIDUAL_SILU:
-        resid = tl.load(x_base + rm[:, None] * H + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-        acc = resid + acc / (1.0 + tl.exp(-acc))
-    tl.store(out_ptr + head * stride_oh + rm[:, None] * N + rn[None, :], acc, mask=mask)
 
 
 @triton.jit(do_not_specialize=["M", "top_k"])
@@ -177,19 +143,10 @@ def _check(condition, message):
         raise ValueError(message)
 
 
-def _check_skinny_linear(x, weight, bias, out):
-    """The shapes the launcher indexes with (through torch.ops on a CUDA tensor no wrapper has
-    checked them): a mismatch would read or write past a tensor."""
-    _check(x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1],
-           f"weight must have shape [N, {x.shape[-1]}] (x is {list(x.shape)}), got {list(weight.shape)}")
-    M, N = x.shape[0], weight.shape[0]
-    if bias is not None:
-        _check(tuple(bias.shape) == (N,), f"bias must have shape [{N}], got {list(bias.shape)}")
-    _check(out.dim() == 2 and tuple(out.shape) == (M, N), f"out must have shape [{M}, {N}], got {list(out.shape)}")
-
-
 def _check_medusa_topk(hidden, res_weight, res_bias, lm_head, top_k, topk_ids, topk_logprobs):
-    """As _check_skinny_linear, for medusa_topk (the ops.medusa_topk rules that matter here)."""
+    """The shapes the launcher indexes with (through torch.ops on a CUDA tensor no wrapper has
+    checked them; the ops.medusa_topk rules that matter here): a mismatch would read or write
+    past a tensor."""
     _check(hidden.dim() == 2, f"hidden must have 2 dimensions, got shape {list(hidden.shape)}")
     M, H = hidden.shape
     _check(res_weight.dim() == 4 and res_weight.shape[0] >= 1 and tuple(res_weight.shape[2:]) == (H, H),
@@ -206,34 +163,6 @@ def _check_medusa_topk(hidden, res_weight, res_bias, lm_head, top_k, topk_ids, t
                f"{list(t.shape)} (contiguous: {t.is_contiguous()})")
 
 
-def _linear(x, weight, bias, out, *, heads=1, stride_xh=0, stride_wh=0, stride_bh=0, stride_oh=0,
-            residual_silu=False):
-    M, H = x.shape[-2], x.shape[-1]
-    N = out.shape[-1]
-    BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32
-    grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(M, BLOCK_M), heads)
-    _linear_kernel[grid](
-        x, weight, bias if bias is not None else weight, out, M, N, H,
-        stride_xh, stride_wh, stride_bh, stride_oh,
-        HAS_BIAS=bias is not None, RESIDUAL_SILU=residual_silu,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-    )
-
-
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor) -> None:
-    """Launcher of specdec::skinny_linear: out [M, N] = x [M, H] @ weight [N, H]^T + bias."""
-    _check_skinny_linear(x, weight, bias, out)
-    M, N = out.shape
-    if M == 0 or N == 0:
-        return
-    x32 = x.to(torch.float32).contiguous()
-    res = out if out.dtype == torch.float32 and out.is_contiguous() else torch.empty(M, N, dtype=torch.float32,
-                                                                                   device=out.device)
-    _linear(x32, weight.contiguous(), None if bias is None else bias.contiguous(), res)
-    if res is not out:
-        out.copy_(res)
-
-
 def _head_states(hidden, res_weight, res_bias):
     """[K*M, H] fp32: each head's input to its LM head (ResBlocks applied)."""
     M, H = hidden.shape
@@ -242,7 +171,7 @@ def _head_states(hidden, res_weight, res_bias):
     if L > 0:
         ys = torch.empty_like(xs)
         for layer in range(L):
-            _linear(
+            launch_linear(
                 xs, res_weight[:, layer], res_bias[:, layer], ys, heads=K,
                 stride_xh=M * H, stride_wh=L * H * H, stride_bh=L * H, stride_oh=M * H, residual_silu=True,
             )
@@ -269,7 +198,7 @@ def medusa_topk(hidden, res_weight, res_bias, lm_head, top_k: int, topk_ids, top
         # logits (one launch per head) and sort stably (descending logit, lower id first).
         logits = torch.empty(K, M, V, dtype=torch.float32, device=hidden.device)
         for k in range(K):
-            _linear(xs[k * M:(k + 1) * M], lm_head if shared else lm_head[k], None, logits[k])
+            launch_linear(xs[k * M:(k + 1) * M], lm_head if shared else lm_head[k], None, logits[k])
         logprobs = torch.log_softmax(logits, dim=-1)
         order = torch.sort(logits, dim=-1, descending=True, stable=True).indices[..., :top_k]
         topk_ids.copy_(order.transpose(0, 1))
@@ -297,4 +226,3 @@ def medusa_topk(hidden, res_weight, res_bias, lm_head, top_k: int, topk_ids, top
 
 
 torch.library.register_kernel("specdec::medusa_topk", "cuda", medusa_topk)
-torch.library.register_kernel("specdec::skinny_linear", "cuda", skinny_linear)

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from python_ref import medusa as ref
+from python_ref import linear as ref
 from specdec_kernels import ops
 from tests.conftest import requires_triton
 
@@ -130,13 +130,13 @@ def test_linear_dispatcher_matches_f_linear():
 @requires_triton
 @pytest.mark.parametrize("M,N,H", [(1, 5, 7), (6, 33, 40), (17, 16, 64)])
 def test_triton_matches_f_linear(M, N, H):
-    from specdec_kernels.triton import medusa as tm
+    from specdec_kernels.triton import linear as triton_linear
 
     x, w, b = torch.randn(M, H), torch.randn(N, H), torch.randn(N)
     out = torch.empty(M, N)
-    tm.skinny_linear(x, w, b, out)
+    triton_linear.skinny_linear(x, w, b, out)
     torch.testing.assert_close(out, expected(x, w, b), **tol(H))
-    tm.skinny_linear(x, w, None, out)
+    triton_linear.skinny_linear(x, w, None, out)
     torch.testing.assert_close(out, expected(x, w, None), **tol(H))
 
 
@@ -165,9 +165,9 @@ def test_nothing_outside_the_tensors_is_read_or_written(backend, M, N, H, w_dtyp
     if backend == "cpu":
         torch.ops.specdec.skinny_linear(*args, out)
     else:
-        from specdec_kernels.triton import medusa as tm
+        from specdec_kernels.triton import linear as triton_linear
 
-        tm.skinny_linear(*args, out)
+        triton_linear.skinny_linear(*args, out)
     assert_guard_intact(out)
     torch.testing.assert_close(out.double(), ref.skinny_linear(x, w, b), **tol(H))
 
@@ -180,7 +180,7 @@ def test_nothing_outside_the_tensors_is_read_or_written(backend, M, N, H, w_dtyp
 ])
 def test_triton_launcher_checks_shapes_it_indexes_with(w, b, out, message):
     # Through torch.ops on a CUDA tensor the launcher is the kernel: no wrapper checks first.
-    from specdec_kernels.triton import medusa as tm
+    from specdec_kernels.triton import linear as triton_linear
 
     with pytest.raises(ValueError, match=message):
-        tm.skinny_linear(torch.randn(5, 8), w, b, out)
+        triton_linear.skinny_linear(torch.randn(5, 8), w, b, out)
