@@ -13,6 +13,7 @@ import torch
 __all__ = [
     "philox_uniform",
     "chain_rejection_sample",
+    "chain_rejection_sample_flat",
     "tree_rejection_sample",
     "apply_top_k_top_p",
     "tree_attention",
@@ -115,6 +116,34 @@ def check_chain_rejection_args(draft_token_ids, num_draft_tokens, target_logits,
     return output_token_ids, num_accepted
 
 
+def check_chain_flat_rejection_args(draft_token_ids, cu_num_draft_tokens, target_logits, draft_probs, temperature,
+                                    seed, offset, output_token_ids, num_accepted=None):
+    """Validates ``chain_rejection_sample_flat``'s arguments (also called by the Triton
+    launcher); ``output_token_ids`` [B, K+1] is required (it gives K); returns the
+    destinations, ``num_accepted`` allocated when None."""
+    check_tensor(draft_token_ids, "draft_token_ids", dtype=torch.int64, dims=1)
+    num_tokens = draft_token_ids.shape[0]
+    device = draft_token_ids.device
+    check_tensor(cu_num_draft_tokens, "cu_num_draft_tokens", dtype=torch.int32, dims=1, device=device)
+    batch = cu_num_draft_tokens.shape[0]
+    check_tensor(target_logits, "target_logits", dtype=_LOGIT_DTYPES, dims=2, device=device)
+    check_tensor(target_logits, "target_logits", shape=(num_tokens + batch, None))
+    vocab = target_logits.shape[1]
+    if vocab == 0:
+        raise ValueError(f"target_logits must have a non-empty vocabulary dimension, got {list(target_logits.shape)}")
+    if draft_probs is not None:
+        check_tensor(draft_probs, "draft_probs", dtype=torch.float32, shape=(num_tokens, vocab), device=device)
+    for t, name, dtype in ((temperature, "temperature", torch.float32), (seed, "seed", torch.int64),
+                           (offset, "offset", torch.int64)):
+        check_tensor(t, name, dtype=dtype, shape=(batch,), device=device)
+    check_tensor(output_token_ids, "output_token_ids", dtype=torch.int64, dims=2, device=device)
+    if output_token_ids.shape[0] != batch or output_token_ids.shape[1] < 1:
+        raise ValueError(f"output_token_ids must have shape [B = {batch}, K + 1] with K >= 0, got "
+                         f"{list(output_token_ids.shape)}")
+    num_accepted = output_tensor(num_accepted, "num_accepted", dtype=torch.int32, shape=(batch,), device=device)
+    return output_token_ids, num_accepted
+
+
 def check_tree_rejection_args(parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature, seed,
                               offset, accepted_nodes=None, output_token_ids=None, num_accepted=None):
     """Validates ``tree_rejection_sample``'s arguments (as ``check_chain_rejection_args``)."""
@@ -184,6 +213,71 @@ def chain_rejection_sample(
         output_token_ids, num_accepted)
     torch.ops.specdec.chain_rejection_sample(
         draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed, offset,
+        output_token_ids, num_accepted,
+    )
+    return output_token_ids, num_accepted
+
+
+def chain_rejection_sample_flat(
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    target_logits: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    temperature: torch.Tensor,
+    seed: torch.Tensor,
+    offset: torch.Tensor,
+    *,
+    max_num_draft_tokens: int | None = None,
+    output_token_ids: torch.Tensor | None = None,
+    num_accepted: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chain_rejection_sample`` on the flattened ragged layout of inference engines (vLLM's
+    ``RejectionSampler``): nothing is padded or copied.
+
+    A separate op rather than a flag on ``chain_rejection_sample``: every tensor but the
+    per-request ones changes rank, and a schema per layout keeps each one checkable and
+    ``opcheck``-able. Both run the same kernels (CPU: the same driver, each request's rows
+    where they are; Triton: the same four launches with per-request row offsets).
+
+    Args:
+        draft_token_ids: int64 [T], every request's drafts, request after request.
+        cu_num_draft_tokens: int32 [B], inclusive prefix sums of the draft counts: request b
+            owns drafts start_b .. cu[b] - 1 with start_b = cu[b - 1] (0 for b = 0).
+        target_logits: fp32/bf16/fp16 [T + B, V]; request b's rows start_b + b ..
+            start_b + b + n_b: the logits after each of its n_b drafts' prefixes, then the
+            bonus row (vLLM's ``logits`` argument as it is).
+        draft_probs: fp32 [T, V] (row of each draft), or None (deterministic drafters).
+        temperature, seed, offset: [B], as for ``chain_rejection_sample``.
+        max_num_draft_tokens: K, the width of the outputs minus one (>= every n_b); None
+            reads it from ``cu_num_draft_tokens`` (a host synchronisation) unless
+            ``output_token_ids`` is given.
+        output_token_ids, num_accepted: optional destinations (int64 [B, K + 1], int32 [B]).
+
+    Returns ``(output_token_ids, num_accepted)`` exactly as ``chain_rejection_sample`` on the
+    same requests padded to K drafts: the same tokens for the same seeds and offsets (a call
+    consumes positions 0..K: advance ``offset`` by K + 1).
+
+    Data-dependent faults: on CPU, cu_num_draft_tokens that is not a non-decreasing
+    sequence ending at T with steps <= K, or a draft id outside [0, V), raises RuntimeError;
+    the Triton kernel clamps each request's range into [0, T] and its count into 0..K and
+    rejects out-of-range drafts (never reading out of bounds).
+    """
+    if output_token_ids is None:
+        if max_num_draft_tokens is None:
+            check_tensor(cu_num_draft_tokens, "cu_num_draft_tokens", dtype=torch.int32, dims=1)
+            cu = cu_num_draft_tokens.tolist()
+            max_num_draft_tokens = max((b - a for a, b in zip([0] + cu[:-1], cu)), default=0)
+        if isinstance(max_num_draft_tokens, bool) or not isinstance(max_num_draft_tokens, int) \
+                or max_num_draft_tokens < 0:
+            raise ValueError(f"max_num_draft_tokens must be an int >= 0, got {max_num_draft_tokens!r}")
+        check_tensor(cu_num_draft_tokens, "cu_num_draft_tokens", dtype=torch.int32, dims=1)
+        output_token_ids = torch.empty((cu_num_draft_tokens.shape[0], max_num_draft_tokens + 1), dtype=torch.int64,
+                                       device=cu_num_draft_tokens.device)
+    output_token_ids, num_accepted = check_chain_flat_rejection_args(
+        draft_token_ids, cu_num_draft_tokens, target_logits, draft_probs, temperature, seed, offset,
+        output_token_ids, num_accepted)
+    torch.ops.specdec.chain_rejection_sample_flat(
+        draft_token_ids, cu_num_draft_tokens, target_logits, draft_probs, temperature, seed, offset,
         output_token_ids, num_accepted,
     )
     return output_token_ids, num_accepted
@@ -312,6 +406,12 @@ def apply_top_k_top_p(
 @torch.library.register_fake("specdec::chain_rejection_sample")
 def _chain_rejection_sample_fake(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed,
                                  offset, output_token_ids, num_accepted):
+    return None
+
+
+@torch.library.register_fake("specdec::chain_rejection_sample_flat")
+def _chain_rejection_sample_flat_fake(draft_token_ids, cu_num_draft_tokens, target_logits, draft_probs, temperature,
+                                      seed, offset, output_token_ids, num_accepted):
     return None
 
 
