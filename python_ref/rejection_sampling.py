@@ -122,8 +122,9 @@ def chain_rejection_sample_flat(draft_token_ids, cu_num_draft_tokens, target_log
     (start_b = cu[b-1], 0 for b = 0, n_b = cu[b] - start_b) and logits rows start_b + b ..
     start_b + b + n_b of ``target_logits`` [T + B, V] (its drafts' rows, then its bonus row).
 
-    Defined as ``chain_rejection_sample`` on the same requests padded to
-    K = ``max_num_draft_tokens`` drafts: same tokens, same randomness. Returns
+    A negative draft id is padding (engines pad some requests' drafts with -1): the request's
+    drafts end at the first one. Defined as ``chain_rejection_sample`` on the same requests
+    padded to K = ``max_num_draft_tokens`` drafts: same tokens, same randomness. Returns
     (output_token_ids int64 [B, K+1], num_accepted int32 [B])."""
     batch = cu_num_draft_tokens.shape[0]
     vocab = target_logits.shape[-1]
@@ -140,6 +141,7 @@ def chain_rejection_sample_flat(draft_token_ids, cu_num_draft_tokens, target_log
         start, n = cu[b], cu[b + 1] - cu[b]
         if not 0 <= n <= k_max:
             raise ValueError(f"request {b} has {n} drafts, outside [0, {k_max}]")
+        n = next((k for k in range(n) if int(draft_token_ids[start + k]) < 0), n)  # padding ends the drafts
         num_drafts[b] = n
         for k in range(n):
             drafts[b, k] = draft_token_ids[start + k]

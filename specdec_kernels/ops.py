@@ -257,10 +257,15 @@ def chain_rejection_sample_flat(
     same requests padded to K drafts: the same tokens for the same seeds and offsets (a call
     consumes positions 0..K: advance ``offset`` by K + 1).
 
+    A negative draft id is padding (vLLM pads some decodes to its speculation length with
+    -1 drafts, vllm/v1/core/sched/scheduler.py): the request's drafts end at the first one,
+    and the token at that position is drawn from p as a bonus token would be (never from a
+    residual of the padding's q row).
+
     Data-dependent faults: on CPU, cu_num_draft_tokens that is not a non-decreasing
-    sequence ending at T with steps <= K, or a draft id outside [0, V), raises RuntimeError;
-    the Triton kernel clamps each request's range into [0, T] and its count into 0..K and
-    rejects out-of-range drafts (never reading out of bounds).
+    sequence ending at T with steps <= K, or a draft id >= V, raises RuntimeError; the
+    Triton kernel clamps each request's range into [0, T] and its count into 0..K and
+    rejects drafts >= V (never reading out of bounds).
     """
     if output_token_ids is None:
         if max_num_draft_tokens is None:

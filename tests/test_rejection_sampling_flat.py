@@ -98,6 +98,31 @@ def test_triton_flat_matches_cpu_token_for_token(with_q, dtype):
     assert (expected[1] > 0).sum() > 5 and (expected[1] == 0).sum() > 5
 
 
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=requires_triton)])
+@pytest.mark.parametrize("with_q", [True, False])
+def test_negative_drafts_are_padding_that_ends_the_drafts(backend, with_q):
+    # vLLM pads some decodes to its speculation length with -1 drafts. A request whose slots
+    # hold [x, -1, y] is the request with the one draft x (its logits rows stay where the
+    # layout puts them; y and the rows after the padding are never used).
+    inp = make_chain_inputs(16, 3, 23, with_q=with_q, greedy_mask=torch.arange(16) % 4 == 0,
+                            num_drafts=torch.full((16,), 3))
+    flat, k_max = to_flat(inp)
+    cut = torch.arange(16) % 4  # drafts kept: 0..3
+    padded = flat[0].clone().view(16, 3)
+    for b in range(16):
+        if cut[b] < 3:
+            padded[b, cut[b]] = -1
+            if cut[b] + 1 < 3:
+                padded[b, cut[b] + 1:] = torch.randint(-3, 23, (2 - int(cut[b]),))  # anything after it
+    args = (padded.flatten(), *flat[1:])
+    truncated = dict(inp, num_draft_tokens=cut.to(torch.int32))
+    expected = ops.chain_rejection_sample(*chain_args(truncated))
+    assert_same(ref.chain_rejection_sample_flat(*args, k_max), expected)
+    got = ops.chain_rejection_sample_flat(*args, max_num_draft_tokens=k_max) if backend == "cpu" \
+        else triton_flat(args, k_max)
+    assert_same(got, expected)
+
+
 @requires_triton
 def test_triton_flat_large_vocab_and_empty_batch():
     inp = make_chain_inputs(2, 1, 8193, sharpness=0.3, num_drafts=torch.tensor([1, 0]))
@@ -267,7 +292,7 @@ def test_cpu_raises_on_bad_ranges(bad_cu, match):
         torch.ops.specdec.chain_rejection_sample_flat(*args, out, acc)
 
 
-@pytest.mark.parametrize("bad_id", [-1, 16, 10**12])
+@pytest.mark.parametrize("bad_id", [16, 10**12])
 def test_cpu_raises_on_out_of_range_draft_ids(bad_id):
     inp = make_chain_inputs(2, 2, 16, num_drafts=torch.tensor([2, 2]))
     flat, k_max = to_flat(inp)

@@ -118,8 +118,10 @@ def greedy_prompts(num: int = 6, length: int = 10) -> list:
 
 @requires_vllm
 def test_greedy_outputs_identical_with_our_sampler_and_proposer(tiny_dir):
-    prompts = greedy_prompts()
-    spec = {"model_dir": tiny_dir, "prompts": prompts,
+    # 129 tokens = one block of vLLM's CPU KV cache (128) + 1: run again, a prompt has all but
+    # its last token in the prefix cache and vLLM schedules it as a decode padded with -1 drafts.
+    prompts = greedy_prompts(6, 129)
+    spec = {"model_dir": tiny_dir, "prompts": prompts, "again": True,
             "sampling": [{"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}],
             "configs": [{"name": "ar"},
                         {"name": "specdec-proposer+specdec", "speculative": "specdec", "sampler": "specdec"},
@@ -129,8 +131,10 @@ def test_greedy_outputs_identical_with_our_sampler_and_proposer(tiny_dir):
     res = vh.run_vllm(spec)
     ar = res["ar"]["tokens"]
     assert all(len(t) == 48 for t in ar)
+    assert res["ar"]["again"] == ar
     for name in ("specdec-proposer+specdec", "specdec-proposer+vllm", "ngram+specdec", "ngram+vllm"):
         assert res[name]["tokens"] == ar, name
+        assert res[name]["again"] == ar, name  # prompts in the prefix cache: decodes padded with -1 drafts
         assert res[name]["sampler_class"] == ("SpecdecRejectionSampler" if name.endswith("+specdec")
                                               else "RejectionSampler"), name
         sd = res[name]["spec_decode"]

@@ -180,7 +180,14 @@ def _run_config(spec: dict, cfg: dict) -> dict:
                         use_tqdm=False)
     elapsed = time.perf_counter() - t0
     after = spec_decode_counts(llm)
+    again = []
+    for p, s in zip(prompts, sampling) if spec.get("again") else ():
+        # The same prompts once more, one at a time: each is in the prefix cache but its last
+        # token, so vLLM schedules it as a decode padded with -1 drafts (scheduler.py:1131).
+        out = llm.generate([TokensPrompt(prompt_token_ids=p)], [SamplingParams(**s)], use_tqdm=False)
+        again.append(list(out[0].outputs[0].token_ids))
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+              "again": again,
               "text": [o.outputs[0].text for o in outs],
               "seconds": elapsed,
               "sampler_class": llm.collective_rpc(rejection_sampler_name)[0],
@@ -226,7 +233,8 @@ def _run_spec(spec: dict) -> dict:
     """spec: {"model_dir", "prompts": [[ids]], "sampling": [SamplingParams kwargs] (one per
     prompt, or one for all), "configs": [{"name", "speculative": None | "ngram" | "specdec",
     "k", "sampler": "vllm" | "specdec" | "broken", "broken": mode}], optional "max_num_seqs",
-    "prompt_lookup": [min, max], "max_num_batched_tokens"}."""
+    "prompt_lookup": [min, max], "max_num_batched_tokens", "again": run each prompt once more,
+    alone, after the batch}."""
     return {cfg["name"]: _run_config(spec, cfg) for cfg in spec["configs"]}
 
 

@@ -777,6 +777,8 @@ void chain_rejection_sample_cpu(const at::Tensor& draft_token_ids, const at::Ten
 // start_b .. start_b + n_b - 1 with start_b = cu[b - 1] (0 for b = 0) and n_b = cu[b] -
 // start_b; its logits rows are start_b + b .. start_b + b + n_b (drafts' rows, then the
 // bonus row). The same driver as the padded op, with each request's rows where they are.
+// A negative draft id is padding (vLLM pads some decodes with -1 drafts): the request's
+// drafts end there, and the token at that position is drawn from p like a bonus token.
 void chain_rejection_sample_flat_cpu(const at::Tensor& draft_token_ids, const at::Tensor& cu_num_draft_tokens,
                                      const at::Tensor& target_logits, const std::optional<at::Tensor>& draft_probs,
                                      const at::Tensor& temperature, const at::Tensor& seed, const at::Tensor& offset,
@@ -818,10 +820,12 @@ void chain_rejection_sample_flat_cpu(const at::Tensor& draft_token_ids, const at
                 " (cu_num_draft_tokens holds inclusive prefix sums)");
     TORCH_CHECK(cu[b] <= num_tokens, "cu_num_draft_tokens[", b, "] = ", cu[b], " exceeds draft_token_ids.size(0) = ",
                 num_tokens);
-    for (int64_t k = 0; k < n; ++k)
-      TORCH_CHECK(d[start + k] >= 0 && d[start + k] < vocab, "draft_token_ids[", start + k, "] = ", d[start + k],
-                  " is not a token id in [0, ", vocab, ")");
-    reqs[b] = Request{TreeView{n + 1, nullptr, d + start, true}, start + b, n + 1, start};
+    int64_t used = 0;  // drafts before the first padding (negative) id
+    while (used < n && d[start + used] >= 0) ++used;
+    for (int64_t k = 0; k < used; ++k)
+      TORCH_CHECK(d[start + k] < vocab, "draft_token_ids[", start + k, "] = ", d[start + k],
+                  " is not a token id in [0, ", vocab, ") (negative ids are padding)");
+    reqs[b] = Request{TreeView{used + 1, nullptr, d + start, true}, start + b, used + 1, start};
   }
   TORCH_CHECK(batch == 0 ? num_tokens == 0 : cu[batch - 1] == num_tokens, "cu_num_draft_tokens[-1] must equal "
               "draft_token_ids.size(0) = ", num_tokens, ", got ", batch == 0 ? 0 : cu[batch - 1]);

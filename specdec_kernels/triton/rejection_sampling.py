@@ -378,7 +378,10 @@ def chain_rejection_sample_flat(draft_token_ids, cu_num_draft_tokens, target_log
     if num_tokens > 0 and max_drafts > 0:
         k = torch.arange(max_drafts, device=device)
         index = (start.unsqueeze(1) + k).clamp(max=num_tokens - 1)
-        tokens[:, 1:] = torch.where(k < count.unsqueeze(1), draft_token_ids[index], 0)
+        drafts = draft_token_ids[index]
+        # A negative id is padding: the request's drafts end at the first one.
+        count = ((k < count.unsqueeze(1)) & (drafts >= 0)).to(torch.int64).cumprod(1).sum(1)
+        tokens[:, 1:] = torch.where(k < count.unsqueeze(1), drafts, 0)
     rows = torch.arange(batch, dtype=torch.int64, device=device)
     path, num_acc, final = _sample_tree(parents, tokens, (count + 1).to(torch.int32), target_logits, draft_probs,
                                         temperature, seed, offset, start + rows, start)
