@@ -63,10 +63,12 @@ def machine_info() -> dict:
     }
 
 
-def write_results(name: str, payload: dict) -> Path:
-    """Write ``payload`` (plus machine info) to bench/results/<name>.json; return the path."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+def write_results(name: str, payload: dict, out_dir: str | Path = RESULTS_DIR) -> Path:
+    """Write ``payload`` (plus machine info) to <out_dir>/<name>.json (default
+    bench/results/); return the path."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
     path.write_text(json.dumps({"machine": machine_info(), **payload}, indent=2) + "\n")
     return path
 

@@ -38,6 +38,9 @@ void medusa_topk_cpu(const at::Tensor& hidden, const at::Tensor& res_weight, con
 void skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                        at::Tensor& out);
 
+void quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int64_t block_type,
+                          const std::optional<at::Tensor>& bias, at::Tensor& out);
+
 at::Tensor philox_uniform_cpu(const at::Tensor& seed, const at::Tensor& offset, int64_t position, int64_t purpose,
                               int64_t num);
 

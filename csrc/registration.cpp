@@ -1,9 +1,10 @@
-// Every op schema of the `specdec` library, defined once. Kernels are registered per
-// backend: C++ CPU kernels in csrc/cpu/<area>.cpp (TORCH_LIBRARY_IMPL(specdec, CPU, m)),
-// Triton kernels for the CUDA key and fakes for the Meta key in Python
-// (specdec_kernels/triton/, specdec_kernels/ops.py).
+// The schemas of every op of the `specdec` library (no kernels), each defined once below.
 //
-// Conventions (DESIGN.md): index tensors int32, token ids int64, padding -1; outputs are
+// Kernels are registered per backend: C++ CPU kernels in csrc/cpu/ (TORCH_LIBRARY_IMPL(specdec,
+// CPU, m) in the file that implements the op), Triton kernels for the CUDA key and fakes for
+// the Meta key in Python (specdec_kernels/triton/, specdec_kernels/ops.py).
+//
+// Conventions (docs/design.md): index tensors int32, token ids int64, padding -1; outputs are
 // caller-given tensors marked (a!); no op synchronises with the host.
 #include <Python.h>
 #include <torch/library.h>
@@ -35,6 +36,7 @@ TORCH_LIBRARY(specdec, m) {
       "Tensor target_logits, Tensor? draft_probs, Tensor temperature, Tensor seed, "
       "Tensor offset, Tensor(a!) accepted_nodes, Tensor(b!) output_token_ids, "
       "Tensor(c!) num_accepted) -> ()");
+  // Logit masking before sampling (apply_top_k_top_p.cpp).
   m.def("apply_top_k_top_p(Tensor(a!) logits, Tensor? top_k, Tensor? top_p, Tensor? min_p) -> ()");
 
   // Tree attention (tree_attention.cpp).
@@ -55,7 +57,10 @@ TORCH_LIBRARY(specdec, m) {
 
   // Linear layers for few rows (linear.cpp).
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()");
+  // The same on a weight stored as raw GGUF blocks (uint8 [N, H / block_size * block_bytes]);
+  // block_type is the GGML type id (gguf.GGMLQuantizationType: Q4_0 = 2, Q4_1 = 3, ...).
+  m.def("quantized_linear(Tensor x, Tensor weight, int block_type, Tensor? bias, Tensor(a!) out) -> ()");
 
-  // The counter-based generator, exposed so that tests can compare backends bit for bit.
+  // The counter-based generator, exposed so that tests can compare backends bit for bit (rng.cpp).
   m.def("philox_uniform(Tensor seed, Tensor offset, int position, int purpose, int num) -> Tensor");
 }

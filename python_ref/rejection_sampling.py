@@ -1,7 +1,7 @@
 """Pure-Python reference of rejection sampling (chain and tree) and of top-k/top-p/min-p.
 
 Readable loops over requests, positions and vocabulary entries, in float64, following
-DESIGN.md literally (p' is an explicit list that is renormalised after every rejection).
+docs/design.md literally (p' is an explicit list that is renormalised after every rejection).
 Random numbers come from ``specdec_kernels.rng`` with the layout documented there:
 
 - acceptance draw of chain draft k / tree node c: position k + 1 / c, PURPOSE_ACCEPT, index 0;
@@ -11,7 +11,9 @@ Random numbers come from ``specdec_kernels.rng`` with the layout documented ther
 
 A row is *invalid* (the request gets num_accepted = -1 and all -1 outputs) when any of the
 request's rows in use (chain rows 0..n, tree nodes 0..num_nodes-1) holds a NaN or +inf,
-or is entirely -inf. Temperature <= 0 (or NaN) means greedy. Tests only: never imported by
+or is entirely -inf: the raw logits of a greedy request, l / T as the kernels compute it
+(in fp32, l times the fp32 reciprocal of T) of a sampled one, so that l / T overflowing
+fp32 (e.g. l = 3e38 at T = 0.5) or a -inf logit at T = +inf (NaN) also make it invalid. Temperature <= 0 (or NaN) means greedy. Tests only: never imported by
 the package.
 """
 from __future__ import annotations
@@ -23,10 +25,18 @@ import torch
 from specdec_kernels.rng import PURPOSE_ACCEPT, PURPOSE_SAMPLE, philox_uniform, sample_from_weights
 
 
-def row_is_valid(row: list[float]) -> bool:
-    if any(math.isnan(x) or x == math.inf for x in row):
+def scaled_row(row: list[float], temperature: float) -> list[float]:
+    """l / T as the kernels compute it: in fp32, l times the fp32 reciprocal of T."""
+    inv_t = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(temperature, dtype=torch.float32)
+    return (torch.tensor(row, dtype=torch.float32) * inv_t).tolist()
+
+
+def row_is_valid(row: list[float], temperature: float) -> bool:
+    """No NaN, no +inf, not all -inf: in the raw row when greedy, in l / T when sampled."""
+    values = scaled_row(row, temperature) if temperature > 0 else row
+    if any(math.isnan(x) or x == math.inf for x in values):
         return False
-    return max(row) > -math.inf
+    return max(values) > -math.inf
 
 
 def argmax_first(row: list[float]) -> int:
@@ -68,7 +78,7 @@ def _rows(logits: torch.Tensor, count: int) -> list[list[float]]:
 
 
 def chain_rejection_sample(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed, offset):
-    """Returns (output_token_ids int64 [B, K+1], num_accepted int32 [B]); see DESIGN.md."""
+    """Returns (output_token_ids int64 [B, K+1], num_accepted int32 [B]); see docs/design.md."""
     batch, max_drafts = draft_token_ids.shape
     vocab = target_logits.shape[-1]
     out = torch.full((batch, max_drafts + 1), -1, dtype=torch.int64)
@@ -79,10 +89,10 @@ def chain_rejection_sample(draft_token_ids, num_draft_tokens, target_logits, dra
         if any(not 0 <= x < vocab for x in drafts):
             raise ValueError(f"draft_token_ids[{b}] holds an id outside [0, {vocab}): {drafts}")
         rows = _rows(target_logits[b], n + 1)
-        if not all(row_is_valid(r) for r in rows):
+        t, s, o = float(temperature[b]), int(seed[b]), int(offset[b])
+        if not all(row_is_valid(r, t) for r in rows):
             num_accepted[b] = -1
             continue
-        t, s, o = float(temperature[b]), int(seed[b]), int(offset[b])
         emitted = []
         if not t > 0:  # greedy
             for k in range(n + 1):
@@ -170,10 +180,10 @@ def tree_rejection_sample(parents, tree_token_ids, num_nodes, target_logits, dra
         if any(not 0 <= tokens[i] < vocab for i in range(1, n)):
             raise ValueError(f"tree_token_ids[{b}] holds an id outside [0, {vocab}): {tokens}")
         rows = _rows(target_logits[b], n)
-        if not all(row_is_valid(r) for r in rows):
+        t, s, o = float(temperature[b]), int(seed[b]), int(offset[b])
+        if not all(row_is_valid(r, t) for r in rows):
             num_accepted[b] = -1
             continue
-        t, s, o = float(temperature[b]), int(seed[b]), int(offset[b])
         path, node = [], 0
         while True:
             children = [j for j in range(1, n) if par[j] == node]

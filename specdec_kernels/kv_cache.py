@@ -249,6 +249,14 @@ class PagedKVCache:
             qo_indptr=torch.tensor(indptr, dtype=torch.int32, device=self.device),
         )
 
+    def slot_mapping(self, slot: int, positions: torch.Tensor) -> torch.Tensor:
+        """Flat cache indices (int64, block * block_size + offset) of ``positions`` (int64)
+        of the request in ``slot``, read from the device block table (the blocks must be
+        reserved)."""
+        bs = self.block_size
+        blocks = self.block_table[slot].to(torch.int64)[positions // bs]
+        return blocks * bs + positions % bs
+
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the K/V of new tokens of one layer.
 

@@ -4,7 +4,8 @@ Head k (0-based) is L ResBlocks, x <- x + SiLU(W x + b), followed by an LM head:
 [V, H] matrix (the public Medusa checkpoints) or the base model's LM head (shared, which
 saves K x V x H weights). At decode time ``forward`` runs all heads through the fused
 ``specdec::medusa_topk`` op and returns each head's top-k candidates with their
-log-probabilities; ``logits`` is the plain differentiable path used for training.
+log-probabilities; ``logits`` is the plain differentiable path used for training (the loss
+and the training step are in ``specdec_kernels.training.medusa_loss``).
 
 State dict: the module's keys are those of the Medusa reference implementation's model,
 ``medusa_head.{k}.{j}.linear.weight`` / ``.bias`` for ResBlock j of head k and
@@ -14,11 +15,6 @@ prefix. ``load_medusa_heads`` reads either. (The reference code builds the L Res
 a head as one block repeated L times, so their weights are tied; its files store every
 copy, so loading them here gives equal, untied blocks — identical for L = 1, which is what
 the published checkpoints use.)
-
-Training offsets: the base LM head at position t predicts token t + 1; Medusa head k at
-position t predicts token t + k + 2, i.e. k + 1 steps beyond the next token (the reference
-training code compares ``logits[k, :, :-(2 + k)]`` with ``labels[:, 2 + k:]``). The loss
-is sum_k decay^k * CE_k with decay 0.8 (the Medusa paper's lambda_k = 0.8^k).
 """
 from __future__ import annotations
 
@@ -31,8 +27,8 @@ from torch import nn
 
 from . import ops
 
-__all__ = ["MedusaHeads", "ResBlock", "default_medusa_checkpoint", "load_medusa_heads", "medusa_loss",
-           "read_medusa_metadata", "save_medusa_heads", "train_step"]
+__all__ = ["MedusaHeads", "ResBlock", "default_medusa_checkpoint", "load_medusa_heads", "read_medusa_metadata",
+           "read_medusa_state_dict", "save_medusa_heads"]
 
 
 class ResBlock(nn.Module):
@@ -241,7 +237,9 @@ _KEY = re.compile(r"^(?:.*medusa_head\.)?(\d+)\.(\d+)\.(linear\.weight|linear\.b
 _ROOT_KEY = re.compile(r"^(?:.*\.)?root_proj\.weight$")
 
 
-def _read_state_dict(source) -> dict:
+def read_medusa_state_dict(source) -> dict:
+    """The tensors of a Medusa checkpoint: a ``.safetensors`` or ``torch.save`` file (a dict
+    is returned as it is)."""
     if isinstance(source, dict):
         return source
     path = os.fspath(source)
@@ -317,7 +315,7 @@ def load_medusa_heads(source, *, lm_head_weight: torch.Tensor | None = None, dty
     metadata (or ``metadata``). A ``root_proj.weight`` [H, H] makes root-conditioned heads
     (``MedusaHeads.head_input``), which need the base model's ``embed_weight`` [V, H].
     """
-    state = _read_state_dict(source)
+    state = read_medusa_state_dict(source)
     metadata = dict(metadata) if metadata is not None else read_medusa_metadata(source)
     blocks, lm_heads = {}, {}
     for key, value in state.items():
@@ -372,47 +370,3 @@ def load_medusa_heads(source, *, lm_head_weight: torch.Tensor | None = None, dty
     if "draft_vocab" in state and heads_mod.shared_lm_head:
         heads_mod.set_draft_vocab(state["draft_vocab"])
     return heads_mod
-
-
-# ---------------------------------------------------------------------------------------
-# Training on a frozen base model.
-# ---------------------------------------------------------------------------------------
-
-
-def medusa_loss(head_logits: torch.Tensor, input_ids: torch.Tensor, *, decay: float = 0.8,
-                ignore_index: int = -100) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """sum_k decay^k * CE(head k's logits at position t, token t + k + 2).
-
-    head_logits: [B, T, K, V] (MedusaHeads.logits of the base model's last hidden states);
-    input_ids: int64 [B, T] (entries equal to ignore_index are not scored). Returns the
-    weighted loss and the per-head (unweighted) losses.
-    """
-    B, T, K, V = head_logits.shape
-    total = head_logits.new_zeros(())
-    per_head = []
-    for k in range(K):
-        shift = k + 2
-        if T <= shift:
-            break
-        logits_k = head_logits[:, : T - shift, k].reshape(-1, V).float()
-        labels_k = input_ids[:, shift:].reshape(-1)
-        loss_k = F.cross_entropy(logits_k, labels_k, ignore_index=ignore_index)
-        per_head.append(loss_k.detach())
-        total = total + decay**k * loss_k
-    return total, per_head
-
-
-def train_step(heads: MedusaHeads, hidden_states: torch.Tensor, input_ids: torch.Tensor,
-               optimizer: torch.optim.Optimizer, *, decay: float = 0.8, ignore_index: int = -100) -> dict:
-    """One optimisation step of the heads on a frozen base model.
-
-    hidden_states: [B, T, H], the base model's last hidden states for input_ids [B, T]
-    (computed under no_grad; the base is not trained). Returns {"loss", "head_losses"}.
-    """
-    heads.train()
-    optimizer.zero_grad(set_to_none=True)
-    loss, per_head = medusa_loss(heads.logits(hidden_states.detach()), input_ids, decay=decay,
-                                 ignore_index=ignore_index)
-    loss.backward()
-    optimizer.step()
-    return {"loss": float(loss.detach()), "head_losses": [float(x) for x in per_head]}

@@ -1,14 +1,22 @@
-"""Typed wrappers of the ``torch.ops.specdec`` ops, their input validation and fakes.
+"""Typed wrappers of the ``torch.ops.specdec`` ops and their fakes.
 
 Each op is called as ``torch.ops.specdec.<name>(..., out tensors)`` (destination-passing,
-capturable in CUDA graphs); the wrappers here validate the inputs with errors that name
-the argument, allocate the outputs for the functional form and return them. The fakes
+capturable in CUDA graphs, strict about dtypes and shapes). The wrappers here are the
+friendlier form: they accept Python numbers for per-request parameters, either integer
+width (int32/int64) for index tensors (cast on the device, no host sync), defaults for the
+optional arguments, allocate the outputs and return them. Their argument checks are those
+of ``specdec_kernels.checks`` (errors that name the argument), run once per call: by the
+wrapper on CPU, by the Triton launcher on CUDA (see that module). The fakes
 (``register_fake``) describe the ops to ``torch.compile`` and ``opcheck``: ops that only
-write into their arguments return nothing, so their fakes check nothing and return None.
+write into their arguments return nothing, so their fakes only check that all tensors are on
+one device (they are the Meta kernels too) and return None.
 """
 from __future__ import annotations
 
 import torch
+
+from . import checks
+from .tree import qo_indptr_from_num_nodes, tree_mask_ragged
 
 __all__ = [
     "philox_uniform",
@@ -24,38 +32,41 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------
-# Validation helpers, shared by every wrapper.
+# Conversions: what the wrappers accept beyond the ops' strict argument types.
+# (The checks themselves are in specdec_kernels.checks; see its docstring for who runs them.)
 # ---------------------------------------------------------------------------------------
 
-
-def check_tensor(t, name: str, *, dtype=None, dims=None, device=None, shape=None) -> None:
-    """Raise a ValueError naming ``name`` unless ``t`` is a tensor as described.
-
-    ``dtype`` may be one dtype or a tuple; ``shape`` entries of None are not checked.
-    """
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if dtype is not None:
-        allowed = dtype if isinstance(dtype, tuple) else (dtype,)
-        if t.dtype not in allowed:
-            want = " or ".join(str(d) for d in allowed)
-            raise ValueError(f"{name} must have dtype {want}, got {t.dtype}")
-    if dims is not None and t.dim() != dims:
-        raise ValueError(f"{name} must have {dims} dimensions, got shape {tuple(t.shape)}")
-    if shape is not None:
-        if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
-            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-            raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} must be on {device}, got {t.device}")
+_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def output_tensor(t, name: str, *, dtype, shape, device) -> torch.Tensor:
-    """An op's destination: ``t`` checked against dtype/shape/device, or a new empty tensor."""
-    if t is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    check_tensor(t, name, dtype=dtype, shape=shape, device=device)
+def _index(t, dtype: torch.dtype):
+    """An index tensor in the integer width the op takes: the other of int32/int64 is cast
+    on its device (no host sync; values are assumed to fit in int32). Anything else is
+    returned as given, for the op's check to report."""
+    if isinstance(t, torch.Tensor) and t.dtype != dtype and t.dtype in _INDEX_DTYPES:
+        return t.to(dtype)
     return t
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _per_row(value, dtype: torch.dtype, rows: int, device):
+    """A Python number broadcast to a [rows] tensor of ``dtype`` on ``device``; anything
+    else as given."""
+    if _is_number(value):
+        return torch.full((rows,), value, dtype=dtype, device=device)
+    return value
+
+
+def _sampling_params(temperature, seed, offset, batch: int, device):
+    """temperature fp32 [B], seed and offset int64 [B] from tensors or Python numbers;
+    seed=None draws the seeds from torch's generator (``torch.manual_seed`` reproduces them)."""
+    if seed is None:
+        seed = torch.randint(0, 2**62, (batch,), dtype=torch.int64, device=device)
+    return (_per_row(temperature, torch.float32, batch, device), _per_row(seed, torch.int64, batch, device),
+            _per_row(offset, torch.int64, batch, device))
 
 
 # ---------------------------------------------------------------------------------------
@@ -63,19 +74,23 @@ def output_tensor(t, name: str, *, dtype, shape, device) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------
 
 
-def philox_uniform(seed: torch.Tensor, offset: torch.Tensor, position: int, purpose: int, num: int) -> torch.Tensor:
+def philox_uniform(seed: torch.Tensor, offset: torch.Tensor | int, position: int, purpose: int,
+                   num: int) -> torch.Tensor:
     """The package generator's uniforms (see ``specdec_kernels.rng``).
 
-    seed, offset: int64 [B]. Returns fp32 [B, num], the uniforms for vocabulary indices
-    0..num-1 at ``position`` for ``purpose``.
+    seed: int64 [B]; offset: int64 [B] or a Python int for every request. Returns fp32
+    [B, num], the uniforms for vocabulary indices 0..num-1 at ``position`` for ``purpose``.
+    (The op has no Triton launcher: this wrapper always checks.)
     """
-    check_tensor(seed, "seed", dtype=torch.int64, dims=1)
-    check_tensor(offset, "offset", dtype=torch.int64, shape=(seed.shape[0],), device=seed.device)
+    checks.check_tensor(seed, "seed", dims=1)
+    offset = _per_row(offset, torch.int64, seed.shape[0], seed.device)
+    checks.check_philox_uniform(seed, offset)
     return torch.ops.specdec.philox_uniform(seed, offset, position, purpose, num)
 
 
 @torch.library.register_fake("specdec::philox_uniform")
 def _philox_uniform_fake(seed, offset, position, purpose, num):
+    checks.check_one_device("philox_uniform", locals())
     return seed.new_empty((seed.shape[0], num), dtype=torch.float32)
 
 
@@ -83,113 +98,36 @@ def _philox_uniform_fake(seed, offset, position, purpose, num):
 # Rejection sampling: chain_rejection_sample, tree_rejection_sample, apply_top_k_top_p.
 # ---------------------------------------------------------------------------------------
 
-_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _check_sampling_common(target_logits, draft_probs, temperature, seed, offset, batch, rows, q_rows, device):
-    check_tensor(target_logits, "target_logits", dtype=_LOGIT_DTYPES, dims=3, device=device)
-    vocab = target_logits.shape[2]
-    check_tensor(target_logits, "target_logits", shape=(batch, rows, None))
-    if vocab == 0:
-        raise ValueError(f"target_logits must have a non-empty vocabulary dimension, got {list(target_logits.shape)}")
-    if draft_probs is not None:
-        check_tensor(draft_probs, "draft_probs", dtype=torch.float32, shape=(batch, q_rows, vocab), device=device)
-    check_tensor(temperature, "temperature", dtype=torch.float32, shape=(batch,), device=device)
-    check_tensor(seed, "seed", dtype=torch.int64, shape=(batch,), device=device)
-    check_tensor(offset, "offset", dtype=torch.int64, shape=(batch,), device=device)
-
-
-def check_chain_rejection_args(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed,
-                               offset, output_token_ids=None, num_accepted=None):
-    """Validates ``chain_rejection_sample``'s arguments (also called by the Triton launcher,
-    which ``torch.ops`` reaches without this wrapper); returns the destinations, allocated
-    where None."""
-    check_tensor(draft_token_ids, "draft_token_ids", dtype=torch.int64, dims=2)
-    batch, max_drafts = draft_token_ids.shape
-    device = draft_token_ids.device
-    check_tensor(num_draft_tokens, "num_draft_tokens", dtype=torch.int32, shape=(batch,), device=device)
-    _check_sampling_common(target_logits, draft_probs, temperature, seed, offset, batch, max_drafts + 1, max_drafts,
-                           device)
-    output_token_ids = output_tensor(output_token_ids, "output_token_ids", dtype=torch.int64,
-                                     shape=(batch, max_drafts + 1), device=device)
-    num_accepted = output_tensor(num_accepted, "num_accepted", dtype=torch.int32, shape=(batch,), device=device)
-    return output_token_ids, num_accepted
-
-
-def check_chain_flat_rejection_args(draft_token_ids, cu_num_draft_tokens, target_logits, draft_probs, temperature,
-                                    seed, offset, output_token_ids, num_accepted=None):
-    """Validates ``chain_rejection_sample_flat``'s arguments (also called by the Triton
-    launcher); ``output_token_ids`` [B, K+1] is required (it gives K); returns the
-    destinations, ``num_accepted`` allocated when None."""
-    check_tensor(draft_token_ids, "draft_token_ids", dtype=torch.int64, dims=1)
-    num_tokens = draft_token_ids.shape[0]
-    device = draft_token_ids.device
-    check_tensor(cu_num_draft_tokens, "cu_num_draft_tokens", dtype=torch.int32, dims=1, device=device)
-    batch = cu_num_draft_tokens.shape[0]
-    check_tensor(target_logits, "target_logits", dtype=_LOGIT_DTYPES, dims=2, device=device)
-    check_tensor(target_logits, "target_logits", shape=(num_tokens + batch, None))
-    vocab = target_logits.shape[1]
-    if vocab == 0:
-        raise ValueError(f"target_logits must have a non-empty vocabulary dimension, got {list(target_logits.shape)}")
-    if draft_probs is not None:
-        check_tensor(draft_probs, "draft_probs", dtype=torch.float32, shape=(num_tokens, vocab), device=device)
-    for t, name, dtype in ((temperature, "temperature", torch.float32), (seed, "seed", torch.int64),
-                           (offset, "offset", torch.int64)):
-        check_tensor(t, name, dtype=dtype, shape=(batch,), device=device)
-    check_tensor(output_token_ids, "output_token_ids", dtype=torch.int64, dims=2, device=device)
-    if output_token_ids.shape[0] != batch or output_token_ids.shape[1] < 1:
-        raise ValueError(f"output_token_ids must have shape [B = {batch}, K + 1] with K >= 0, got "
-                         f"{list(output_token_ids.shape)}")
-    num_accepted = output_tensor(num_accepted, "num_accepted", dtype=torch.int32, shape=(batch,), device=device)
-    return output_token_ids, num_accepted
-
-
-def check_tree_rejection_args(parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature, seed,
-                              offset, accepted_nodes=None, output_token_ids=None, num_accepted=None):
-    """Validates ``tree_rejection_sample``'s arguments (as ``check_chain_rejection_args``)."""
-    check_tensor(parents, "parents", dtype=torch.int32, dims=2)
-    batch, max_nodes = parents.shape
-    if max_nodes < 1:
-        raise ValueError(f"parents must have at least one node per request, got shape {list(parents.shape)}")
-    device = parents.device
-    check_tensor(tree_token_ids, "tree_token_ids", dtype=torch.int64, shape=(batch, max_nodes), device=device)
-    check_tensor(num_nodes, "num_nodes", dtype=torch.int32, shape=(batch,), device=device)
-    _check_sampling_common(target_logits, draft_probs, temperature, seed, offset, batch, max_nodes, max_nodes, device)
-    accepted_nodes = output_tensor(accepted_nodes, "accepted_nodes", dtype=torch.int32,
-                                   shape=(batch, max_nodes - 1), device=device)
-    output_token_ids = output_tensor(output_token_ids, "output_token_ids", dtype=torch.int64,
-                                     shape=(batch, max_nodes), device=device)
-    num_accepted = output_tensor(num_accepted, "num_accepted", dtype=torch.int32, shape=(batch,), device=device)
-    return accepted_nodes, output_token_ids, num_accepted
-
-
 def chain_rejection_sample(
     draft_token_ids: torch.Tensor,
     num_draft_tokens: torch.Tensor,
     target_logits: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    temperature: torch.Tensor,
-    seed: torch.Tensor,
-    offset: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    temperature: torch.Tensor | float = 1.0,
+    seed: torch.Tensor | int | None = None,
+    offset: torch.Tensor | int = 0,
     *,
     output_token_ids: torch.Tensor | None = None,
     num_accepted: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lossless verification of a chain of drafted tokens per request (DESIGN.md).
+    """Lossless verification of a chain of drafted tokens per request (docs/design.md).
 
     Args:
-        draft_token_ids: int64 [B, K], the drafted tokens (entries beyond
+        draft_token_ids: int64 (or int32) [B, K], the drafted tokens (entries beyond
             ``num_draft_tokens[b]`` are ignored).
-        num_draft_tokens: int32 [B], values in 0..K (ragged).
+        num_draft_tokens: int32 (or int64) [B], values in 0..K (ragged).
         target_logits: fp32/bf16/fp16 [B, K+1, V]; row k = the target's logits after the
             first k drafts (rows beyond ``num_draft_tokens[b]`` are not read).
         draft_probs: fp32 [B, K, V], the draft distributions q the drafts were drawn from,
-            or None for deterministic drafters (q = one-hot on the drafted token: accept
-            with probability p(x), residual = p with x zeroed).
-        temperature: fp32 [B]; > 0 samples from softmax(logits / T), anything else
-            (0, negative, NaN) is greedy: accept while the draft equals the first argmax
-            of the raw logits, then emit that argmax.
-        seed, offset: int64 [B], the Philox key and counter base of each request.
+            or None (the default) for deterministic drafters (q = one-hot on the drafted
+            token: accept with probability p(x), residual = p with x zeroed).
+        temperature: fp32 [B], or a Python number for every request (default 1.0); > 0
+            samples from softmax(logits / T), anything else (0, negative, NaN) is greedy:
+            accept while the draft equals the first argmax of the raw logits, then emit
+            that argmax.
+        seed, offset: int64 [B] or Python ints for every request, the Philox key and
+            counter base of each request. seed=None (the default) draws seeds from
+            torch's generator (``torch.manual_seed`` reproduces them); offset defaults to 0.
         output_token_ids, num_accepted: optional destinations (int64 [B, K+1], int32 [B]).
 
     Returns ``(output_token_ids, num_accepted)``: accepted drafts, then one recovered or
@@ -208,9 +146,19 @@ def chain_rejection_sample(
     clamps the count into 0..K and treats an out-of-range draft as rejected with
     p(x) = 0 (never reading out of bounds).
     """
-    output_token_ids, num_accepted = check_chain_rejection_args(
-        draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed, offset,
-        output_token_ids, num_accepted)
+    checks.check_tensor(draft_token_ids, "draft_token_ids", dims=2)
+    batch, max_drafts = draft_token_ids.shape
+    device = draft_token_ids.device
+    draft_token_ids = _index(draft_token_ids, torch.int64)
+    num_draft_tokens = _index(num_draft_tokens, torch.int32)
+    temperature, seed, offset = _sampling_params(temperature, seed, offset, batch, device)
+    if output_token_ids is None:
+        output_token_ids = torch.empty((batch, max_drafts + 1), dtype=torch.int64, device=device)
+    if num_accepted is None:
+        num_accepted = torch.empty((batch,), dtype=torch.int32, device=device)
+    if not checks.launcher_checks(device):
+        checks.check_chain_rejection_sample(draft_token_ids, num_draft_tokens, target_logits, draft_probs,
+                                            temperature, seed, offset, output_token_ids, num_accepted)
     torch.ops.specdec.chain_rejection_sample(
         draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed, offset,
         output_token_ids, num_accepted,
@@ -222,10 +170,10 @@ def chain_rejection_sample_flat(
     draft_token_ids: torch.Tensor,
     cu_num_draft_tokens: torch.Tensor,
     target_logits: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    temperature: torch.Tensor,
-    seed: torch.Tensor,
-    offset: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    temperature: torch.Tensor | float = 1.0,
+    seed: torch.Tensor | int | None = None,
+    offset: torch.Tensor | int = 0,
     *,
     max_num_draft_tokens: int | None = None,
     output_token_ids: torch.Tensor | None = None,
@@ -247,7 +195,7 @@ def chain_rejection_sample_flat(
             start_b + b + n_b: the logits after each of its n_b drafts' prefixes, then the
             bonus row (vLLM's ``logits`` argument as it is).
         draft_probs: fp32 [T, V] (row of each draft), or None (deterministic drafters).
-        temperature, seed, offset: [B], as for ``chain_rejection_sample``.
+        temperature, seed, offset: [B] or Python numbers, as for ``chain_rejection_sample``.
         max_num_draft_tokens: K, the width of the outputs minus one (>= every n_b); None
             reads it from ``cu_num_draft_tokens`` (a host synchronisation) unless
             ``output_token_ids`` is given.
@@ -267,20 +215,26 @@ def chain_rejection_sample_flat(
     Triton kernel clamps each request's range into [0, T] and its count into 0..K and
     rejects drafts >= V (never reading out of bounds).
     """
+    checks.check_tensor(cu_num_draft_tokens, "cu_num_draft_tokens", dims=1)
+    batch = cu_num_draft_tokens.shape[0]
+    device = cu_num_draft_tokens.device
+    draft_token_ids = _index(draft_token_ids, torch.int64)
+    cu_num_draft_tokens = _index(cu_num_draft_tokens, torch.int32)
+    temperature, seed, offset = _sampling_params(temperature, seed, offset, batch, device)
     if output_token_ids is None:
         if max_num_draft_tokens is None:
-            check_tensor(cu_num_draft_tokens, "cu_num_draft_tokens", dtype=torch.int32, dims=1)
+            checks.check_tensor(cu_num_draft_tokens, "cu_num_draft_tokens", dtype=torch.int32)
             cu = cu_num_draft_tokens.tolist()
             max_num_draft_tokens = max((b - a for a, b in zip([0] + cu[:-1], cu)), default=0)
         if isinstance(max_num_draft_tokens, bool) or not isinstance(max_num_draft_tokens, int) \
                 or max_num_draft_tokens < 0:
             raise ValueError(f"max_num_draft_tokens must be an int >= 0, got {max_num_draft_tokens!r}")
-        check_tensor(cu_num_draft_tokens, "cu_num_draft_tokens", dtype=torch.int32, dims=1)
-        output_token_ids = torch.empty((cu_num_draft_tokens.shape[0], max_num_draft_tokens + 1), dtype=torch.int64,
-                                       device=cu_num_draft_tokens.device)
-    output_token_ids, num_accepted = check_chain_flat_rejection_args(
-        draft_token_ids, cu_num_draft_tokens, target_logits, draft_probs, temperature, seed, offset,
-        output_token_ids, num_accepted)
+        output_token_ids = torch.empty((batch, max_num_draft_tokens + 1), dtype=torch.int64, device=device)
+    if num_accepted is None:
+        num_accepted = torch.empty((batch,), dtype=torch.int32, device=device)
+    if not checks.launcher_checks(device):
+        checks.check_chain_rejection_sample_flat(draft_token_ids, cu_num_draft_tokens, target_logits, draft_probs,
+                                                 temperature, seed, offset, output_token_ids, num_accepted)
     torch.ops.specdec.chain_rejection_sample_flat(
         draft_token_ids, cu_num_draft_tokens, target_logits, draft_probs, temperature, seed, offset,
         output_token_ids, num_accepted,
@@ -293,26 +247,30 @@ def tree_rejection_sample(
     tree_token_ids: torch.Tensor,
     num_nodes: torch.Tensor,
     target_logits: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    temperature: torch.Tensor,
-    seed: torch.Tensor,
-    offset: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    temperature: torch.Tensor | float = 1.0,
+    seed: torch.Tensor | int | None = None,
+    offset: torch.Tensor | int = 0,
     *,
     accepted_nodes: torch.Tensor | None = None,
     output_token_ids: torch.Tensor | None = None,
     num_accepted: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Lossless verification of a tree of drafted tokens per request (DESIGN.md).
+    """Lossless verification of a tree of drafted tokens per request (docs/design.md).
 
     Args:
-        parents: int32 [B, N]; node 0 is the root (the last verified token),
+        parents: int32 (or int64) [B, N]; node 0 is the root (the last verified token),
             parents[b, 0] = -1, 0 <= parents[b, i] < i for 0 < i < num_nodes[b].
-        tree_token_ids: int64 [B, N], the token of every node (node 0's is not read).
-        num_nodes: int32 [B], values in 0..N (0: nothing is emitted, num_accepted = 0).
+        tree_token_ids: int64 (or int32) [B, N], the token of every node (node 0's is
+            not read).
+        num_nodes: int32 (or int64) [B], values in 0..N (0: nothing is emitted,
+            num_accepted = 0).
         target_logits: fp32/bf16/fp16 [B, N, V]; row i = logits for the token after node i.
-        draft_probs: fp32 [B, N, V] or None; row i = the q the children of node i were
-            drawn from i.i.d.; None = deterministic children (e.g. top-k of a drafter).
-        temperature, seed, offset: as for ``chain_rejection_sample``.
+        draft_probs: fp32 [B, N, V] or None (the default); row i = the q the children of
+            node i were drawn from i.i.d.; None = deterministic children (e.g. top-k of a
+            drafter).
+        temperature, seed, offset: as for ``chain_rejection_sample`` (tensors [B] or
+            Python numbers; defaults 1.0, None = drawn from torch's generator, 0).
         accepted_nodes, output_token_ids, num_accepted: optional destinations (int32
             [B, N-1], int64 [B, N], int32 [B]).
 
@@ -336,9 +294,22 @@ def tree_rejection_sample(
     never visits a node whose parent is not an earlier node, and treats an out-of-range
     token as rejected with p(x) = 0 (it never reads out of bounds).
     """
-    accepted_nodes, output_token_ids, num_accepted = check_tree_rejection_args(
-        parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature, seed, offset,
-        accepted_nodes, output_token_ids, num_accepted)
+    checks.check_tensor(parents, "parents", dims=2)
+    batch, max_nodes = parents.shape
+    device = parents.device
+    parents = _index(parents, torch.int32)
+    tree_token_ids = _index(tree_token_ids, torch.int64)
+    num_nodes = _index(num_nodes, torch.int32)
+    temperature, seed, offset = _sampling_params(temperature, seed, offset, batch, device)
+    if accepted_nodes is None:
+        accepted_nodes = torch.empty((batch, max(max_nodes - 1, 0)), dtype=torch.int32, device=device)
+    if output_token_ids is None:
+        output_token_ids = torch.empty((batch, max_nodes), dtype=torch.int64, device=device)
+    if num_accepted is None:
+        num_accepted = torch.empty((batch,), dtype=torch.int32, device=device)
+    if not checks.launcher_checks(device):
+        checks.check_tree_rejection_sample(parents, tree_token_ids, num_nodes, target_logits, draft_probs,
+                                           temperature, seed, offset, accepted_nodes, output_token_ids, num_accepted)
     torch.ops.specdec.tree_rejection_sample(
         parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature, seed, offset,
         accepted_nodes, output_token_ids, num_accepted,
@@ -346,26 +317,31 @@ def tree_rejection_sample(
     return accepted_nodes, output_token_ids, num_accepted
 
 
-def _expand_row_param(t, name, dtype, batch, seq, device):
-    """A per-row parameter: [R] as is; for 3-D logits [B] is repeated over S, [B, S] flattened."""
-    if t is None:
+def _row_param(value, name: str, dtype: torch.dtype, batch: int, seq: int | None, device):
+    """A per-row parameter in the op's [R] form: a Python number is broadcast; for 3-D
+    logits [B, S, V] a [B] tensor is repeated over S and a [B, S] one flattened."""
+    if value is None:
         return None
-    check_tensor(t, name, dtype=dtype, device=device)
-    if seq is None:
-        check_tensor(t, name, shape=(batch,))
-        return t
-    if t.dim() == 1:
-        check_tensor(t, name, shape=(batch,))
-        return t.repeat_interleave(seq)
-    check_tensor(t, name, shape=(batch, seq))
-    return t.reshape(batch * seq)
+    rows = batch if seq is None else batch * seq
+    if _is_number(value):
+        return torch.full((rows,), value, dtype=dtype, device=device)
+    if dtype == torch.int32:
+        value = _index(value, dtype)
+    if seq is None or not isinstance(value, torch.Tensor):
+        return value  # the op's form already (or not a tensor): the op's check reports
+    if tuple(value.shape) == (batch,):
+        return value.repeat_interleave(seq)
+    if tuple(value.shape) == (batch, seq):
+        return value.reshape(rows)
+    raise ValueError(f"{name} must have shape [{batch}] or [{batch}, {seq}] (logits are [B, S, V] = "
+                     f"[{batch}, {seq}, *]), got {list(value.shape)}")
 
 
 def apply_top_k_top_p(
     logits: torch.Tensor,
-    top_k: torch.Tensor | None = None,
-    top_p: torch.Tensor | None = None,
-    min_p: torch.Tensor | None = None,
+    top_k: torch.Tensor | int | None = None,
+    top_p: torch.Tensor | float | None = None,
+    min_p: torch.Tensor | float | None = None,
     *,
     inplace: bool = True,
 ) -> torch.Tensor:
@@ -374,9 +350,10 @@ def apply_top_k_top_p(
     Args:
         logits: fp32/bf16/fp16 [R, V], or [B, S, V] (e.g. the K+1 verification rows of B
             requests), contiguous; modified in place unless ``inplace=False``.
-        top_k: int32 [R] (for 3-D logits [B] or [B, S]); 0 (or <= 0, or >= V) = off.
-        top_p: fp32, same shapes; >= 1 = off.
-        min_p: fp32, same shapes; <= 0 = off.
+        top_k: int32 (or int64) [R] (for 3-D logits [B] or [B, S]), or a Python int for
+            every row; 0 (or <= 0, or >= V) = off.
+        top_p: fp32, same shapes, or a Python number; >= 1 = off.
+        min_p: fp32, same shapes, or a Python number; <= 0 = off.
 
     Per row, on the values as given (temperature 1: divide by T first to apply them at
     temperature T), in this order: top-k keeps l_v >= the k-th largest value (ties at
@@ -387,23 +364,24 @@ def apply_top_k_top_p(
     sampler then reports them). The Triton kernel finds the thresholds by bisection on
     the ordered float bits instead of sorting, with the same result.
     """
-    check_tensor(logits, "logits", dtype=_LOGIT_DTYPES)
+    checks.check_tensor(logits, "logits")
     if logits.dim() not in (2, 3):
         raise ValueError(f"logits must have 2 or 3 dimensions ([R, V] or [B, S, V]), got shape {list(logits.shape)}")
     if not inplace:
         logits = logits.clone()
-    if not logits.is_contiguous():
-        raise ValueError("logits must be contiguous (the op works in place)")
     device = logits.device
     if logits.dim() == 3:
+        checks.check_contiguous(logits, "logits", " (the op works in place)")  # for the view
         batch, seq, vocab = logits.shape
         flat = logits.view(batch * seq, vocab)
     else:
         batch, seq = logits.shape[0], None
         flat = logits
-    top_k = _expand_row_param(top_k, "top_k", torch.int32, batch, seq, device)
-    top_p = _expand_row_param(top_p, "top_p", torch.float32, batch, seq, device)
-    min_p = _expand_row_param(min_p, "min_p", torch.float32, batch, seq, device)
+    top_k = _row_param(top_k, "top_k", torch.int32, batch, seq, device)
+    top_p = _row_param(top_p, "top_p", torch.float32, batch, seq, device)
+    min_p = _row_param(min_p, "min_p", torch.float32, batch, seq, device)
+    if not checks.launcher_checks(device):
+        checks.check_apply_top_k_top_p(flat, top_k, top_p, min_p)
     torch.ops.specdec.apply_top_k_top_p(flat, top_k, top_p, min_p)
     return logits
 
@@ -411,23 +389,27 @@ def apply_top_k_top_p(
 @torch.library.register_fake("specdec::chain_rejection_sample")
 def _chain_rejection_sample_fake(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed,
                                  offset, output_token_ids, num_accepted):
+    checks.check_one_device("chain_rejection_sample", locals())
     return None
 
 
 @torch.library.register_fake("specdec::chain_rejection_sample_flat")
 def _chain_rejection_sample_flat_fake(draft_token_ids, cu_num_draft_tokens, target_logits, draft_probs, temperature,
                                       seed, offset, output_token_ids, num_accepted):
+    checks.check_one_device("chain_rejection_sample_flat", locals())
     return None
 
 
 @torch.library.register_fake("specdec::tree_rejection_sample")
 def _tree_rejection_sample_fake(parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature, seed,
                                 offset, accepted_nodes, output_token_ids, num_accepted):
+    checks.check_one_device("tree_rejection_sample", locals())
     return None
 
 
 @torch.library.register_fake("specdec::apply_top_k_top_p")
 def _apply_top_k_top_p_fake(logits, top_k, top_p, min_p):
+    checks.check_one_device("apply_top_k_top_p", locals())
     return None
 
 
@@ -437,43 +419,15 @@ def _apply_top_k_top_p_fake(logits, top_k, top_p, min_p):
 # ---------------------------------------------------------------------------------------
 
 
-_ATTENTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _check_tree_attention(q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tree_mask, out, lse):
-    """Shape/dtype/device checks of tree_attention (no data-dependent checks: no host sync)."""
-    check_tensor(q, "q", dtype=_ATTENTION_DTYPES, dims=3)
-    T, Hq, D = q.shape
-    dev = q.device
-    check_tensor(k_cache, "k_cache", dtype=q.dtype, dims=4, device=dev)
-    num_blocks, block_size, Hkv, _ = k_cache.shape
-    check_tensor(k_cache, "k_cache", shape=(None, None, None, D))
-    check_tensor(v_cache, "v_cache", dtype=q.dtype, shape=tuple(k_cache.shape), device=dev)
-    if Hkv < 1 or Hq % Hkv != 0:
-        raise ValueError(f"q's number of heads ({Hq}) must be a multiple of k_cache's ({Hkv})")
-    if block_size < 1:
-        raise ValueError(f"k_cache must have block_size >= 1, got shape {list(k_cache.shape)}")
-    for t, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension")
-    check_tensor(block_table, "block_table", dtype=torch.int32, dims=2, device=dev)
-    B = block_table.shape[0]
-    check_tensor(prefix_lens, "prefix_lens", dtype=torch.int32, shape=(B,), device=dev)
-    check_tensor(qo_indptr, "qo_indptr", dtype=torch.int32, shape=(B + 1,), device=dev)
-    if tree_mask is not None:
-        check_tensor(tree_mask, "tree_mask", dtype=torch.int64, shape=(T, None), device=dev)
-        if tree_mask.shape[1] < 1:
-            raise ValueError(f"tree_mask must have at least one word per row, got shape {list(tree_mask.shape)}")
-        if not tree_mask.is_contiguous():
-            raise ValueError("tree_mask must be contiguous")
-    if out is not None:
-        check_tensor(out, "out", dtype=q.dtype, shape=tuple(q.shape), device=dev)
-        if out.stride(-1) != 1:
-            raise ValueError("out must be contiguous in its last dimension")
-    if lse is not None:
-        check_tensor(lse, "lse", dtype=torch.float32, shape=(T, Hq), device=dev)
-        if not lse.is_contiguous():
-            raise ValueError("lse must be contiguous")
+def _ragged_tree_mask(tree_mask, qo_indptr, num_rows: int, device):
+    """The op's ragged mask [T, W] from tree.tree_mask's batched [B, N, W] (a gather on the
+    device: no host sync; T is q's first dimension)."""
+    checks.check_tensor(tree_mask, "tree_mask", dtype=torch.int64, dims=3, device=device)
+    checks.check_tensor(qo_indptr, "qo_indptr", dims=1)
+    if tree_mask.shape[0] + 1 != qo_indptr.shape[0]:
+        raise ValueError(f"tree_mask [B, N, W] must have one row block per request, B = {qo_indptr.shape[0] - 1} "
+                         f"(qo_indptr is [B + 1]), got {list(tree_mask.shape)}")
+    return tree_mask_ragged(tree_mask, qo_indptr, num_rows)
 
 
 def tree_attention(
@@ -482,10 +436,11 @@ def tree_attention(
     v_cache: torch.Tensor,
     block_table: torch.Tensor,
     prefix_lens: torch.Tensor,
-    qo_indptr: torch.Tensor,
+    qo_indptr: torch.Tensor | None = None,
     tree_mask: torch.Tensor | None = None,
     sm_scale: float | None = None,
     *,
+    num_nodes: torch.Tensor | None = None,
     return_lse: bool = False,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
@@ -496,10 +451,15 @@ def tree_attention(
     order. k_cache, v_cache: [num_blocks, block_size, Hkv, D] (paged; a contiguous cache is
     one block of max_len per request), Hq a multiple of Hkv. block_table: int32
     [B, max_blocks]. prefix_lens: int32 [B]; node j of request b has its K/V at cache
-    position prefix_lens[b] + j (written before the call). qo_indptr: int32 [B + 1].
-    tree_mask: int64 [T, W] or None; bit j (word j // 64, little-endian) of row t set iff
-    node j is visible to the node of row t (its own bit set); None = causal among the new
-    tokens (plain decoding, chains). sm_scale: default 1 / sqrt(D).
+    position prefix_lens[b] + j (written before the call). qo_indptr: int32 [B + 1]; or,
+    instead, num_nodes: int32 [B] (the rows of each request, qo_indptr = [0, cumsum]).
+    The index tensors may also be int64 (cast on the device).
+    tree_mask: int64 [T, W], or the batched [B, N, W] of ``specdec_kernels.tree.tree_mask``
+    / ``build_tree(...).tree_mask`` (converted here with ``tree.tree_mask_ragged``: a few
+    small device ops per call, so a decode loop converts once per step and passes [T, W]),
+    or None; bit j (word j // 64, little-endian) of row t set iff node j is visible to the
+    node of row t (its own bit set); None = causal among the new tokens (plain decoding,
+    chains). sm_scale: default 1 / sqrt(D).
 
     Returns out [T, Hq, D] (dtype of q), or (out, lse) with ``return_lse``: lse fp32
     [T, Hq], natural log-sum-exp of the scaled scores. ``out``/``lse`` may be given to
@@ -514,13 +474,31 @@ def tree_attention(
     ``torch.ops.specdec.tree_attention(..., sm_scale, out, lse)`` directly, whose C++
     kernel checks every argument too (RuntimeError).
     """
-    _check_tree_attention(q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tree_mask, out, lse)
+    checks.check_tensor(q, "q", dims=3)
+    device = q.device
+    block_table = _index(block_table, torch.int32)
+    prefix_lens = _index(prefix_lens, torch.int32)
+    if num_nodes is not None:
+        if qo_indptr is not None:
+            raise ValueError("pass qo_indptr or num_nodes, not both")
+        checks.check_tensor(num_nodes, "num_nodes", dtype=_INDEX_DTYPES, dims=1, device=device)
+        if isinstance(block_table, torch.Tensor) and block_table.dim() == 2 and len(num_nodes) != len(block_table):
+            raise ValueError(f"num_nodes must have shape [{len(block_table)}] (one per row of block_table), "
+                             f"got {list(num_nodes.shape)}")
+        qo_indptr = qo_indptr_from_num_nodes(num_nodes)
+    elif qo_indptr is None:
+        raise ValueError("tree_attention needs qo_indptr (int32 [B + 1]) or num_nodes (int32 [B])")
+    qo_indptr = _index(qo_indptr, torch.int32)
+    if isinstance(tree_mask, torch.Tensor) and tree_mask.dim() == 3:
+        tree_mask = _ragged_tree_mask(tree_mask, qo_indptr, q.shape[0], device)
     if sm_scale is None:
         sm_scale = float(q.shape[-1]) ** -0.5
     if out is None:
         out = torch.empty_like(q)
     if return_lse and lse is None:
-        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=device)
+    if not checks.launcher_checks(device):
+        checks.check_tree_attention(q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tree_mask, out, lse)
     torch.ops.specdec.tree_attention(
         q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tree_mask, float(sm_scale), out, lse
     )
@@ -529,6 +507,7 @@ def tree_attention(
 
 @torch.library.register_fake("specdec::tree_attention")
 def _tree_attention_fake(q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tree_mask, sm_scale, out, lse):
+    checks.check_one_device("tree_attention", locals())
     return None
 
 
@@ -536,83 +515,6 @@ def _tree_attention_fake(q, k_cache, v_cache, block_table, prefix_lens, qo_indpt
 # ---------------------------------------------------------------------------------------
 # KV-cache compaction: compact_kv.
 # ---------------------------------------------------------------------------------------
-
-
-import weakref  # noqa: E402  (kept inside this section: it is only used here)
-
-
-class _CacheLists:
-    """K/V cache lists that passed the layer checks, remembered while all their tensors
-    live (a weakref callback forgets the entry when any of them is freed, so a remembered
-    id always names the tensor that was checked). With 30-60 layers the full check costs
-    ~0.1-0.4 ms of Python per call, more than the kernel itself; a hit costs one tuple of
-    ids. ``pointer_tables`` is where the Triton launcher keeps the layers' data pointers."""
-
-    __slots__ = ("refs", "signature", "pointer_tables")
-
-    def __init__(self, refs, signature):
-        self.refs = refs
-        self.signature = signature
-        self.pointer_tables = None
-
-
-_CHECKED_CACHE_LISTS: dict[tuple, _CacheLists] = {}
-
-
-def _check_cache_lists(k_caches, v_caches) -> _CacheLists | None:
-    """Raise a ValueError unless k_caches/v_caches are equal-length, non-empty lists of
-    4-d tensors of one shape, dtype, device and strides, contiguous in the last dim.
-    (Resizing a layer tensor in place between calls is not noticed on a remembered list;
-    the C++ kernel checks every layer on each call anyway.)"""
-    for name, caches in (("k_caches", k_caches), ("v_caches", v_caches)):
-        if not isinstance(caches, (list, tuple)):
-            raise ValueError(f"{name} must be a list of tensors (one per layer), got {type(caches).__name__}")
-    compiling = torch.compiler.is_compiling()  # under torch.compile: plain checks, no memo
-    key = None if compiling else (tuple(map(id, k_caches)), tuple(map(id, v_caches)))
-    entry = None if compiling else _CHECKED_CACHE_LISTS.get(key)
-    if entry is not None:
-        first = k_caches[0]
-        if (first.shape, first.dtype, first.device, first.stride()) == entry.signature:
-            return entry
-    if len(k_caches) == 0:
-        raise ValueError("k_caches must hold at least one layer tensor, got an empty list")
-    if len(k_caches) != len(v_caches):
-        raise ValueError(f"k_caches and v_caches must have the same length, got {len(k_caches)} and {len(v_caches)}")
-    first = k_caches[0]
-    check_tensor(first, "k_caches[0]", dims=4)
-    for name, caches in (("k_caches", k_caches), ("v_caches", v_caches)):
-        for layer, t in enumerate(caches):
-            check_tensor(t, f"{name}[{layer}]", dtype=first.dtype, shape=tuple(first.shape), device=first.device)
-            if t.stride() != first.stride():
-                raise ValueError(
-                    f"{name}[{layer}] must have the strides of k_caches[0] {first.stride()}, got {t.stride()}"
-                )
-    if first.stride(3) != 1:
-        raise ValueError(f"k_caches/v_caches must be contiguous in head_dim (stride 1), got strides {first.stride()}")
-
-    if compiling:
-        return None
-
-    def forget(_ref, key=key):
-        _CHECKED_CACHE_LISTS.pop(key, None)
-
-    refs = tuple(weakref.ref(t, forget) for t in (*k_caches, *v_caches))
-    entry = _CacheLists(refs, (first.shape, first.dtype, first.device, first.stride()))
-    _CHECKED_CACHE_LISTS[key] = entry
-    return entry
-
-
-def _check_compact_kv_args(k_caches, v_caches, block_table, prefix_lens, accepted_nodes, num_accepted):
-    """Shape/dtype/device checks of compact_kv (ValueError naming the argument); the
-    data-dependent checks (node order, positions, block ids) are the kernels' job."""
-    entry = _check_cache_lists(k_caches, v_caches)
-    device = k_caches[0].device
-    check_tensor(block_table, "block_table", dtype=torch.int32, dims=2, device=device)
-    batch = block_table.shape[0]
-    check_tensor(prefix_lens, "prefix_lens", dtype=torch.int32, shape=(batch,), device=device)
-    check_tensor(accepted_nodes, "accepted_nodes", dtype=torch.int32, shape=(batch, None), device=device)
-    check_tensor(num_accepted, "num_accepted", dtype=torch.int32, shape=(batch,), device=device)
-    return entry
 
 
 def compact_kv(
@@ -634,6 +536,7 @@ def compact_kv(
     accepted_nodes: int32 [B, D], accepted node indices, strictly increasing, >= 1,
         -1 padded (``tree_rejection_sample``'s output).
     num_accepted: int32 [B]; a negative count (a NaN row) moves nothing.
+    The index tensors may also be int64 (cast on the device).
 
     For i < num_accepted[b]: position prefix_lens[b] + 1 + i <- position prefix_lens[b] +
     accepted_nodes[b, i] (K and V, every layer and head). Sources are read before
@@ -644,12 +547,19 @@ def compact_kv(
     The op only mutates the caches, so this wrapper returns None (a functional form that
     copied every layer's cache would defeat the purpose).
     """
-    _check_compact_kv_args(k_caches, v_caches, block_table, prefix_lens, accepted_nodes, num_accepted)
+    block_table = _index(block_table, torch.int32)
+    prefix_lens = _index(prefix_lens, torch.int32)
+    accepted_nodes = _index(accepted_nodes, torch.int32)
+    num_accepted = _index(num_accepted, torch.int32)
+    first = k_caches[0] if isinstance(k_caches, (list, tuple)) and len(k_caches) > 0 else None
+    if not (isinstance(first, torch.Tensor) and checks.launcher_checks(first.device)):
+        checks.check_compact_kv(k_caches, v_caches, block_table, prefix_lens, accepted_nodes, num_accepted)
     torch.ops.specdec.compact_kv(list(k_caches), list(v_caches), block_table, prefix_lens, accepted_nodes, num_accepted)
 
 
 @torch.library.register_fake("specdec::compact_kv")
 def _compact_kv_fake(k_caches, v_caches, block_table, prefix_lens, accepted_nodes, num_accepted):
+    checks.check_one_device("compact_kv", locals())
     return None
 
 
@@ -657,8 +567,6 @@ def _compact_kv_fake(k_caches, v_caches, block_table, prefix_lens, accepted_node
 # ---------------------------------------------------------------------------------------
 # Medusa heads and the skinny GEMM: medusa_topk, skinny_linear.
 # ---------------------------------------------------------------------------------------
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Largest number of rows for which `linear` uses skinny_linear instead of F.linear on CPU.
 # Measured with `python bench/bench_medusa.py --threads 1` (its skinny_linear part is now
@@ -685,22 +593,12 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     of x's dtype (allocated when None). Accumulates in fp32. Designed for M <= 64; any M is
     correct (the CPU kernel just stops beating MKL). Returns out.
     """
-    check_tensor(x, "x", dtype=_FLOAT_DTYPES, dims=2)
-    check_tensor(weight, "weight", dtype=_FLOAT_DTYPES, dims=2, device=x.device)
-    M, H = x.shape
-    N = weight.shape[0]
-    if weight.shape[1] != H:
-        raise ValueError(f"weight must have shape [N, {H}] (x is [{M}, {H}]), got {list(weight.shape)}")
-    if not weight.is_contiguous():
-        raise ValueError("weight must be contiguous")
-    if bias is not None:
-        check_tensor(bias, "bias", dtype=_FLOAT_DTYPES, shape=(N,), device=x.device)
+    checks.check_tensor(x, "x", dims=2)
+    checks.check_tensor(weight, "weight", dims=2)
     if out is None:
-        out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    else:
-        check_tensor(out, "out", dtype=x.dtype, shape=(M, N), device=x.device)
-        if not out.is_contiguous():
-            raise ValueError("out must be contiguous")
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    if not checks.launcher_checks(x.device):
+        checks.check_skinny_linear(x, weight, bias, out)
     torch.ops.specdec.skinny_linear(x, weight, bias, out)
     return out
 
@@ -744,7 +642,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     autograd formula); otherwise this is exactly ``F.linear``. (skinny_linear accumulates
     in fp32 and rounds once, so bf16 results can differ from F.linear's in the last bit.)
     This is the one place the choice is made: the model and the Medusa heads call it.
+
+    ``weight`` may also be a ``gguf_blocks.QuantizedWeight`` (GGUF blocks): then every row
+    count goes to ``quantized_linear`` (fp32 result) — it is batch-invariant (a row's result
+    does not depend on the other rows), which keeps speculative greedy output bit-identical
+    to autoregressive output.
     """
+    if getattr(weight, "block_type", None) is not None and hasattr(weight, "blocks"):
+        N, H = weight.shape
+        flat = x.reshape(-1, H)
+        out = quantized_linear(flat if flat.is_contiguous() else flat.contiguous(), weight.blocks,
+                               weight.block_type, bias)
+        return out.reshape(*x.shape[:-1], N)
     rows = x.numel() // x.shape[-1] if x.dim() > 0 and x.shape[-1] > 0 else 0
     use_skinny = (
         x.device.type == "cpu"
@@ -783,49 +692,78 @@ def medusa_topk(
     log-softmax values. ``out`` = (topk_ids, topk_logprobs) to write into.
     Non-finite logits raise on CPU (RuntimeError); on GPU they give NaN log-probs.
     """
-    check_tensor(hidden, "hidden", dtype=_FLOAT_DTYPES, dims=2)
-    M, H = hidden.shape
-    dev = hidden.device
-    check_tensor(res_weight, "res_weight", dtype=_FLOAT_DTYPES, dims=4, device=dev)
-    K, L = res_weight.shape[0], res_weight.shape[1]
-    if K < 1:
-        raise ValueError(f"res_weight must have at least one head (K >= 1), got shape {list(res_weight.shape)}")
-    check_tensor(res_weight, "res_weight", shape=(K, L, H, H))
-    check_tensor(res_bias, "res_bias", dtype=_FLOAT_DTYPES, shape=(K, L, H), device=dev)
-    check_tensor(lm_head, "lm_head", dtype=_FLOAT_DTYPES, device=dev)
-    if lm_head.dim() == 2 and lm_head.shape[1] == H:
-        V = lm_head.shape[0]
-    elif lm_head.dim() == 3 and lm_head.shape[0] == K and lm_head.shape[2] == H:
-        V = lm_head.shape[1]
-    else:
-        raise ValueError(
-            f"lm_head must have shape [V, {H}] (shared) or [{K}, V, {H}] (per head), got {list(lm_head.shape)}"
-        )
-    if V < 1:
-        raise ValueError(f"lm_head must have at least one vocabulary row, got shape {list(lm_head.shape)}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= V:
-        raise ValueError(f"top_k must be an int in [1, V = {V}], got {top_k!r}")
-    for t, name in ((res_weight, "res_weight"), (res_bias, "res_bias"), (lm_head, "lm_head")):
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
+    checks.check_tensor(hidden, "hidden", dims=2)
+    checks.check_tensor(res_weight, "res_weight", dims=4)
+    hidden = hidden.contiguous()
     if out is None:
-        topk_ids = torch.empty((M, K, top_k), dtype=torch.int64, device=dev)
-        topk_logprobs = torch.empty((M, K, top_k), dtype=torch.float32, device=dev)
+        # A bad top_k allocates nothing here: the check below (or the launcher's) names it.
+        size = (hidden.shape[0], res_weight.shape[0], top_k if isinstance(top_k, int) and top_k > 0 else 0)
+        topk_ids = torch.empty(size, dtype=torch.int64, device=hidden.device)
+        topk_logprobs = torch.empty(size, dtype=torch.float32, device=hidden.device)
     else:
         topk_ids, topk_logprobs = out
-        check_tensor(topk_ids, "topk_ids", dtype=torch.int64, shape=(M, K, top_k), device=dev)
-        check_tensor(topk_logprobs, "topk_logprobs", dtype=torch.float32, shape=(M, K, top_k), device=dev)
-        if not (topk_ids.is_contiguous() and topk_logprobs.is_contiguous()):
-            raise ValueError("topk_ids and topk_logprobs must be contiguous")
-    torch.ops.specdec.medusa_topk(hidden.contiguous(), res_weight, res_bias, lm_head, top_k, topk_ids, topk_logprobs)
+    if not checks.launcher_checks(hidden.device):
+        checks.check_medusa_topk(hidden, res_weight, res_bias, lm_head, top_k, topk_ids, topk_logprobs)
+    torch.ops.specdec.medusa_topk(hidden, res_weight, res_bias, lm_head, top_k, topk_ids, topk_logprobs)
     return topk_ids, topk_logprobs
 
 
 @torch.library.register_fake("specdec::medusa_topk")
 def _medusa_topk_fake(hidden, res_weight, res_bias, lm_head, top_k, topk_ids, topk_logprobs):
+    checks.check_one_device("medusa_topk", locals())
     return None
 
 
 @torch.library.register_fake("specdec::skinny_linear")
 def _skinny_linear_fake(x, weight, bias, out):
+    checks.check_one_device("skinny_linear", locals())
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# Linear layers on raw GGUF blocks: quantized_linear.
+# ---------------------------------------------------------------------------------------
+
+__all__ += ["quantized_linear", "GGUF_BLOCK_FORMATS"]
+
+GGUF_BLOCK_FORMATS = checks.GGUF_BLOCK_FORMATS
+
+
+def quantized_linear(x: torch.Tensor, weight: torch.Tensor, block_type: int, bias: torch.Tensor | None = None, *,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` with W [N, H] stored as raw GGUF blocks, streamed once for all rows.
+
+    Args:
+        x: [M, H] fp32/bf16/fp16 (widened to fp32); M <= 64 is the design point, any M works.
+        weight: uint8 [N, H / block_size * block_bytes], contiguous: each row's GGUF blocks,
+            as a GGUF file stores them (``gguf.ReaderTensor.data``; the file lists the
+            shape reversed, [H, N]). See specdec_kernels.gguf_blocks.
+        block_type: the GGML type id (``gguf.GGMLQuantizationType``): Q4_0 = 2, Q4_1 = 3,
+            Q8_0 = 8 (blocks of 32 weights, H a multiple of 32), F32 = 0, F16 = 1, BF16 = 30.
+        bias: [N] fp32/bf16/fp16 or None.
+        out: optional fp32 [M, N] destination, contiguous.
+
+    Returns fp32 [M, N]. Every weight has exactly the value ``gguf.dequantize`` gives (Q4_0:
+    d * (q - 8); Q4_1: d * q + m, rounded once; Q8_0: q * d; d, m the block's fp16 scales);
+    accumulation is fp32, in one order that depends on H only: per output, 16 lane sums, lane
+    l accumulating (fused multiply-add) x[k] * w[k] for k = 32c + l, then k = 32c + 16 + l,
+    over the chunks c = 0, 1, ... of 32 weights (the float types' last chunk zero-padded); then
+    the lanes summed as a tree (l + 8, + 4, + 2, + 1); then + bias. So a row's result is
+    bit-identical whatever M is and whatever the other rows hold (batch invariance), on every
+    CPU path (AVX-512, AVX2, portable). The Triton kernel (CUDA) sums in its own fixed order,
+    the same for every row and M, equal to the CPU result within rounding.
+    """
+    checks.check_tensor(x, "x", dims=2)
+    checks.check_tensor(weight, "weight", dims=2)
+    if out is None:
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.float32, device=x.device)
+    if not checks.launcher_checks(x.device):
+        checks.check_quantized_linear(x, weight, block_type, bias, out)
+    torch.ops.specdec.quantized_linear(x, weight, int(block_type), bias, out)
+    return out
+
+
+@torch.library.register_fake("specdec::quantized_linear")
+def _quantized_linear_fake(x, weight, block_type, bias, out):
+    checks.check_one_device("quantized_linear", locals())
     return None

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from python_ref import rejection_sampling as ref
 from specdec_kernels import ops
-from tests.conftest import requires_triton
+from tests.helpers import requires_triton
 
 
 def make_params(rows, vocab, gen):
@@ -62,7 +62,7 @@ def test_three_dimensional_logits_with_per_request_params():
 
 
 @pytest.mark.parametrize("kwargs,name", [
-    (dict(top_k=torch.tensor([1, 2])), "top_k"),
+    (dict(top_k=torch.tensor([1, 2], dtype=torch.int16)), "top_k"),  # int64 is cast (tests/test_api.py)
     (dict(top_k=torch.tensor([1, 2, 3], dtype=torch.int32)), "top_k"),
     (dict(top_p=torch.tensor([0.5, 0.5], dtype=torch.float64)), "top_p"),
     (dict(min_p=torch.tensor([[0.5]])), "min_p"),
@@ -136,7 +136,7 @@ GUARD_CASES = _guard_cases()
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=requires_triton)])
 @pytest.mark.parametrize("name", list(GUARD_CASES))
 def test_nothing_outside_the_tensors_is_read_or_written(backend, name):
-    from tests.conftest import assert_guard_intact, guarded
+    from tests.helpers import assert_guard_intact, guarded
 
     logits, top_k, top_p, min_p = GUARD_CASES[name]
     expected = ref.apply_top_k_top_p(logits, top_k, top_p, min_p)

@@ -24,9 +24,13 @@ def prompts():
     return ps
 
 
+# An injected step cost (relative cost of 1, 2, ... verified rows), so that tree sizes do not
+# depend on timings; tests/test_cost_model.py covers the measured curve.
+STEP_COST = (1.0, 1.08, 1.14, 1.17, 1.24, 1.31, 1.36, 1.41, 1.46, 1.52, 1.56, 1.61)
+
 DRAFTERS = {
     "ngram": lambda m: NgramDrafter(),
-    "ngram-tree": lambda m: NgramTreeDrafter(),
+    "ngram-tree": lambda m: NgramTreeDrafter(step_cost=STEP_COST),
     "draft-chain": lambda m: ModelDrafter(Llama.random(tiny_config(num_layers=1), seed=5)),
     "draft-good": lambda m: ModelDrafter(m.truncated(2)),
     "draft-tree": lambda m: ModelDrafter(m.truncated(1), tree_width=3),
@@ -196,7 +200,8 @@ def test_stats():
 
 
 def test_cli_drafters_by_name(model, prompts):
-    from specdec_kernels.cli import DRAFTERS as NAMES, main, make_drafter
+    from specdec_kernels.cli import main
+    from specdec_kernels.decoding import DRAFTERS as NAMES, make_drafter
 
     ar = [r.output for r in Generator(model).generate(prompts[:2], 6)]
     for name in NAMES:
@@ -214,7 +219,7 @@ def test_medusa_checkpoint_through_cli(model, prompts, tmp_path):
     make_drafter path, propose what the heads predict, and keep greedy decoding exact."""
     from safetensors.torch import save_file
 
-    from specdec_kernels.cli import make_drafter
+    from specdec_kernels.decoding import make_drafter
     from specdec_kernels.medusa import MedusaHeads
 
     c = model.config
@@ -266,6 +271,10 @@ class _TreeDrafter(NgramTreeDrafter):
     RANK = (1.0, 0.85, 0.75, 0.55)
     VERIFY_COST = (1.0, 1.08, 1.14, 1.17, 1.24, 1.31, 1.36, 1.41, 1.46, 1.52, 1.56, 1.61)
 
+    def __init__(self, **kw):  # an injected cost table, not the target's measured curve
+        kw.setdefault("verify_cost", self.VERIFY_COST)
+        super().__init__(**kw)
+
 
 def test_ngram_tree_merges_matches_into_a_trie():
     d = _TreeDrafter(max_nodes=32, verify_cost=[1.0] * 64)  # free rows: keep every node
@@ -313,6 +322,6 @@ def test_ngram_tree_accepts_repeated_text(model, prompts):
     ar = Generator(model).generate([prompts[2]], 40)[0].output
     prompt = prompts[2] + ar  # the greedy continuation of this text tends to repeat ar's patterns
     base = Generator(model).generate([prompt], 30)[0].output
-    spec = Generator(model, NgramTreeDrafter(), SpecSchedule("max")).generate([prompt], 30)[0]
+    spec = Generator(model, NgramTreeDrafter(step_cost=STEP_COST), SpecSchedule("max")).generate([prompt], 30)[0]
     assert spec.output == base
     assert spec.stats.drafted > 0

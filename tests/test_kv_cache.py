@@ -72,6 +72,17 @@ def test_append_write_read_back_across_blocks():
     assert nxt.slot_mapping.tolist() == [5, int(cache.block_table[a, 2]) * 3 + 0]
 
 
+def test_slot_mapping_of_positions_agrees_with_append_slots():
+    cache = make_cache()
+    a = cache.add_request()
+    b = cache.add_request(num_tokens=2)  # b: block 0, a: blocks 1, 2, 3, b: block 4 (interleaved)
+    cache.reserve([a], [4])
+    slots = cache.append_slots([a, b], [8, 4])
+    assert cache.slot_mapping(a, torch.arange(8)).tolist() == slots.slot_mapping[:8].tolist()
+    assert cache.slot_mapping(b, torch.tensor([3, 0])).tolist() == slots.slot_mapping[[11, 8]].tolist()
+    assert cache.slot_mapping(a, torch.tensor([4])).tolist() == [int(cache.block_table[a, 1]) * 3 + 1]
+
+
 def test_batch_view_gives_rows_in_slot_order():
     cache = make_cache()
     a, b = cache.add_request(4), cache.add_request(2)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import specdec_kernels
 from python_ref.kv_compaction import compact_kv as compact_kv_ref
-from tests.conftest import requires_triton
+from tests.helpers import requires_triton
 
 if specdec_kernels.HAS_TRITON:
     from specdec_kernels.triton.kv_compaction import compact_kv_triton
@@ -326,9 +326,12 @@ def good_args():
     return make_case([2, 3], [[1, 3], [2]], tree_sizes=[5, 4], block_size=3)
 
 
-def bad_inputs():
+def bad_inputs(wrapper=False):
+    """Bad inputs for the raw op, or (wrapper=True) for the wrapper, which casts int64 index
+    tensors to int32 (tests/test_api.py), so it gets int16 ones as the wrong dtype."""
     k, v, bt, pl, nodes, counts = good_args()
     i32 = torch.int32
+    wrong = torch.int16 if wrapper else torch.int64
     return [
         ("empty lists", ([], [], bt, pl, nodes, counts), "k_caches must hold at least one layer"),
         ("list lengths", (k, v[:1], bt, pl, nodes, counts), "k_caches and v_caches must have the same length"),
@@ -337,16 +340,16 @@ def bad_inputs():
         ("layer dtypes", (k, [v[0], v[1].half()], bt, pl, nodes, counts), r"v_caches\[1\] must have .*dtype"),
         ("head_dim stride", ([t.transpose(2, 3) for t in k], [t.transpose(2, 3) for t in v], bt, pl, nodes, counts),
          "contiguous in head_dim"),
-        ("block_table dtype", (k, v, bt.long(), pl, nodes, counts), r"block_table must have dtype (torch.int32|Int)"),
+        ("block_table dtype", (k, v, bt.to(wrong), pl, nodes, counts), r"block_table must have dtype (torch.int32|Int)"),
         ("block_table dims", (k, v, bt[0], pl, nodes, counts), "block_table must have 2 dimensions"),
         ("prefix_lens shape", (k, v, bt, pl[:1], nodes, counts), r"prefix_lens must have shape \[2\]|prefix_lens.size\(0\) must be 2"),
-        ("accepted_nodes dtype", (k, v, bt, pl, nodes.long(), counts), r"accepted_nodes must have dtype (torch.int32|Int)"),
+        ("accepted_nodes dtype", (k, v, bt, pl, nodes.to(wrong), counts), r"accepted_nodes must have dtype (torch.int32|Int)"),
         ("accepted_nodes rows", (k, v, bt, pl, nodes[:1], counts), r"accepted_nodes must have shape \[2, \*\]|accepted_nodes.size\(0\) must be 2"),
         ("num_accepted shape", (k, v, bt, pl, nodes, counts.to(i32)[None]), r"num_accepted must have (shape \[2\]|1 dimensions)"),
     ]
 
 
-@pytest.mark.parametrize("name,args,message", bad_inputs(), ids=[b[0] for b in bad_inputs()])
+@pytest.mark.parametrize("name,args,message", bad_inputs(wrapper=True), ids=[b[0] for b in bad_inputs()])
 def test_wrapper_rejects_bad_inputs(name, args, message):
     with pytest.raises(ValueError, match=message):
         specdec_kernels.compact_kv(*args)
@@ -380,21 +383,15 @@ def test_kv_cache_class_round_trip_uses_op():
     assert flat_k.tolist() == [0.0, 2.0, 4.0, 3.0, 4.0] and cache.length(slot) == 3
 
 
-def test_wrapper_remembers_checked_lists_only_while_tensors_live():
-    import gc
-
-    from specdec_kernels import ops
-
+def test_wrapper_checks_every_layer_on_every_call():
+    # No memo of checked lists: a list that passed once, with one layer swapped for a bad
+    # tensor, is rejected on the next call.
     k, v, *rest = good_args()
     specdec_kernels.compact_kv(k, v, *rest)
-    key = (tuple(map(id, k)), tuple(map(id, v)))
-    assert key in ops._CHECKED_CACHE_LISTS
-    # A list with one layer swapped for a bad tensor is checked afresh.
     with pytest.raises(ValueError, match=r"v_caches\[1\] must have dtype"):
         specdec_kernels.compact_kv(k, [v[0], v[1].half()], *rest)
-    del k, v
-    gc.collect()
-    assert key not in ops._CHECKED_CACHE_LISTS
+    with pytest.raises(ValueError, match=r"k_caches\[1\] must have the strides"):
+        specdec_kernels.compact_kv([k[0], k[1].transpose(0, 1).contiguous().transpose(0, 1)], v, *rest)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -431,7 +428,7 @@ def test_wrapper_traces_with_torch_compile_fullgraph():
 def guarded_cache(t):
     """guarded() storage for a cache tensor, keeping its layout (a transposed view of a
     contiguous guarded tensor when the heads are not adjacent)."""
-    from tests.conftest import guarded
+    from tests.helpers import guarded
 
     return guarded(t) if t.is_contiguous() else guarded(t.transpose(1, 2)).transpose(1, 2)
 
@@ -508,7 +505,7 @@ KV_GUARD_CASES = _kv_guard_cases()
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=requires_triton)])
 @pytest.mark.parametrize("name", list(KV_GUARD_CASES))
 def test_nothing_outside_the_tensors_is_read_or_written(backend, name):
-    from tests.conftest import assert_guard_intact, guarded
+    from tests.helpers import assert_guard_intact, guarded
 
     (k, v, *index_args), cpu_error = KV_GUARD_CASES[name]
     gk, gv = [guarded_cache(t) for t in k], [guarded_cache(t) for t in v]

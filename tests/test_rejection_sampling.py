@@ -12,71 +12,10 @@ from hypothesis import strategies as st
 import specdec_kernels
 from python_ref import rejection_sampling as ref
 from specdec_kernels import ops
-from tests.conftest import assert_guard_intact, guarded, requires_triton
+from tests.helpers import (assert_guard_intact, assert_same, chain_args, guarded, make_chain_inputs, make_tree_inputs,
+                           requires_triton, tree_args)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def make_chain_inputs(batch, max_drafts, vocab, *, dtype=torch.float32, with_q=True, greedy_mask=None, gen=None,
-                      sharpness=3.0, num_drafts=None):
-    """Random chain inputs whose drafts are drawn from q (so acceptances are frequent)."""
-    gen = gen or torch.Generator().manual_seed(0)
-    logits = (torch.randn(batch, max_drafts + 1, vocab, generator=gen) * sharpness).to(dtype)
-    q = torch.softmax(torch.randn(batch, max(max_drafts, 1), vocab, generator=gen) * sharpness, dim=-1)[:, :max_drafts]
-    # Make the draft close to the target on some rows so that chains get accepted.
-    q = 0.5 * q + 0.5 * torch.softmax(logits[:, :max_drafts].float(), dim=-1)
-    q = q / q.sum(-1, keepdim=True)
-    if max_drafts > 0:
-        drafts = torch.multinomial(q.reshape(-1, vocab), 1, generator=gen).reshape(batch, max_drafts)
-    else:
-        drafts = torch.zeros(batch, 0, dtype=torch.int64)
-    if num_drafts is None:
-        num_drafts = torch.randint(0, max_drafts + 1, (batch,), generator=gen, dtype=torch.int32)
-    temperature = torch.rand(batch, generator=gen) + 0.5
-    if greedy_mask is not None:
-        temperature[greedy_mask] = 0.0
-    seed = torch.randint(-(2**62), 2**62, (batch,), generator=gen)
-    offset = torch.randint(0, 2**40, (batch,), generator=gen)
-    return dict(draft_token_ids=drafts, num_draft_tokens=num_drafts.to(torch.int32), target_logits=logits,
-                draft_probs=q.contiguous() if with_q else None, temperature=temperature, seed=seed, offset=offset)
-
-
-def chain_args(inp):
-    return (inp["draft_token_ids"], inp["num_draft_tokens"], inp["target_logits"], inp["draft_probs"],
-            inp["temperature"], inp["seed"], inp["offset"])
-
-
-def random_parents(num_nodes, gen, max_nodes=None):
-    max_nodes = max_nodes or num_nodes
-    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, num_nodes)]
-    return parents + [-1] * (max_nodes - num_nodes)
-
-
-def make_tree_inputs(batch, max_nodes, vocab, *, dtype=torch.float32, with_q=True, greedy_mask=None, gen=None,
-                     sharpness=3.0):
-    gen = gen or torch.Generator().manual_seed(0)
-    num_nodes = torch.randint(1, max_nodes + 1, (batch,), generator=gen, dtype=torch.int32)
-    parents = torch.tensor([random_parents(int(n), gen, max_nodes) for n in num_nodes], dtype=torch.int32)
-    logits = (torch.randn(batch, max_nodes, vocab, generator=gen) * sharpness).to(dtype)
-    q = torch.softmax(torch.randn(batch, max_nodes, vocab, generator=gen) * sharpness, dim=-1)
-    q = 0.5 * q + 0.5 * torch.softmax(logits.float(), dim=-1)
-    q = q / q.sum(-1, keepdim=True)
-    tokens = torch.zeros(batch, max_nodes, dtype=torch.int64)
-    for b in range(batch):
-        for i in range(1, int(num_nodes[b])):
-            tokens[b, i] = int(torch.multinomial(q[b, int(parents[b, i])], 1, generator=gen))
-    temperature = torch.rand(batch, generator=gen) + 0.5
-    if greedy_mask is not None:
-        temperature[greedy_mask] = 0.0
-    seed = torch.randint(-(2**62), 2**62, (batch,), generator=gen)
-    offset = torch.randint(0, 2**40, (batch,), generator=gen)
-    return dict(parents=parents, tree_token_ids=tokens, num_nodes=num_nodes, target_logits=logits,
-                draft_probs=q if with_q else None, temperature=temperature, seed=seed, offset=offset)
-
-
-def tree_args(inp):
-    return (inp["parents"], inp["tree_token_ids"], inp["num_nodes"], inp["target_logits"], inp["draft_probs"],
-            inp["temperature"], inp["seed"], inp["offset"])
 
 
 def chain_as_tree(inp):
@@ -112,11 +51,6 @@ def triton_tree(*args):
     num = torch.empty(batch, dtype=torch.int32)
     tr.tree_rejection_sample(*args, an, out, num)
     return an, out, num
-
-
-def assert_same(got, expected):
-    for g, e in zip(got, expected):
-        assert torch.equal(g, e), f"\ngot      {g}\nexpected {e}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -427,15 +361,18 @@ def test_cpu_raises_on_bad_tree_data():
 # ---------------------------------------------------------------------------------------
 
 
-def _bad_chain_cases():
+def _bad_chain_cases(wrapper=True):
+    """Bad inputs for the wrapper, or (wrapper=False) for the raw op, which takes exactly
+    int64 ids and int32 counts where the wrapper casts either width (so it gets int16)."""
     def mod(key, value):
         def f(inp):
             inp[key] = value(inp[key])
         return f
 
+    ids_dtype, counts_dtype = (torch.int16, torch.int16) if wrapper else (torch.int32, torch.int64)
     return [
-        ("draft_token_ids", mod("draft_token_ids", lambda t: t.to(torch.int32))),
-        ("num_draft_tokens", mod("num_draft_tokens", lambda t: t.to(torch.int64))),
+        ("draft_token_ids", mod("draft_token_ids", lambda t: t.to(ids_dtype))),
+        ("num_draft_tokens", mod("num_draft_tokens", lambda t: t.to(counts_dtype))),
         ("num_draft_tokens", mod("num_draft_tokens", lambda t: t[:1])),
         ("target_logits", mod("target_logits", lambda t: t.double())),
         ("target_logits", mod("target_logits", lambda t: t[:, :2])),
@@ -456,7 +393,7 @@ def test_bad_inputs_name_the_argument(name, modify):
         ops.chain_rejection_sample(*chain_args(inp))
 
 
-@pytest.mark.parametrize("name,modify", _bad_chain_cases()[:-1])
+@pytest.mark.parametrize("name,modify", _bad_chain_cases(wrapper=False)[:-1])
 def test_cpu_kernel_checks_name_the_argument(name, modify):
     inp = make_chain_inputs(2, 2, 16)
     modify(inp)
@@ -469,7 +406,7 @@ def test_cpu_kernel_checks_name_the_argument(name, modify):
 def test_bad_tree_and_output_arguments():
     inp = make_tree_inputs(2, 4, 16)
     with pytest.raises(ValueError, match="parents"):
-        ops.tree_rejection_sample(inp["parents"].long(), *tree_args(inp)[1:])
+        ops.tree_rejection_sample(inp["parents"].to(torch.int16), *tree_args(inp)[1:])
     with pytest.raises(ValueError, match="tree_token_ids"):
         ops.tree_rejection_sample(inp["parents"], inp["tree_token_ids"][:, :3], *tree_args(inp)[2:])
     with pytest.raises(ValueError, match="accepted_nodes"):

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from python_ref import rejection_sampling as ref
 from specdec_kernels import ops
-from tests.conftest import assert_guard_intact, guarded, requires_triton
-from tests.test_rejection_sampling import DTYPES, assert_same, chain_args, make_chain_inputs
+from tests.helpers import assert_guard_intact, assert_same, chain_args, guarded, make_chain_inputs, requires_triton
+from tests.test_rejection_sampling import DTYPES
 from tests.test_rejection_sampling_stats import P_BROKEN, P_MIN, chisq_pvalue
 
 
@@ -72,6 +72,18 @@ def test_width_beyond_the_longest_request_and_inferred_width():
     assert inferred[0].shape == (6, 3)
     assert torch.equal(inferred[1], wide[1]) and torch.equal(inferred[0], wide[0][:, :3])
     assert (wide[0][:, 3:] == -1).all()
+
+
+def test_wrapper_takes_either_index_width_and_python_numbers():
+    inp = make_chain_inputs(4, 2, 23, num_drafts=torch.tensor([2, 0, 1, 2]))
+    inp["temperature"] = torch.full((4,), 0.8)
+    inp["offset"] = torch.full((4,), 3, dtype=torch.int64)
+    flat, k_max = to_flat(inp)
+    drafts, cu, logits, q, temp, seed, offset = flat
+    expected = ops.chain_rejection_sample_flat(*flat, max_num_draft_tokens=k_max)
+    got = ops.chain_rejection_sample_flat(drafts.to(torch.int32), cu.to(torch.int64), logits, q, 0.8, seed, 3,
+                                          max_num_draft_tokens=k_max)
+    assert_same(got, expected)
 
 
 @settings(max_examples=20, deadline=None)
@@ -301,16 +313,20 @@ def test_cpu_raises_on_out_of_range_draft_ids(bad_id):
         ops.chain_rejection_sample_flat(*flat, max_num_draft_tokens=k_max)
 
 
-def _bad_flat_cases():
+def _bad_flat_cases(wrapper=True):
+    """Bad inputs for the wrapper, or (wrapper=False) for the raw op, which takes exactly
+    int64 ids and int32 cu where the wrapper casts either width (so it gets int16)."""
+    ids_dtype, cu_dtype = (torch.int16, torch.int16) if wrapper else (torch.int32, torch.int64)
+
     def mod(i, fn):
         def f(args):
             args[i] = fn(args[i])
         return f
 
     return [
-        ("draft_token_ids", mod(0, lambda t: t.to(torch.int32))),
+        ("draft_token_ids", mod(0, lambda t: t.to(ids_dtype))),
         ("draft_token_ids", mod(0, lambda t: t.view(-1, 1))),
-        ("cu_num_draft_tokens", mod(1, lambda t: t.to(torch.int64))),
+        ("cu_num_draft_tokens", mod(1, lambda t: t.to(cu_dtype))),
         ("target_logits", mod(2, lambda t: t[:-1])),
         ("target_logits", mod(2, lambda t: t.double())),
         ("target_logits", mod(2, lambda t: t.unsqueeze(0))),
@@ -330,6 +346,14 @@ def test_bad_inputs_name_the_argument(name, modify):
     modify(args)
     with pytest.raises(ValueError, match=name):
         ops.chain_rejection_sample_flat(*args, max_num_draft_tokens=2)
+
+
+@pytest.mark.parametrize("name,modify", _bad_flat_cases(wrapper=False))
+def test_cpu_kernel_checks_name_the_argument(name, modify):
+    inp = make_chain_inputs(3, 2, 16, num_drafts=torch.tensor([1, 2, 0]))
+    flat, _ = to_flat(inp)
+    args = list(flat)
+    modify(args)
     out, acc = torch.empty(3, 3, dtype=torch.int64), torch.empty(3, dtype=torch.int32)
     with pytest.raises(RuntimeError, match=name):
         torch.ops.specdec.chain_rejection_sample_flat(*args, out, acc)

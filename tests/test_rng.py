@@ -4,7 +4,7 @@ import torch
 
 import specdec_kernels
 from specdec_kernels import rng
-from tests.conftest import requires_triton
+from tests.helpers import requires_triton
 
 # Known-answer vectors of Philox4x32-10 from Random123's kat_vectors.
 KAT = [

@@ -373,12 +373,20 @@ def test_builders_trace_fullgraph_under_torch_compile():
 # ---------------------------------------------------------------------------------------
 
 
-def test_mc_sim_7b_63_constant():
-    assert len(T.MC_SIM_7B_63) == 63
-    assert len(set(T.MC_SIM_7B_63)) == 63
-    assert all(isinstance(c, tuple) for c in T.MC_SIM_7B_63)
-    assert T.MC_SIM_7B_63[:6] == [(0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0)]
-    assert T.MC_SIM_7B_63[-1] == (0, 7, 0)
+def test_mc_sim_7b_63_is_ordered_like_a_medusa_choice_list():
+    """63 distinct tuples of top-k ranks in Medusa's order of decreasing estimated
+    acceptance: a node is never more likely than its parent or than its sibling of the next
+    better rank, so both come before it (medusa_tree itself accepts any order)."""
+    choices = T.MC_SIM_7B_63
+    assert len(choices) == 63
+    assert len(set(choices)) == 63
+    assert all(isinstance(c, tuple) and all(isinstance(r, int) and r >= 0 for r in c) for c in choices)
+    index = {c: i for i, c in enumerate(choices)}
+    for i, c in enumerate(choices):
+        if len(c) > 1:
+            assert index[c[:-1]] < i, (c, "after its parent")
+        if c[-1] > 0:
+            assert index[c[:-1] + (c[-1] - 1,)] < i, (c, "after its better-ranked sibling")
 
 
 def test_medusa_tree_mc_sim_7b_63():

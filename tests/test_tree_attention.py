@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import specdec_kernels
 from python_ref import tree_attention as ref
 from specdec_kernels import ops
-from tests.conftest import requires_triton
+from tests.helpers import requires_triton
 
 # Output tolerance per dtype (the reference runs in float64 on the same rounded inputs; the
 # kernel accumulates in fp32 and rounds its output to the dtype).
@@ -253,7 +253,8 @@ WRAPPER_ERRORS = [
     (lambda c: dict(v_cache=c["v_cache"][:, :2]), "v_cache must have shape"),
     (lambda c: dict(k_cache=c["k_cache"][..., :32], v_cache=c["v_cache"][..., :32]), "k_cache must have shape"),
     (lambda c: dict(q=c["q"][:, :3]), "multiple of k_cache"),
-    (lambda c: dict(block_table=c["block_table"].long()), "block_table must have dtype torch.int32"),
+    # (int64 index tensors are cast by the wrapper: tests/test_api.py)
+    (lambda c: dict(block_table=c["block_table"].to(torch.int16)), "block_table must have dtype torch.int32"),
     (lambda c: dict(prefix_lens=c["prefix_lens"][:1]), "prefix_lens must have shape"),
     (lambda c: dict(qo_indptr=c["qo_indptr"][:2]), "qo_indptr must have shape"),
     (lambda c: dict(tree_mask=c["tree_mask"].int()), "tree_mask must have dtype"),
@@ -545,7 +546,7 @@ TREE_GUARD_CASES = _tree_guard_cases()
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=requires_triton)])
 @pytest.mark.parametrize("name", list(TREE_GUARD_CASES))
 def test_nothing_outside_the_tensors_is_read_or_written(backend, name):
-    from tests.conftest import assert_guard_intact, guarded
+    from tests.helpers import assert_guard_intact, guarded
 
     case, mask, cpu_error = TREE_GUARD_CASES[name]
     q = case["q"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import requires_triton
+from tests.helpers import requires_triton
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).with_name("triton_compile_check.py")

@@ -208,7 +208,8 @@ def kv_compaction_cases():
 
 
 # ---------------------------------------------------------------------------------------
-# Linear (skinny_linear; also medusa_topk's ResBlocks and its lm_head fallback for top_k > 64).
+# Linear (skinny_linear, also medusa_topk's ResBlocks and its lm_head fallback for top_k > 64;
+# quantized_linear).
 # ---------------------------------------------------------------------------------------
 
 
@@ -222,6 +223,17 @@ def linear_cases():
         for has_bias, silu in ((False, False), (True, False), (True, True)):
             yield Case(m._linear_kernel, types, dict(blocks, HAS_BIAS=has_bias, RESIDUAL_SILU=silu),
                        f"weight {dt}, HAS_BIAS={has_bias} RESIDUAL_SILU={silu}")
+    # quantized_linear: one variant per GGUF block type (the float types read a typed view of
+    # the bytes), without and with bias; x, bias and out are fp32 (the launcher widens them).
+    weight_dtypes = {0: "fp32", 1: "fp16", 30: "bf16", 2: "u8", 3: "u8", 8: "u8"}
+    for block_type, wdt in weight_dtypes.items():
+        for has_bias in (False, True):
+            yield Case(m._quantized_linear_kernel,
+                       dict(x_ptr="*fp32", w_ptr=f"*{wdt}", b_ptr="*fp32", out_ptr="*fp32",
+                            **i32("M", "N", "H", "row_bytes")),
+                       dict(BLOCK_TYPE=block_type, BLOCK_BYTES=m.GGUF_BLOCK_FORMATS[block_type][2],
+                            HAS_BIAS=has_bias, BLOCK_M=m.QUANTIZED_BLOCK_M, BLOCK_N=m.QUANTIZED_BLOCK_N),
+                       f"quantized {m.GGUF_BLOCK_FORMATS[block_type][0]}, HAS_BIAS={has_bias}")
 
 
 # ---------------------------------------------------------------------------------------

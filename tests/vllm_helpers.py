@@ -58,7 +58,7 @@ def write_smollm2_dir(path: str) -> None:
     from specdec_kernels.models import load_model
     from specdec_kernels.models.hf_loader import save_hf_dir
 
-    model, tok = load_model("smollm2-135m")
+    model, tok = load_model("smollm2-135m", weights="fp32")
     save_hf_dir(model, path, tok)
 
 

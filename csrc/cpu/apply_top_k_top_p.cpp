@@ -1,5 +1,6 @@
-// CPU kernel of specdec::apply_top_k_top_p: in-place top-k / top-p / min-p masking of
-// logits, per row (semantics: the docstring of ops.apply_top_k_top_p). It lives beside
+// CPU kernel of specdec::apply_top_k_top_p: top-k / top-p / min-p masking of logits in place.
+//
+// Semantics: the docstring of ops.apply_top_k_top_p. The file lives beside
 // rejection_sampling.cpp, whose samplers take the masked logits, and is named after its op
 // like its tests (tests/test_apply_top_k_top_p.py).
 //
@@ -82,9 +83,8 @@ void apply_top_k_top_p_cpu(at::Tensor& logits, const std::optional<at::Tensor>& 
   check_cpu(logits, "logits");
   check_dim(logits, 2, "logits");
   check_contiguous(logits, "logits");
-  TORCH_CHECK(logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16 ||
-                  logits.scalar_type() == at::kHalf,
-              "logits must have dtype float32, bfloat16 or float16, got ", logits.scalar_type());
+  TORCH_CHECK(is_float_dtype(logits.scalar_type()), "logits must have dtype float32, bfloat16 or float16, got ",
+              logits.scalar_type());
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   std::optional<at::Tensor> k_c, p_c, mp_c;
   for (auto [t, out, name, dtype] :

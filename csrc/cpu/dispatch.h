@@ -19,6 +19,10 @@ namespace specdec {
                                      AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)                   \
                                          AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
 
+inline bool is_float_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
 // dst[0..n) = src[0..n) widened to fp32 (bf16 / fp16 a vector at a time; exact).
 template <typename T>
 inline void widen_to_float(const T* src, int64_t n, float* dst) {

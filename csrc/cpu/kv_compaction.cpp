@@ -1,5 +1,6 @@
-// CPU kernel of specdec::compact_kv: after acceptance, move the accepted tree nodes' K/V
-// next to the root, for K and V of every layer in one call.
+// CPU kernel of specdec::compact_kv: the accepted nodes' K/V of every layer next to the root.
+//
+// After acceptance, one call moves the accepted tree nodes' K and V of every layer.
 //
 // For i < num_accepted[b]:  position prefix_lens[b] + 1 + i  <-  position
 // prefix_lens[b] + accepted_nodes[b, i], every head. Caches are [num_blocks, block_size,

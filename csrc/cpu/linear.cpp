@@ -1,15 +1,19 @@
-// CPU kernel of specdec::skinny_linear: the weight-streaming GEMM of linear.h for few rows.
+// CPU kernels of specdec::skinny_linear (the weight-streaming GEMM of linear.h for few rows)
+// and specdec::quantized_linear (the same on raw GGUF blocks, gguf_blocks.h).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <optional>
 #include <type_traits>
 #include <vector>
 
 #include "check.h"
+#include "cpu_features.h"
+#include "gguf_blocks.h"
 #include "linear.h"
 #include "ops.h"
 
@@ -59,7 +63,8 @@ void skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std:
   const at::ScalarType out_t = out.scalar_type();
   void* outp = out.data_ptr();
   const int64_t groups = (N + kRowsW - 1) / kRowsW;
-  SPECDEC_DISPATCH_WEIGHT(weight.scalar_type(), W, [&] {
+  SPECDEC_DISPATCH_FLOAT_TYPES(weight.scalar_type(), "skinny_linear", [&] {
+    using W = scalar_t;
     const W* wp = weight.data_ptr<W>();
     at::parallel_for(0, groups, grain_groups(H, sizeof(W)), [&](int64_t begin, int64_t end) {
       std::vector<float> scratch(kRowsW * H);
@@ -81,6 +86,83 @@ void skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std:
   });
 }
 
-TORCH_LIBRARY_IMPL(specdec, CPU, m) { m.impl("skinny_linear", &skinny_linear_cpu); }
+// =======================================================================================
+// quantized_linear: x [M, H] times a weight stored as raw GGUF blocks (see gguf_blocks.h).
+// =======================================================================================
+void quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int64_t block_type,
+                          const std::optional<at::Tensor>& bias, at::Tensor& out) {
+  namespace g = gguf;
+  check_cpu(x, "quantized_linear: x");
+  check_cpu(weight, "quantized_linear: weight");
+  check_dim(x, 2, "quantized_linear: x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "quantized_linear: x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  const g::BlockFormat* fmt = g::block_format(block_type);
+  TORCH_CHECK(fmt != nullptr, "quantized_linear: block_type must be a GGML type id among ", g::kSupportedTypes,
+              ", got ", block_type);
+  const int64_t M = x.size(0), H = x.size(1);
+  TORCH_CHECK(H % fmt->block_size == 0, "quantized_linear: x.size(1) (H = ", H, ") must be a multiple of the ",
+              fmt->name, " block size ", fmt->block_size);
+  const int64_t row_bytes = H / fmt->block_size * fmt->block_bytes;
+  check_dtype(weight, at::kByte, "quantized_linear: weight");
+  check_dim(weight, 2, "quantized_linear: weight");
+  TORCH_CHECK(weight.size(1) == row_bytes, "quantized_linear: weight must have shape [N, ", row_bytes, "] (",
+              H / fmt->block_size, " ", fmt->name, " blocks of ", fmt->block_bytes, " bytes per row, x is [", M, ", ",
+              H, "]), got ", weight.sizes());
+  check_contiguous(weight, "quantized_linear: weight");
+  const int64_t N = weight.size(0);
+  at::Tensor bias_f;
+  if (bias.has_value()) {
+    check_cpu(*bias, "quantized_linear: bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "quantized_linear: bias must have shape [", N,
+                "] (weight is [", N, ", ", row_bytes, "]), got ", bias->sizes());
+    TORCH_CHECK(bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16 ||
+                    bias->scalar_type() == at::kHalf,
+                "quantized_linear: bias must be float32, bfloat16 or float16, got ", bias->scalar_type());
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  check_output(out, at::kFloat, {M, N}, "quantized_linear: out");
+  if (M == 0 || N == 0) return;
+
+  // Activations in fp32, rows padded with zeros to whole chunks of 32.
+  const int64_t chunks = (H + g::kChunk - 1) / g::kChunk;
+  const int64_t ldx = chunks * g::kChunk;
+  at::Tensor x_f;
+  if (x.scalar_type() == at::kFloat && x.is_contiguous() && ldx == H) {
+    x_f = x;
+  } else {
+    x_f = at::zeros({M, ldx}, x.options().dtype(at::kFloat));
+    x_f.narrow(1, 0, H).copy_(x);
+  }
+  const g::Problem p{x_f.data_ptr<float>(), ldx, M, weight.data_ptr<uint8_t>(), row_bytes, N, H, chunks,
+                     bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<float>()};
+
+  // The vector path: AVX-512 where the CPU has it (and SPECDEC_DISABLE_AVX512 is not 1), else
+  // AVX2; SPECDEC_QUANTIZED_LINEAR_PORTABLE=1 forces the portable loops (tests compare them).
+  static const bool portable = std::getenv("SPECDEC_QUANTIZED_LINEAR_PORTABLE") &&
+                               std::getenv("SPECDEC_QUANTIZED_LINEAR_PORTABLE")[0] == '1';
+  g::RunFn run = &g::run_generic;
+  int64_t direct_m = g::PathGeneric::kDirectM, scratch_rows = g::PathGeneric::kScratchRows;
+#if defined(SPECDEC_GGUF_X86)
+  if (!portable && cpu_has_avx512()) {
+    run = &g::run_avx512, direct_m = g::PathAvx512::kDirectM, scratch_rows = g::PathAvx512::kScratchRows;
+  } else if (!portable) {
+    run = &g::run_avx2, direct_m = g::PathAvx2::kDirectM, scratch_rows = g::PathAvx2::kScratchRows;
+  }
+#endif
+  // Threads split the weight rows in units of kRowUnit, at least ~64 KiB of weight bytes per
+  // task, so that small layers do not pay for waking threads.
+  const int64_t units = (N + g::kRowUnit - 1) / g::kRowUnit;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(64) << 10) / std::max<int64_t>(1, g::kRowUnit * row_bytes));
+  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
+    std::vector<float> scratch(M > direct_m ? scratch_rows * ldx : 0);
+    run(p, block_type, u0 * g::kRowUnit, std::min(N, u1 * g::kRowUnit), scratch.data());
+  });
+}
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("skinny_linear", &skinny_linear_cpu);
+  m.impl("quantized_linear", &quantized_linear_cpu);
+}
 
 }  // namespace specdec

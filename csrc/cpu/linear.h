@@ -22,6 +22,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "dispatch.h"
+
 namespace specdec {
 namespace skinny {
 
@@ -119,23 +121,6 @@ inline void micro_kernel(const float* x, int64_t ldx, const float* const* w, int
   }
 }
 
-// Widens one weight row to fp32.
-template <typename W>
-inline void widen_row(const W* src, float* dst, int64_t H) {
-  if constexpr (std::is_same_v<W, float>) {
-    std::copy(src, src + H, dst);
-  } else {
-    using VecW = at::vec::Vectorized<W>;
-    int64_t k = 0;
-    for (; k + VecW::size() <= H; k += VecW::size()) {
-      auto [lo, hi] = at::vec::convert_to_float<W>(VecW::loadu(src + k));
-      lo.store(dst + k);
-      hi.store(dst + k + Vec::size());
-    }
-    for (; k < H; ++k) dst[k] = static_cast<float>(src[k]);
-  }
-}
-
 // Points rows[0..3] at fp32 copies of weight rows w[0..nr) (row stride H): the rows
 // themselves when they are fp32 and all four exist, else widened / zero-padded copies in
 // scratch [4, H].
@@ -150,7 +135,7 @@ inline void prepare_rows(const W* w, int64_t nr, int64_t H, float* scratch, cons
   for (int64_t j = 0; j < kRowsW; ++j) {
     float* dst = scratch + j * H;
     if (j < nr) {
-      widen_row<W>(w + j * H, dst, H);
+      widen_to_float(w + j * H, H, dst);
     } else {
       std::fill(dst, dst + H, 0.f);
     }
@@ -204,31 +189,5 @@ inline int64_t grain_groups(int64_t H, int64_t elem_size) {
   return std::max<int64_t>(1, (int64_t(64) << 10) / bytes_per_group);
 }
 
-inline bool is_float_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
-}
-
 }  // namespace skinny
 }  // namespace specdec
-
-// Runs the lambda with NAME bound to the C++ type of a float weight dtype.
-#define SPECDEC_DISPATCH_WEIGHT(dtype, NAME, ...)                        \
-  [&] {                                                                  \
-    switch (dtype) {                                                     \
-      case at::kFloat: {                                                 \
-        using NAME = float;                                              \
-        return __VA_ARGS__();                                            \
-      }                                                                  \
-      case at::kBFloat16: {                                              \
-        using NAME = at::BFloat16;                                       \
-        return __VA_ARGS__();                                            \
-      }                                                                  \
-      case at::kHalf: {                                                  \
-        using NAME = at::Half;                                           \
-        return __VA_ARGS__();                                            \
-      }                                                                  \
-      default:                                                           \
-        TORCH_CHECK(false, "unsupported weight dtype ", dtype);          \
-    }                                                                    \
-  }()
-

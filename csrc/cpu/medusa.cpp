@@ -1,6 +1,8 @@
-// CPU kernel of specdec::medusa_topk: K Medusa heads (ResBlocks, then the LM head) streamed
-// through the few-row GEMM of linear.h, with a running top-k and log-sum-exp per row, so
-// that the [M, K, V] logits are never written.
+// CPU kernel of specdec::medusa_topk: top-k ids and log-probs of K Medusa heads.
+//
+// The heads (ResBlocks, then the LM head) are streamed through the few-row GEMM of
+// linear.h, with a running top-k and log-sum-exp per row, so that the [M, K, V] logits are
+// never written.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -174,7 +176,8 @@ void medusa_topk_cpu(const at::Tensor& hidden, const at::Tensor& res_weight, con
     const at::Tensor bias_same = res_bias.scalar_type() == res_weight.scalar_type()
                                      ? res_bias
                                      : res_bias.to(res_weight.scalar_type()).contiguous();
-    SPECDEC_DISPATCH_WEIGHT(res_weight.scalar_type(), W, [&] {
+    SPECDEC_DISPATCH_FLOAT_TYPES(res_weight.scalar_type(), "medusa_topk", [&] {
+      using W = scalar_t;
       const W* wp = res_weight.data_ptr<W>();
       const W* bp = bias_same.data_ptr<W>();
       for (int64_t l = 0; l < L; ++l) {
@@ -193,7 +196,8 @@ void medusa_topk_cpu(const at::Tensor& hidden, const at::Tensor& res_weight, con
   const int64_t num_chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tiles));
   std::vector<std::vector<RowState>> states(num_chunks, std::vector<RowState>(R));
   const float* xp = xs.data_ptr<float>();
-  SPECDEC_DISPATCH_WEIGHT(lm_head.scalar_type(), W, [&] {
+  SPECDEC_DISPATCH_FLOAT_TYPES(lm_head.scalar_type(), "medusa_topk", [&] {
+    using W = scalar_t;
     const W* wp = lm_head.data_ptr<W>();
     at::parallel_for(0, num_chunks, 1, [&](int64_t cbegin, int64_t cend) {
       std::vector<float> scratch(kRowsW * H);

@@ -1,6 +1,8 @@
 // CPU kernels of specdec::chain_rejection_sample (padded [B, K+1, V] and the engines'
 // flattened [num_tokens + B, V] layout: chain_rejection_sample_flat) and
-// specdec::tree_rejection_sample (semantics: DESIGN.md and the docstrings in ops.py).
+// specdec::tree_rejection_sample.
+//
+// Semantics: docs/design.md and the docstrings in ops.py.
 //
 // Rejection sampling runs in three phases, none of which materialises a softmax. Every
 // row in use must be checked (NaN / +inf / all -inf make the request -1), but the walk
@@ -666,8 +668,7 @@ void check_logits_and_q(const at::Tensor& target_logits, const std::optional<at:
   const int64_t dims = static_cast<int64_t>(lead.size()) + 1;
   check_cpu(target_logits, "target_logits");
   check_dim(target_logits, dims, "target_logits");
-  TORCH_CHECK(target_logits.scalar_type() == at::kFloat || target_logits.scalar_type() == at::kBFloat16 ||
-                  target_logits.scalar_type() == at::kHalf,
+  TORCH_CHECK(is_float_dtype(target_logits.scalar_type()),
               "target_logits must have dtype float32, bfloat16 or float16, got ", target_logits.scalar_type());
   for (int64_t d = 0; d + 1 < dims; ++d) check_size(target_logits, d, lead[d], "target_logits");
   const int64_t vocab = target_logits.size(dims - 1);
@@ -721,6 +722,25 @@ void write_chain_outputs(const std::vector<Request>& reqs, const std::vector<Wal
   }
 }
 
+// Runs the three phases for reqs on the arguments the ops share (made contiguous); logits
+// rows per request in the stats buffer: rows_per_request (draft_probs rows: Request::q_row0).
+void sample(const std::vector<Request>& reqs, const at::Tensor& target_logits,
+            const std::optional<at::Tensor>& draft_probs, const at::Tensor& temperature, const at::Tensor& seed,
+            const at::Tensor& offset, int64_t rows_per_request, std::vector<WalkResult>& walks,
+            std::vector<char>& valid) {
+  auto logits = target_logits.contiguous();
+  std::optional<at::Tensor> q;
+  if (draft_probs.has_value()) q = draft_probs->contiguous();
+  auto temp = temperature.contiguous();
+  auto seed_c = seed.contiguous();
+  auto offset_c = offset.contiguous();
+  SPECDEC_DISPATCH_FLOAT_TYPES(logits.scalar_type(), "rejection_sample", [&] {
+    sample_requests<scalar_t>(reqs, logits, q ? q->data_ptr<float>() : nullptr, temp.data_ptr<float>(),
+                              seed_c.data_ptr<int64_t>(), offset_c.data_ptr<int64_t>(), rows_per_request, walks,
+                              valid);
+  });
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------
@@ -746,12 +766,6 @@ void chain_rejection_sample_cpu(const at::Tensor& draft_token_ids, const at::Ten
   const int64_t vocab = target_logits.size(2);
   auto drafts = draft_token_ids.contiguous();
   auto num_drafts = num_draft_tokens.contiguous();
-  auto logits = target_logits.contiguous();
-  std::optional<at::Tensor> q;
-  if (draft_probs.has_value()) q = draft_probs->contiguous();
-  auto temp = temperature.contiguous();
-  auto seed_c = seed.contiguous();
-  auto offset_c = offset.contiguous();
   const int64_t* d = drafts.data_ptr<int64_t>();
   const int32_t* nd = num_drafts.data_ptr<int32_t>();
 
@@ -766,10 +780,7 @@ void chain_rejection_sample_cpu(const at::Tensor& draft_token_ids, const at::Ten
   }
   std::vector<WalkResult> walks;
   std::vector<char> valid;
-  SPECDEC_DISPATCH_FLOAT_TYPES(logits.scalar_type(), "chain_rejection_sample", [&] {
-    sample_requests<scalar_t>(reqs, logits, q ? q->data_ptr<float>() : nullptr, temp.data_ptr<float>(),
-                              seed_c.data_ptr<int64_t>(), offset_c.data_ptr<int64_t>(), max_drafts + 1, walks, valid);
-  });
+  sample(reqs, target_logits, draft_probs, temperature, seed, offset, max_drafts + 1, walks, valid);
   write_chain_outputs(reqs, walks, valid, output_token_ids, num_accepted);
 }
 
@@ -802,12 +813,6 @@ void chain_rejection_sample_flat_cpu(const at::Tensor& draft_token_ids, const at
   const int64_t vocab = target_logits.size(1);
   auto drafts = draft_token_ids.contiguous();
   auto cu_c = cu_num_draft_tokens.contiguous();
-  auto logits = target_logits.contiguous();
-  std::optional<at::Tensor> q;
-  if (draft_probs.has_value()) q = draft_probs->contiguous();
-  auto temp = temperature.contiguous();
-  auto seed_c = seed.contiguous();
-  auto offset_c = offset.contiguous();
   const int64_t* d = drafts.data_ptr<int64_t>();
   const int32_t* cu = cu_c.data_ptr<int32_t>();
 
@@ -831,10 +836,7 @@ void chain_rejection_sample_flat_cpu(const at::Tensor& draft_token_ids, const at
               "draft_token_ids.size(0) = ", num_tokens, ", got ", batch == 0 ? 0 : cu[batch - 1]);
   std::vector<WalkResult> walks;
   std::vector<char> valid;
-  SPECDEC_DISPATCH_FLOAT_TYPES(logits.scalar_type(), "chain_rejection_sample_flat", [&] {
-    sample_requests<scalar_t>(reqs, logits, q ? q->data_ptr<float>() : nullptr, temp.data_ptr<float>(),
-                              seed_c.data_ptr<int64_t>(), offset_c.data_ptr<int64_t>(), max_drafts + 1, walks, valid);
-  });
+  sample(reqs, target_logits, draft_probs, temperature, seed, offset, max_drafts + 1, walks, valid);
   write_chain_outputs(reqs, walks, valid, output_token_ids, num_accepted);
 }
 
@@ -865,12 +867,6 @@ void tree_rejection_sample_cpu(const at::Tensor& parents, const at::Tensor& tree
   auto par = parents.contiguous();
   auto tokens = tree_token_ids.contiguous();
   auto nn = num_nodes.contiguous();
-  auto logits = target_logits.contiguous();
-  std::optional<at::Tensor> q;
-  if (draft_probs.has_value()) q = draft_probs->contiguous();
-  auto temp = temperature.contiguous();
-  auto seed_c = seed.contiguous();
-  auto offset_c = offset.contiguous();
   const int32_t* p = par.data_ptr<int32_t>();
   const int64_t* t = tokens.data_ptr<int64_t>();
   const int32_t* n_ptr = nn.data_ptr<int32_t>();
@@ -892,10 +888,7 @@ void tree_rejection_sample_cpu(const at::Tensor& parents, const at::Tensor& tree
   }
   std::vector<WalkResult> walks;
   std::vector<char> valid;
-  SPECDEC_DISPATCH_FLOAT_TYPES(logits.scalar_type(), "tree_rejection_sample", [&] {
-    sample_requests<scalar_t>(reqs, logits, q ? q->data_ptr<float>() : nullptr, temp.data_ptr<float>(),
-                              seed_c.data_ptr<int64_t>(), offset_c.data_ptr<int64_t>(), max_nodes, walks, valid);
-  });
+  sample(reqs, target_logits, draft_probs, temperature, seed, offset, max_nodes, walks, valid);
   accepted_nodes.fill_(-1);
   output_token_ids.fill_(-1);
   int32_t* an = accepted_nodes.data_ptr<int32_t>();

@@ -1,5 +1,6 @@
-// CPU kernel of specdec::tree_attention: verification attention for all tree nodes of a
-// batch in one call (DESIGN.md, "Tree attention").
+// CPU kernel of specdec::tree_attention: verification attention of all tree nodes of a batch.
+//
+// One call for the whole batch (docs/design.md, "Tree attention").
 //
 // Work is split over (request, KV head), and over the key range too when those items are
 // fewer than twice the threads (flash-decoding style; partials merged by log-sum-exp). When

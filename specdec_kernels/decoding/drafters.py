@@ -9,7 +9,7 @@ prefill), ``verified`` (after each step, with the accepted counts) and ``finish`
 - :class:`ModelDrafter` — a separate draft model (any Llama of the package with the same
   vocabulary) with its own paged cache, as a chain or a "top-k tree" (the greedy chain plus
   the next-best tokens at the first level as extra leaves);
-- :func:`SelfSpecDrafter` — self-speculation: the target's first L layers and its own LM
+- :class:`SelfSpecDrafter` — self-speculation: the target's first L layers and its own LM
   head, writing into the target's cache (layers < L of the draft positions are rewritten by
   the verification forward, so no extra cache and no catch-up are needed);
 - :class:`MedusaDrafter` — Medusa heads on the target's last hidden state, a static tree from
@@ -17,15 +17,17 @@ prefill), ``verified`` (after each step, with the accepted counts) and ``finish`
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from .. import ops
-from ..medusa import (MedusaHeads, _read_state_dict as _read_medusa_state, default_medusa_checkpoint,
-                      load_medusa_heads, read_medusa_metadata)
-from ..models.llama import Batch, Llama, cache_slots, rms_norm
+from ..medusa import (MedusaHeads, default_medusa_checkpoint, load_medusa_heads, read_medusa_metadata,
+                      read_medusa_state_dict)
+from ..models.llama import Batch, Llama, dense, rms_norm
+from .cost_model import as_step_cost, step_cost_for
 
 
 @dataclass
@@ -112,6 +114,23 @@ def _draw(logits: torch.Tensor, r, gen_torch: torch.Generator):
     return int(torch.multinomial(q, 1, generator=gen_torch)), q
 
 
+@dataclass
+class ChainRun:
+    """One request's draft chain while :meth:`ModelDrafter.propose` extends it."""
+
+    index: int  # the request's position in the batch
+    request: object  # the Request
+    slot: int  # its slot in the draft cache
+    length: int  # tokens to draft
+    committed: int  # tokens the draft cache held at the start of the step
+    pending: list  # tokens the draft cache lacked at the start (fed by the first forward)
+    feed: list  # tokens the next forward feeds
+    pos: int  # cache position of feed[0]
+    chain: list = field(default_factory=list)  # drafted tokens
+    probs: list = field(default_factory=list)  # q each drafted token was drawn from (None: greedy)
+    alts: list = field(default_factory=list)  # tree_width > 1: the root's other children
+
+
 class ModelDrafter(Drafter):
     """Draft with a (smaller) Llama of the same vocabulary, chain or top-k tree.
 
@@ -149,65 +168,55 @@ class ModelDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, gen, reqs, lengths):
         model, cache = self.model, self.cache
-        active = [b for b, k in enumerate(lengths) if k > 0]
         drafts = [Draft.root_only(r.tokens[-1]) for r in reqs]
-        if not active:
+        runs = []
+        for b, (r, k) in enumerate(zip(reqs, lengths)):
+            if k <= 0:
+                continue
+            # Step 0 feeds what the draft cache lacks (the root, plus any tokens accepted last
+            # step that the draft never saw); later steps feed one drafted token each.
+            slot = self._slot(r)
+            committed = cache.length(slot)
+            pending = r.tokens[committed:]
+            cache.reserve([slot], [len(pending) + k])
+            runs.append(ChainRun(b, r, slot, k, committed, pending, feed=pending, pos=committed))
+        if not runs:
             return drafts
-        # Step 0 feeds what the draft cache lacks (the root, plus any tokens accepted last
-        # step that the draft never saw); later steps feed one drafted token each.
-        pending, start = {}, {}
-        for b in active:
-            r = reqs[b]
-            committed = cache.length(self._slot(r))
-            pending[b] = r.tokens[committed:]
-            start[b] = committed
-            cache.reserve([self._slot(r)], [len(pending[b]) + lengths[b]])
-        chains = {b: [] for b in active}
-        probs = {b: [] for b in active}
-        alts = {b: [] for b in active}
-        feed = dict(pending)
-        pos = dict(start)
-        for step in range(max(lengths[b] for b in active)):
-            rows = [b for b in active if step < lengths[b]]
-            if not rows:
-                break
-            toks = [t for b in rows for t in feed[b]]
-            counts = [len(feed[b]) for b in rows]
-            positions = torch.cat([torch.arange(pos[b], pos[b] + len(feed[b])) for b in rows])
-            slot_ids = torch.cat([cache_slots(cache, self._slot(reqs[b]), torch.arange(pos[b], pos[b] + len(feed[b])))
-                                  for b in rows])
-            block_table, _ = cache.batch_view([self._slot(reqs[b]) for b in rows])
-            indptr = torch.tensor([0] + list(np.cumsum(counts)), dtype=torch.int32)
-            batch = Batch(block_table, torch.tensor([pos[b] for b in rows], dtype=torch.int32), indptr, slot_ids)
-            h = model.forward(torch.tensor(toks, dtype=torch.int64), positions, cache, batch)
-            last = indptr[1:].long() - 1
-            logits = model.logits(h[last])
-            for i, b in enumerate(rows):
-                r = reqs[b]
-                tok, q = _draw(logits[i], r, self._gen)
+        for step in range(max(run.length for run in runs)):
+            rows = [run for run in runs if step < run.length]
+            row_positions = [torch.arange(run.pos, run.pos + len(run.feed)) for run in rows]
+            indptr = torch.tensor([0] + list(np.cumsum([len(run.feed) for run in rows])), dtype=torch.int32)
+            block_table, _ = cache.batch_view([run.slot for run in rows])
+            slot_mapping = torch.cat([cache.slot_mapping(run.slot, pos) for run, pos in zip(rows, row_positions)])
+            batch = Batch(block_table, torch.tensor([run.pos for run in rows], dtype=torch.int32), indptr, slot_mapping)
+            tokens = torch.tensor([t for run in rows for t in run.feed], dtype=torch.int64)
+            h = model.forward(tokens, torch.cat(row_positions), cache, batch)
+            logits = model.logits(h[indptr[1:].long() - 1])
+            for i, run in enumerate(rows):
+                tok, q = _draw(logits[i], run.request, self._gen)
                 if step == 0 and self.tree_width > 1:
-                    alts[b] = logits[i].topk(self.tree_width).indices.tolist()
-                    tok, q = alts[b][0], None
-                    alts[b] = alts[b][1:]
+                    best = logits[i].topk(self.tree_width).indices.tolist()
+                    tok, q = best[0], None
+                    run.alts = best[1:]
                 elif self.tree_width > 1:
                     tok, q = int(logits[i].argmax()), None
-                chains[b].append(tok)
-                probs[b].append(q)
-                pos[b] += len(feed[b])
-                feed[b] = [tok]
-        for b in active:
-            r = reqs[b]
+                run.chain.append(tok)
+                run.probs.append(q)
+                run.pos += len(run.feed)
+                run.feed = [tok]
+        for run in runs:
+            r = run.request
             if self.tree_width > 1:
-                k = len(chains[b])
-                drafts[b] = Draft(list(range(-1, k)) + [0] * len(alts[b]), [r.tokens[-1]] + chains[b] + alts[b])
+                k = len(run.chain)
+                drafts[run.index] = Draft(list(range(-1, k)) + [0] * len(run.alts), [r.tokens[-1]] + run.chain + run.alts)
             else:
                 q = None
-                if probs[b][0] is not None:
-                    q = torch.stack(probs[b] + [torch.zeros_like(probs[b][0])])
-                drafts[b] = Draft.chain(r.tokens[-1], chains[b], q)
+                if run.probs[0] is not None:
+                    q = torch.stack(run.probs + [torch.zeros_like(run.probs[0])])
+                drafts[run.index] = Draft.chain(r.tokens[-1], run.chain, q)
             if not self.share:
                 # What the draft cache holds after this step (committed + written, in order).
-                self.fed[r.rid] = r.tokens[:start[b]] + pending[b] + chains[b][:-1]
+                self.fed[r.rid] = r.tokens[:run.committed] + run.pending + run.chain[:-1]
         return drafts
 
     def verified(self, gen, reqs, num_accepted):
@@ -228,9 +237,12 @@ class ModelDrafter(Drafter):
             self.cache.free(self.slot[req.rid])
 
 
-def SelfSpecDrafter(target: Llama, num_layers: int, **kw) -> ModelDrafter:
-    """Self-speculation: the target's first ``num_layers`` layers + final norm + LM head."""
-    return ModelDrafter(target.truncated(num_layers), share_target_cache=True, name=f"self-spec-{num_layers}", **kw)
+class SelfSpecDrafter(ModelDrafter):
+    """Self-speculation: the target's first ``num_layers`` layers + final norm + LM head,
+    writing into the target's cache (``ModelDrafter`` options in ``kw``)."""
+
+    def __init__(self, target: Llama, num_layers: int, **kw):
+        super().__init__(target.truncated(num_layers), share_target_cache=True, name=f"self-spec-{num_layers}", **kw)
 
 
 def medusa_heads_for(target: Llama, checkpoint=None, *, num_heads: int = 4, num_layers: int = 1) -> MedusaHeads:
@@ -247,14 +259,14 @@ def medusa_heads_for(target: Llama, checkpoint=None, *, num_heads: int = 4, num_
         checkpoint = default_medusa_checkpoint(target.name) or "untrained"
     if isinstance(checkpoint, str) and checkpoint == "untrained":
         heads = MedusaHeads(target.config.hidden_size, target.config.vocab_size, num_heads, num_layers,
-                            lm_head_weight=target.lm_head, dtype=target.dtype, device=target.device)
+                            lm_head_weight=dense(target.lm_head), dtype=target.dtype, device=target.device)
     else:
-        state = checkpoint if isinstance(checkpoint, dict) else _read_medusa_state(checkpoint)
+        state = read_medusa_state_dict(checkpoint)
         own_lm_heads = any(k.endswith(".weight") and not k.endswith(("linear.weight", "root_proj.weight"))
                            for k in state)
-        heads = load_medusa_heads(state, lm_head_weight=None if own_lm_heads else target.lm_head,
+        heads = load_medusa_heads(state, lm_head_weight=None if own_lm_heads else dense(target.lm_head),
                                   dtype=target.dtype, device=target.device,
-                                  metadata=read_medusa_metadata(checkpoint), embed_weight=target.embed)
+                                  metadata=read_medusa_metadata(checkpoint), embed_weight=dense(target.embed))
         if heads.hidden_size != target.config.hidden_size or heads.vocab_size != target.config.vocab_size:
             raise ValueError(f"Medusa heads have H={heads.hidden_size}, V={heads.vocab_size}; the target has "
                              f"H={target.config.hidden_size}, V={target.config.vocab_size}")
@@ -340,6 +352,28 @@ class MedusaDrafter(Drafter):
         return drafts
 
 
+class Candidates(NamedTuple):
+    """A request's trie of prompt-lookup continuations (node 0 = the root; every node's
+    parent precedes it), as :meth:`NgramTreeDrafter.candidates` builds it."""
+
+    tokens: list  # int token ids
+    parents: list  # int, parents[0] = -1
+    depths: list  # int, root 0
+    ranked: list  # [(p, node)] over the non-root nodes, most probable first (ties: shallower, earlier), at most max_nodes - 1
+
+    def tree(self, n: int) -> tuple[list, list]:
+        """(parents, token ids) of the tree of the root and the ``n`` best-ranked nodes (a
+        tree: a node never ranks above its parent), ordered by depth."""
+        keep = sorted((i for _, i in self.ranked[:n]), key=lambda i: (self.depths[i], i))  # parents before children
+        new = {0: 0}
+        parents, ids = [-1], [self.tokens[0]]
+        for i in keep:
+            new[i] = len(ids)
+            parents.append(new[self.parents[i]])
+            ids.append(self.tokens[i])
+        return parents, ids
+
+
 class NgramTreeDrafter(Drafter):
     """Prompt lookup as a token tree: the continuations of *several* earlier occurrences of the
     request's last tokens, merged into one trie, sized by an estimate of each node's
@@ -362,11 +396,13 @@ class NgramTreeDrafter(Drafter):
 
     Size: over the whole batch, the most probable nodes are kept while they pay for
     themselves: the number of verified rows ``R`` (B roots + the kept nodes) maximises
-    expected tokens per step over step cost, ``(B + sum p) / VERIFY_COST[R]``.
-    ``VERIFY_COST[R]`` is a step over ``R`` rows relative to one over a single row
-    (SmolLM2-135M fp32, 1 thread, CPU time per step on this 2-core machine): a decode step
-    streams every weight once, so each extra row costs only ~5% of a step up to 12 rows
-    (``skinny_linear``), 16-32 rows cost 2.0-2.5 single-row steps. When no node pays for itself the step is a
+    expected tokens per step over step cost, ``(B + sum p) / cost(R, B)``, where ``cost`` is
+    the step-cost curve of the target (``decoding.cost_model``: seconds per verification step
+    against rows and batch size, measured for the loaded model, weight format, thread count
+    and CPU at first use and cached per machine; or the ``step_cost`` given here or to the
+    Generator). On fp32 weights an extra row costs ~5% of a one-row step up to ~12 rows; on
+    GGUF block weights the quantised GEMM streams the blocks once for all rows, so extra rows
+    are cheaper still — the curve, not a table, says how many pay. When no node pays for itself the step is a
     plain autoregressive one (no extra rows); at batch B > 1 the few nodes that still pay go
     to the requests with the most probable drafts.
 
@@ -380,27 +416,35 @@ class NgramTreeDrafter(Drafter):
     # >= 6, shrunk for short matches (0.21, 0.46, 0.64, 0.70, 0.70 measured): weak drafts are
     # worth fewer rows than their marginal rate says (several one-token matches agreeing are
     # one piece of evidence, not independent ones); the shrink maximised the simulated speedup
-    # (greedy outputs + VERIFY_COST) over the 120 dev prompts: 1.43x -> 1.48x.
+    # (greedy outputs + the fp32 verify-cost table measured then) over the 120 dev prompts: 1.43x -> 1.48x.
     FIRST = (0.10, 0.23, 0.45, 0.49, 0.49, 0.85)
     NEXT = (0.60, 0.68, 0.72, 0.75, 0.78, 0.86)
     RANK = (1.0, 0.85, 0.75, 0.55)
-    # Step time over R = 1..32 rows / step time over one row. Measured (ms CPU time): 64, 69,
-    # 73, 75, 84, 90, 97, 103, 131, 138, 141, 160 at 1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32
-    # rows; the others interpolated (13-15 rows measured 1.8-1.9x once ops.linear kept them
-    # on skinny_linear: 207 ms before). Beyond 32 rows: +0.04 per row.
-    VERIFY_COST = (1.0, 1.08, 1.14, 1.17, 1.24, 1.31, 1.36, 1.41, 1.46, 1.52, 1.56, 1.61,
-                   1.72, 1.83, 1.94, 2.05, 2.08, 2.11, 2.13, 2.16, 2.17, 2.18, 2.19, 2.2,
-                   2.24, 2.28, 2.31, 2.35, 2.39, 2.43, 2.46, 2.5)
-
     def __init__(self, max_ngram: int = 6, max_k: int = 16, *, max_nodes: int = 16, max_matches: int = 8,
-                 verify_cost=None):
+                 step_cost=None, verify_cost=None):
+        """``step_cost``: a ``cost_model.StepCost``, a callable ``rows -> cost relative to a
+        one-row step``, or a sequence of those relative costs at 1, 2, ... rows
+        (``verify_cost`` is the older name of the same argument); default: the Generator's
+        ``step_cost`` if it has one, else ``cost_model.step_cost_for(target)`` at ``start``."""
         self.max_ngram, self.max_k, self.max_matches = max_ngram, max_k, max_matches
-        self.verify_cost = tuple(verify_cost) if verify_cost is not None else self.VERIFY_COST
+        given = step_cost if step_cost is not None else verify_cost
+        self.step_cost = as_step_cost(given) if given is not None else None
+        self._measured = None
         self.max_nodes = max_nodes  # per request, root included
 
-    def cost(self, rows: int) -> float:
-        c = self.verify_cost
-        return c[rows - 1] if rows <= len(c) else c[-1] + 0.04 * (rows - len(c))
+    def start(self, gen, reqs):
+        if self.step_cost is None:
+            given = getattr(gen, "step_cost", None)
+            self._measured = as_step_cost(given) if given is not None else step_cost_for(gen.model)
+
+    def cost(self, rows: int, batch: int = 1) -> float:
+        """Step cost over ``rows`` verified rows in all at batch ``batch``, relative to a step of
+        one row per request."""
+        cost = self.step_cost or self._measured
+        if cost is None:
+            raise RuntimeError("NgramTreeDrafter has no step cost: pass step_cost= or call start(gen, reqs) "
+                               "(which measures the target's) first")
+        return cost(rows, batch)
 
     def matches(self, arr: np.ndarray) -> tuple:
         """(end, length): every earlier occurrence of the last token (``arr[end] == arr[-1]``,
@@ -422,17 +466,16 @@ class NgramTreeDrafter(Drafter):
         order = np.lexsort((-end, -length))[: self.max_matches]
         return end[order], length[order]
 
-    def candidates(self, tokens: list, k: int) -> tuple:
-        """The trie of a request's matches, at most ``k`` deep: (tokens, parents, depths,
-        ranked) with ``ranked`` = [(p, node)] over the non-root nodes, most probable first
-        (ties: shallower, earlier), at most ``max_nodes - 1``: every node's parent precedes it."""
+    def candidates(self, tokens: list, k: int) -> Candidates:
+        """The trie of a request's matches, at most ``k`` deep, its nodes ranked by
+        probability (see :class:`Candidates`)."""
         root = tokens[-1]
         if k <= 0 or len(tokens) < 2 or self.max_nodes < 2:
-            return [root], [-1], [0], []
+            return Candidates([root], [-1], [0], [])
         arr = np.asarray(tokens, dtype=np.int64)
         ends, lengths = self.matches(arr)
         # Trie: children[node] = {token: child}; miss[node] = prod over matches of (1 - p).
-        children, tok, par, miss, depth = [{}], [root], [-1], [1.0], [0]
+        children, tok, par, miss = [{}], [root], [-1], [1.0]
         prev_m, rank = 0, 0
         for e, m in zip(ends.tolist(), lengths.tolist()):
             rank = rank + 1 if m == prev_m else 0
@@ -449,22 +492,22 @@ class NgramTreeDrafter(Drafter):
                     tok.append(t)
                     par.append(node)
                     miss.append(1.0)
-                    depth.append(depth[node] + 1)
                 miss[child] *= 1.0 - p
                 p *= self.NEXT[mi]
                 node = child
+        depth = Draft(par, tok).depths()
         order = sorted(range(1, len(tok)), key=lambda i: (miss[i], depth[i], i))[: self.max_nodes - 1]
-        return tok, par, depth, [(1.0 - miss[i], i) for i in order]
+        return Candidates(tok, par, depth, [(1.0 - miss[i], i) for i in order])
 
     def select(self, ranked: list) -> list:
         """How many of each request's ranked nodes to keep: the most probable nodes of the
         batch, as many as maximise (B + sum p) / cost(B + kept)."""
         B = len(ranked)
         pool = sorted(((-p, b, j) for b, r in enumerate(ranked) for j, (p, _) in enumerate(r)))
-        best_n, best, total = 0, B / self.cost(B), float(B)
+        best_n, best, total = 0, B / self.cost(B, B), float(B)
         for n, (neg_p, _, _) in enumerate(pool, 1):
             total -= neg_p
-            value = total / self.cost(B + n)
+            value = total / self.cost(B + n, B)
             if value > best:
                 best_n, best = n, value
         keep = [0] * B
@@ -472,24 +515,12 @@ class NgramTreeDrafter(Drafter):
             keep[b] = max(keep[b], j + 1)  # a request's picks are a prefix of its ranking
         return keep
 
-    @staticmethod
-    def _tree(cand: tuple, n: int) -> tuple:
-        tok, par, depth, ranked = cand
-        keep = sorted((i for _, i in ranked[:n]), key=lambda i: (depth[i], i))  # parents before children
-        new = {0: 0}
-        parents, ids = [-1], [tok[0]]
-        for i in keep:
-            new[i] = len(ids)
-            parents.append(new[par[i]])
-            ids.append(tok[i])
-        return parents, ids
-
     def build(self, tokens: list, k: int) -> tuple:
         """(parents, token ids) of the draft tree of one request alone (batch 1)."""
         cand = self.candidates(tokens, k)
-        return self._tree(cand, self.select([cand[3]])[0])
+        return cand.tree(self.select([cand.ranked])[0])
 
     def propose(self, gen, reqs, lengths):
         cands = [self.candidates(r.tokens, min(k, self.max_k)) for r, k in zip(reqs, lengths)]
-        keep = self.select([c[3] for c in cands])
-        return [Draft(*self._tree(c, n)) for c, n in zip(cands, keep)]
+        keep = self.select([c.ranked for c in cands])
+        return [Draft(*c.tree(n)) for c, n in zip(cands, keep)]

@@ -1,28 +1,41 @@
 """The speculative decode loop for a batch of requests with independent progress.
 
-Each step, for every unfinished request:
+Each step (:meth:`Generator.step`), for every unfinished request:
 
-1. draft — the drafter proposes a tree (node 0 = the root, the last verified token, whose
-   K/V is not yet cached; node i has parent ``parents[i] < i``), at most ``k`` deep, where
-   ``k`` comes from the speculation-length schedule and the tokens the request may still emit;
-2. verify — one target forward over all nodes of all requests through ``tree_attention``
-   (node j at cache position ``prefix_len + j``, RoPE position ``prefix_len + depth``);
-3. accept — ``tree_rejection_sample`` (greedy, or temperature with top-k/top-p applied to
-   the target logits first) gives the accepted path and one recovered/bonus token;
-4. compact — ``compact_kv`` moves the accepted nodes' K/V next to the root and commits them.
+1. draft (:meth:`Generator.draft`) — the drafter proposes a tree (node 0 = the root, the last
+   verified token, whose K/V is not yet cached; node i has parent ``parents[i] < i``), at
+   most ``k`` deep, where ``k`` comes from the speculation-length schedule and the tokens the
+   request may still emit;
+2. verify (:meth:`Generator.verify`) — one target forward over all nodes of all requests
+   through ``tree_attention`` (node j at cache position ``prefix_len + j``, RoPE position
+   ``prefix_len + depth``);
+3. accept (:meth:`Generator.accept`) — ``tree_rejection_sample`` (greedy, or temperature
+   with top-k/top-p applied to the target logits first) gives the accepted path and one
+   recovered/bonus token;
+4. commit — ``compact_kv`` (``PagedKVCache.compact``) moves the accepted nodes' K/V next to
+   the root and commits them in the cache; :meth:`Generator.commit` appends the emitted
+   tokens to the requests, truncated at an EOS token or at ``max_new_tokens``.
 
-The emitted tokens are truncated at an EOS token or at ``max_new_tokens``. Plain
-autoregressive decoding is the same loop with no drafter (a tree of the root alone).
+Plain autoregressive decoding is the same loop with no drafter (a tree of the root alone).
+
+A request that goes wrong fails alone (:meth:`Generator.fail`: ``Request.error`` set, ``done``,
+its cache slot freed); the others go on exactly as they would alone. The failures: NaN target
+logits (the samplers' ``num_accepted = -1``), its drafter raising (the batch's proposal is
+retried request by request to find which; the request fails rather than going on undrafted,
+so that an error in a drafter is seen), or the cache having no blocks for its tree
+(``OutOfBlocksError``). A prompt plus ``max_new_tokens`` beyond the model's context is a
+ValueError from :meth:`Generator.generate` before any work.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 from .. import ops
+from ..kv_cache import OutOfBlocksError
 from ..models.llama import Batch, Llama
 from ..tree import tree_mask as build_tree_mask, tree_mask_ragged
 from .drafters import Draft, Drafter
@@ -50,12 +63,40 @@ class Request:
     slot: int = -1
     offset: int = 0  # Philox counter base
     hidden: torch.Tensor | None = None  # pre-norm hidden state of the node that produced the root
+    # Pre-norm hidden states for feature-level drafters (EAGLE): of the prompt's tokens but the
+    # last [P-1, H] (after the prefill), then of the root and the accepted nodes of the last step
+    # [n_accepted + 1, H] (row i produced emitted token i).
+    prompt_hidden: torch.Tensor | None = None
+    path_hidden: torch.Tensor | None = None
     done: bool = False
+    error: str | None = None  # why the request failed (then done, with the output so far)
     stats: RequestStats = field(default_factory=RequestStats)
 
     @property
     def remaining(self) -> int:
         return self.max_new_tokens - len(self.output)
+
+
+@dataclass
+class Verification:
+    """The draft trees of one step, padded to N nodes, and the target's forward over them."""
+
+    parents: torch.Tensor  # int32 [B, N], -1 padded
+    tokens: torch.Tensor  # int64 [B, N], -1 padded
+    num_nodes: torch.Tensor  # int32 [B]
+    sizes: list  # int: num_nodes as Python ints
+    depth: list  # int: each tree's depth
+    hidden: torch.Tensor  # [T, H] pre-norm hidden states; request b's nodes at rows qo_indptr[b]:qo_indptr[b+1]
+    logits: torch.Tensor  # fp32 [T, V], the same rows
+    qo_indptr: torch.Tensor  # int32 [B+1]
+
+
+class Accepted(NamedTuple):
+    """What ``tree_rejection_sample`` gives for one step."""
+
+    nodes: torch.Tensor  # int32 [B, N-1]: accepted node indices, in path order, -1 padded
+    tokens: torch.Tensor  # int64 [B, N]: the accepted draft tokens then the recovered/bonus token
+    num_accepted: torch.Tensor  # int32 [B] (-1: a NaN row)
 
 
 class Generator:
@@ -80,6 +121,12 @@ class Generator:
         reqs = [Request(list(p), max_new_tokens, s, rid=i) for i, (p, s) in enumerate(zip(prompts, sampling))]
         if any(len(r.prompt) == 0 for r in reqs):
             raise ValueError("every prompt needs at least one token")
+        context = self.model.config.max_position_embeddings
+        for r in reqs:
+            if len(r.prompt) + max_new_tokens > context:
+                raise ValueError(f"request {r.rid}: a prompt of {len(r.prompt)} tokens + max_new_tokens = "
+                                 f"{max_new_tokens} exceed the model's context of {context} positions "
+                                 "(config.max_position_embeddings)")
         eos = self.eos if stop_at_eos else set()
         extra = (self.drafter.max_nodes if self.drafter else 1) + 2
         max_len = max(len(r.prompt) for r in reqs) + max_new_tokens + extra
@@ -91,9 +138,11 @@ class Generator:
             # The prompt's last token is the first root: only the tokens before it are cached.
             h = self.model.prefill(torch.tensor(r.prompt[:-1], dtype=torch.int64), self.cache, r.slot)
             r.hidden = h[-1] if h.shape[0] else torch.zeros(self.model.config.hidden_size, dtype=self.model.dtype)
+            r.prompt_hidden = h
             r.offset = 0
             r.done = max_new_tokens <= 0
             r.stats.time_prefill = time.perf_counter() - t0
+            r.stats.prefill_tokens = len(r.prompt) - 1
         if self.drafter:
             self.drafter.start(self, reqs)
         active = [r for r in reqs if not r.done]
@@ -109,16 +158,61 @@ class Generator:
 
     @torch.inference_mode()
     def step(self, reqs: list[Request], on_tokens=None, eos=frozenset()) -> None:
-        model, cache = self.model, self.cache
+        """One speculative step for every request of ``reqs`` (see the module docstring)."""
         t0 = time.perf_counter()
-        ks = [max(0, min(self.schedule.length(r.rid), r.remaining - 1)) for r in reqs]
-        if self.drafter is not None and max(ks) > 0:
-            drafts = self.drafter.propose(self, reqs, ks)
-        else:
-            drafts = [Draft.root_only(r.tokens[-1]) for r in reqs]
+        drafts = self.draft(reqs)
+        # Reserve each tree's cache blocks alone, so that a request the cache cannot hold fails alone.
+        for r, d in zip(reqs, drafts):
+            if not r.done:
+                try:
+                    self.cache.reserve([r.slot], [len(d.tokens)])
+                except OutOfBlocksError as e:
+                    self.fail(r, f"the KV cache cannot grow: {e}")
+        drafts = [d for r, d in zip(reqs, drafts) if not r.done]
+        reqs = [r for r in reqs if not r.done]
+        if not reqs:
+            return
         t1 = time.perf_counter()
+        verified = self.verify(reqs, drafts)
+        t2 = time.perf_counter()
+        accepted = self.accept(reqs, drafts, verified)
+        t3 = time.perf_counter()
+        self.cache.compact([r.slot for r in reqs], accepted.nodes, accepted.num_accepted)
+        t4 = time.perf_counter()
+        for r in reqs:
+            r.stats.time_draft += t1 - t0
+            r.stats.time_verify += t2 - t1
+            r.stats.time_sample += t3 - t2
+            r.stats.time_compact += t4 - t3
+        num_accepted = self.commit(reqs, verified, accepted, on_tokens, eos)
+        if self.drafter is not None:
+            self.drafter.verified(self, reqs, num_accepted)
 
-        # ---- verify: one forward over every node of every request.
+    def draft(self, reqs: list[Request]) -> list[Draft]:
+        """Each request's draft tree, at most as deep as its schedule's length and the tokens
+        it may still emit allow (the root alone without a drafter)."""
+        ks = [max(0, min(self.schedule.length(r.rid), r.remaining - 1)) for r in reqs]
+        if self.drafter is None or max(ks) == 0:
+            return [Draft.root_only(r.tokens[-1]) for r in reqs]
+        try:
+            return self.drafter.propose(self, reqs, ks)
+        except Exception as e:
+            if len(reqs) == 1:
+                self.fail(reqs[0], f"the drafter failed: {type(e).__name__}: {e}")
+                return [Draft.root_only(reqs[0].tokens[-1])]
+        # Find the request(s) it fails for: propose again one request at a time.
+        return [self.draft([r])[0] for r in reqs]
+
+    def fail(self, r: Request, error: str) -> None:
+        """End request ``r`` with ``error`` (:meth:`generate` frees its cache slot); its output
+        is what it emitted so far."""
+        r.error = f"request {r.rid}: {error}"
+        r.done = True
+
+    def verify(self, reqs: list[Request], drafts: list[Draft]) -> Verification:
+        """One target forward over every node of every request (node j of request b at cache
+        position ``length + j``, RoPE position ``length + depth``; K/V written, not committed)."""
+        model, cache = self.model, self.cache
         B = len(reqs)
         sizes = [len(d.tokens) for d in drafts]
         N = max(sizes)
@@ -138,16 +232,20 @@ class Generator:
         mask = None if is_chain else tree_mask_ragged(build_tree_mask(parents, num_nodes), new.qo_indptr, tokens.shape[0])
         batch = Batch(block_table, prefix_lens, new.qo_indptr, new.slot_mapping, mask)
         hidden = model.forward(tokens, positions, cache, batch)
-        flat_logits = model.logits(hidden)
-        t2 = time.perf_counter()
+        return Verification(parents, tree_tokens, num_nodes, sizes, [max(dep) for dep in depths], hidden,
+                            model.logits(hidden), new.qo_indptr)
 
-        # ---- accept.
+    def accept(self, reqs: list[Request], drafts: list[Draft], v: Verification) -> Accepted:
+        """``tree_rejection_sample`` of every request's tree against the target logits (greedy,
+        or at the request's temperature with top-k/top-p applied to the target first)."""
+        B, N = v.parents.shape
+        sizes = v.sizes
         if all(s == N for s in sizes):
-            logits = flat_logits.view(B, N, -1)
+            logits = v.logits.view(B, N, -1)
         else:
-            logits = flat_logits.new_zeros(B, N, flat_logits.shape[-1])
+            logits = v.logits.new_zeros(B, N, v.logits.shape[-1])
             for b in range(B):
-                logits[b, : sizes[b]] = flat_logits[new.qo_indptr[b]: new.qo_indptr[b] + sizes[b]]
+                logits[b, : sizes[b]] = v.logits[v.qo_indptr[b]: v.qo_indptr[b] + sizes[b]]
         temperature = torch.tensor([r.sampling.temperature for r in reqs], dtype=torch.float32)
         sampled = [b for b, r in enumerate(reqs) if r.sampling.temperature > 0]
         draft_probs = None
@@ -168,23 +266,27 @@ class Generator:
                         draft_probs[b, : d.probs.shape[0]] = d.probs
         seed = torch.tensor([r.sampling.seed for r in reqs], dtype=torch.int64)
         offset = torch.tensor([r.offset for r in reqs], dtype=torch.int64)
-        accepted_nodes, out_tokens, num_accepted = ops.tree_rejection_sample(
-            parents, tree_tokens, num_nodes, logits, draft_probs, temperature, seed, offset)
-        t3 = time.perf_counter()
+        return Accepted(*ops.tree_rejection_sample(v.parents, v.tokens, v.num_nodes, logits, draft_probs, temperature,
+                                                   seed, offset))
 
-        # ---- compact and commit (root + accepted nodes).
-        cache.compact(slots, accepted_nodes, num_accepted)
-        t4 = time.perf_counter()
-
-        n_acc = num_accepted.tolist()
-        out_rows = out_tokens.tolist()
-        indptr = new.qo_indptr.tolist()
+    def commit(self, reqs: list[Request], v: Verification, acc: Accepted, on_tokens=None,
+               eos=frozenset()) -> list[int]:
+        """After the cache compaction: append each request's emitted tokens (cut at an EOS
+        token and at ``max_new_tokens``), move its root and Philox offset on, record its
+        statistics and schedule, stream the new tokens. Returns the accepted counts."""
+        N = v.parents.shape[1]
+        n_acc = acc.num_accepted.tolist()
+        out_rows = acc.tokens.tolist()
+        indptr = v.qo_indptr.tolist()
         for b, r in enumerate(reqs):
             if n_acc[b] < 0:
-                raise RuntimeError(f"request {r.rid}: the target logits contain NaN")
+                self.fail(r, "the target logits contain NaN")
+                continue
             emitted = out_rows[b][: n_acc[b] + 1]
-            last_node = int(accepted_nodes[b, n_acc[b] - 1]) if n_acc[b] > 0 else 0
-            r.hidden = hidden[indptr[b] + last_node]
+            last_node = int(acc.nodes[b, n_acc[b] - 1]) if n_acc[b] > 0 else 0
+            r.hidden = v.hidden[indptr[b] + last_node]
+            r.path_hidden = v.hidden[indptr[b] + torch.cat([torch.zeros(1, dtype=torch.int64),
+                                                             acc.nodes[b, : n_acc[b]].to(torch.int64)])]
             r.offset += N
             keep = emitted[: r.remaining]
             for i, t in enumerate(keep):
@@ -195,15 +297,8 @@ class Generator:
             r.output.extend(keep)
             if len(keep) < len(emitted) or r.remaining <= 0 or (keep and keep[-1] in eos):
                 r.done = True
-            depth = max(depths[b])
-            r.stats.record(depth, sizes[b] - 1, n_acc[b], len(keep))
-            st = r.stats
-            st.time_draft += t1 - t0
-            st.time_verify += t2 - t1
-            st.time_sample += t3 - t2
-            st.time_compact += t4 - t3
-            self.schedule.update(r.rid, depth, n_acc[b])
+            r.stats.record(v.depth[b], v.sizes[b] - 1, n_acc[b], len(keep))
+            self.schedule.update(r.rid, v.depth[b], n_acc[b])
             if on_tokens is not None and keep:
                 on_tokens(r, keep)
-        if self.drafter is not None:
-            self.drafter.verified(self, reqs, n_acc)
+        return n_acc

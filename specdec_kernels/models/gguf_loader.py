@@ -1,10 +1,18 @@
-"""Load a Llama-family GGUF file (llama.cpp's format): config, dequantised weights, tokenizer.
+"""Load a Llama-family GGUF file (llama.cpp's format): config, weights, tokenizer.
 
-Weights are dequantised to fp32 with the ``gguf`` package. llama.cpp's converter permutes the
-rows of attn_q/attn_k so that its RoPE rotates interleaved pairs; ``unpermute_rope_rows``
-undoes that, giving the Hugging Face (rotate-half) layout the model uses.
+``weights``: "native" (default) keeps every linear weight, the embedding and the LM head as
+the file's own GGUF blocks (``gguf_blocks.QuantizedWeight``: SmolLM2's file holds Q4_1
+linears and a Q8_0 embedding/LM head, 98 MB instead of 540 MB of fp32); "fp32"/"bf16"
+dequantise with the ``gguf`` package; "q8_0"/"q4_0" dequantise and quantise again.
+
+llama.cpp's converter permutes the rows of attn_q/attn_k so that its RoPE rotates
+interleaved pairs; ``unpermute_rope_rows`` undoes that, giving the Hugging Face (rotate-half)
+layout the model uses — on block weights as a row gather of whole rows of blocks (a row of
+blocks is one output row of the weight).
 """
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import torch
@@ -23,6 +31,12 @@ def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """Inverse of llama.cpp's q/k row permutation: rows (head, pair, 2) -> (head, 2, pair)."""
     half = w.shape[0] // n_head // 2
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def rope_row_order(num_rows: int, n_head: int) -> torch.Tensor:
+    """int64 [num_rows]: the file's row index of each un-permuted row (``unpermute_rope_rows``
+    applied to the row numbers), for a row gather of block weights."""
+    return torch.from_numpy(np.ascontiguousarray(unpermute_rope_rows(np.arange(num_rows), n_head)))
 
 
 def read_config(reader) -> LlamaConfig:
@@ -84,16 +98,115 @@ def load_gguf_state_dict(path: str, config: LlamaConfig | None = None, reader=No
     return config, sd
 
 
-def load_gguf(path: str):
-    """(Llama model, Tokenizer) from a GGUF file."""
+def _type_label(type_name: str) -> str:
+    """``Q4_1`` -> ``4-bit Q4_1``; float types (F32, F16, BF16) as they are."""
+    m = re.search(r"\d+", type_name)
+    return f"{m.group()}-bit {type_name}" if type_name.startswith(("Q", "IQ", "TQ")) and m else type_name
+
+
+def weights_format(reader, running: str = "fp32") -> str:
+    """How the file stores the weights, read from its tensor types, and how the model runs
+    them, e.g. ``GGUF, 4-bit Q4_1 linears / Q8_0 embedding, running as fp32`` (``running``:
+    a label such as fp32, bf16, Q8_0, or "native" for the file's own blocks)."""
+    def types(names):
+        found = sorted({t.tensor_type.name for t in reader.tensors if names(t.name)})
+        return "+".join(found)
+
+    linears = types(lambda n: n.startswith("blk.") and not n.endswith("norm.weight") and n.endswith(".weight"))
+    parts = [f"{_type_label(linears)} linears"] if linears else []
+    embedding = types(lambda n: n == "token_embd.weight")
+    if embedding:
+        parts.append(f"{_type_label(embedding) if embedding != linears else embedding} embedding")
+    output = types(lambda n: n == "output.weight")
+    if output:
+        parts.append(f"{output} LM head")
+    how = "running on its own blocks" if running == "native" else f"running as {running}"
+    return f"GGUF, {' / '.join(parts)}, {how}"
+
+
+def load_gguf_native(reader, config: LlamaConfig, *, name: str = "gguf"):
+    """A Llama on the file's own blocks: QuantizedWeight linears (q/k rows un-permuted by a row
+    gather; q|k|v and gate|up fused by concatenating rows when the parts share a block type,
+    else kept as a tuple of parts), QuantizedWeight embedding (rows dequantised on lookup) and
+    LM head (the embedding when tied), fp32 norms."""
+    import gguf
+
+    from ..gguf_blocks import QuantizedWeight
+    from .llama import Llama
+
+    tensors = {t.name: t for t in reader.tensors}
+
+    # Rows are gathered and concatenated with numpy (one single-threaded copy out of the file
+    # mapping per weight): torch.cat / index_select on uint8 go through torch's thread pool,
+    # which took seconds per call on a loaded 2-core machine.
+    def rows(key: str, n_head: int | None = None) -> tuple:
+        """(uint8 [N, row bytes] array, block type, (N, H)) of a 2-d tensor, q/k rows un-permuted."""
+        t = tensors[key]
+        H, N = (int(d) for d in t.shape)
+        data = np.asarray(t.data).view(np.uint8).reshape(N, -1)
+        if n_head:
+            data = data[rope_row_order(N, n_head).numpy()]
+        return data, int(t.tensor_type), (N, H)
+
+    def block_weight(data, block_type, shape) -> QuantizedWeight:
+        return QuantizedWeight(torch.from_numpy(np.array(data, copy=True, order="C")), block_type, shape)
+
+    def blocks(key: str, n_head: int | None = None) -> QuantizedWeight:
+        return block_weight(*rows(key, n_head))
+
+    def vector(key: str) -> torch.Tensor:
+        t = tensors[key]
+        return torch.from_numpy(np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1))
+
+    def fused(parts):
+        if len({bt for _, bt, _ in parts}) == 1:
+            data = np.concatenate([d for d, _, _ in parts])
+            return QuantizedWeight(torch.from_numpy(data), parts[0][1], (data.shape[0], parts[0][2][1]))
+        return tuple(block_weight(*p) for p in parts)
+
+    layers = []
+    for i in range(config.num_layers):
+        p = f"blk.{i}."
+        layers.append(dict(
+            attn_norm=vector(p + "attn_norm.weight"),
+            wqkv=fused([rows(p + "attn_q.weight", config.num_heads), rows(p + "attn_k.weight", config.num_kv_heads),
+                        rows(p + "attn_v.weight")]),
+            wo=blocks(p + "attn_output.weight"),
+            mlp_norm=vector(p + "ffn_norm.weight"),
+            w_gate_up=fused([rows(p + "ffn_gate.weight"), rows(p + "ffn_up.weight")]),
+            w_down=blocks(p + "ffn_down.weight"),
+        ))
+    embed = blocks("token_embd.weight")
+    lm_head = blocks("output.weight") if "output.weight" in tensors else embed
+    return Llama(config, dict(embed=embed, norm=vector("output_norm.weight"), lm_head=lm_head, layers=layers),
+                 name=name, weight_format="native")
+
+
+WEIGHT_FORMATS = ("native", "fp32", "bf16", "q8_0", "q4_0")
+
+
+def load_gguf(path: str, weights: str = "native"):
+    """(Llama model, Tokenizer) from a GGUF file; ``weights`` one of WEIGHT_FORMATS (module
+    docstring)."""
     import gguf
 
     from .llama import Llama
     from .tokenizer import Tokenizer
 
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
     reader = gguf.GGUFReader(path)
     tokenizer = Tokenizer.from_gguf(reader)
     config = read_config(reader)
     config.eos_token_ids = tuple(tokenizer.eos_token_ids)
+    name = str(_field(reader, "general.name", "gguf"))
+    if weights == "native":
+        model = load_gguf_native(reader, config, name=name)
+        model.weights_format = weights_format(reader, "native")
+        return model, tokenizer
     config, sd = load_gguf_state_dict(path, config, reader)
-    return Llama.from_hf_state_dict(config, sd, name=str(_field(reader, "general.name", "gguf"))), tokenizer
+    model = Llama.from_hf_state_dict(config, sd, name=name, dtype=torch.bfloat16 if weights == "bf16" else torch.float32)
+    if weights in ("q8_0", "q4_0"):
+        model = model.quantized(weights.upper())
+    model.weights_format = weights_format(reader, weights if weights in ("fp32", "bf16") else weights.upper())
+    return model, tokenizer

@@ -5,13 +5,25 @@ import glob
 import json
 import os
 
+import torch
+
 from .config import LlamaConfig
 from .llama import Llama
 
 
-def load_hf_dir(path: str):
-    """(Llama model, Tokenizer or None) from a directory with config.json and safetensors."""
+WEIGHT_FORMATS = ("native", "fp32", "bf16", "q8_0", "q4_0")
+
+
+def load_hf_dir(path: str, weights: str = "native"):
+    """(Llama model, Tokenizer or None) from a directory with config.json and safetensors.
+
+    ``weights``: "native"/"fp32" fp32 tensors (a Hugging Face checkpoint has no block
+    format), "bf16", or "q8_0"/"q4_0": quantised on load to GGUF blocks
+    (``gguf_blocks.quantize``), e.g. a quantised draft model."""
     from safetensors.torch import load_file
+
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
 
     with open(os.path.join(path, "config.json")) as f:
         config = LlamaConfig.from_hf(json.load(f))
@@ -27,7 +39,14 @@ def load_hf_dir(path: str):
 
         tokenizer = Tokenizer.from_hf_dir(path, config.eos_token_ids)
         config.eos_token_ids = tuple(tokenizer.eos_token_ids)
-    return Llama.from_hf_state_dict(config, sd, name=os.path.basename(os.path.normpath(path))), tokenizer
+    model = Llama.from_hf_state_dict(config, sd, name=os.path.basename(os.path.normpath(path)),
+                                     dtype=torch.bfloat16 if weights == "bf16" else torch.float32)
+    if weights in ("q8_0", "q4_0"):
+        model = model.quantized(weights.upper())
+    stored = "+".join(sorted({str(t.dtype).removeprefix("torch.") for t in sd.values()}))
+    running = {"native": "fp32", "q8_0": "Q8_0", "q4_0": "Q4_0"}.get(weights, weights)
+    model.weights_format = f"safetensors, {stored} weights, running as {running}"
+    return model, tokenizer
 
 
 def save_hf_dir(model: Llama, path: str, tokenizer=None) -> None:
@@ -36,12 +55,17 @@ def save_hf_dir(model: Llama, path: str, tokenizer=None) -> None:
     a checkpoint directory that transformers and vLLM load (e.g. SmolLM2 from its GGUF)."""
     from safetensors.torch import save_file
 
+    # Dense tensors (hf_state_dict dequantises block weights to fp32) in one dtype, the
+    # embedding's, which config.json states.
+    sd = model.hf_state_dict()
+    dtype = sd["model.embed_tokens.weight"].dtype
+    sd = {k: v.to(dtype) for k, v in sd.items()}
     os.makedirs(path, exist_ok=True)
     config = model.config.to_hf()
-    config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
-    save_file(model.hf_state_dict(), os.path.join(path, "model.safetensors"))
+    save_file(sd, os.path.join(path, "model.safetensors"))
     if tokenizer is not None:
         tokenizer.save_hf_dir(path)
         eos = list(tokenizer.eos_token_ids) or list(model.config.eos_token_ids)

@@ -8,7 +8,11 @@ positions (``prefix_len + depth`` for tree nodes), and an optional tree mask. Pr
 prompt uses torch's scaled_dot_product_attention, which is faster for long causal blocks.
 
 Weights are stored fused (q|k|v and gate|up) so that a layer runs four matrix products; the
-q/k rows are in the Hugging Face (rotate-half) convention.
+q/k rows are in the Hugging Face (rotate-half) convention. A weight is an fp32/bf16 tensor or
+a ``gguf_blocks.QuantizedWeight`` (GGUF blocks, e.g. a GGUF file's own Q4_1/Q8_0 bytes:
+``weight_format`` "native", or a checkpoint quantised on load: "q8_0"/"q4_0"); every product
+goes through ``ops.linear``, which sends block weights to ``quantized_linear``. Block
+weights keep fp32 activations; the embedding dequantises only the looked-up rows.
 """
 from __future__ import annotations
 
@@ -40,12 +44,25 @@ class Batch:
     tree_mask: torch.Tensor | None = None
 
 
-def cache_slots(cache: PagedKVCache, slot: int, positions: torch.Tensor) -> torch.Tensor:
-    """Flat cache indices (int64) of ``positions`` of the request in ``slot`` (blocks must be
-    reserved)."""
-    bs = cache.block_size
-    blocks = cache.block_table[slot].to(torch.int64)[positions // bs]
-    return blocks * bs + positions % bs
+def is_block_weight(w) -> bool:
+    """Whether ``w`` is a gguf_blocks.QuantizedWeight (duck-typed: gguf_blocks imports ops)."""
+    return getattr(w, "block_type", None) is not None and hasattr(w, "blocks")
+
+
+def dense(w) -> torch.Tensor:
+    """``w`` as a plain tensor: block weights dequantised to fp32 [N, H] (parts of a weight
+    kept separate are concatenated), tensors as they are."""
+    if isinstance(w, tuple):
+        return torch.cat([dense(p) for p in w])
+    return w.dequantize() if is_block_weight(w) else w
+
+
+def linear(x: torch.Tensor, w) -> torch.Tensor:
+    """x @ w^T through ops.linear; ``w`` may be a tuple of row blocks kept separate (block
+    weights of different types that cannot be concatenated), whose outputs are concatenated."""
+    if isinstance(w, tuple):
+        return torch.cat([ops.linear(x, p) for p in w], dim=-1)
+    return ops.linear(x, w)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -78,7 +95,7 @@ class Llama:
     mlp_norm, w_gate_up [2I, H], w_down [H, I]).
     """
 
-    def __init__(self, config: LlamaConfig, weights: dict, *, name: str = "llama"):
+    def __init__(self, config: LlamaConfig, weights: dict, *, name: str = "llama", weight_format: str | None = None):
         self.config = config
         self.name = name
         self.embed = weights["embed"]
@@ -86,7 +103,11 @@ class Llama:
         self.lm_head = weights["lm_head"]
         self.layers = weights["layers"]
         self.device = self.embed.device
-        self.dtype = self.embed.dtype
+        # Activations (and the KV cache) are fp32 with block weights, else the weights' dtype.
+        self.dtype = self.norm.dtype
+        if weight_format is None:
+            weight_format = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(self.dtype, str(self.dtype))
+        self.weight_format = weight_format
         self._rope_len = 0
         self._ensure_rope(min(config.max_position_embeddings, 4096))
 
@@ -109,10 +130,11 @@ class Llama:
         return cls(config, dict(embed=embed, norm=1 + w(H, std=0.1), lm_head=lm_head, layers=layers), name="random")
 
     @classmethod
-    def from_hf_state_dict(cls, config: LlamaConfig, sd: dict, *, name: str = "llama") -> "Llama":
-        """From Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...)."""
+    def from_hf_state_dict(cls, config: LlamaConfig, sd: dict, *, name: str = "llama",
+                           dtype: torch.dtype = torch.float32) -> "Llama":
+        """From Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...), as ``dtype``."""
         def get(k):
-            return sd[k].float().contiguous()
+            return sd[k].to(dtype).contiguous()
 
         layers = []
         for i in range(config.num_layers):
@@ -129,28 +151,46 @@ class Llama:
         lm_head = embed if (config.tie_word_embeddings or "lm_head.weight" not in sd) else get("lm_head.weight")
         return cls(config, dict(embed=embed, norm=get("model.norm.weight"), lm_head=lm_head, layers=layers), name=name)
 
+    LINEAR_KEYS = ("wqkv", "wo", "w_gate_up", "w_down")
+
+    def quantized(self, block_type: str) -> "Llama":
+        """A copy whose linear weights, embedding and LM head are GGUF blocks of
+        ``block_type`` ("Q8_0", "Q4_0", ..., via ``gguf_blocks.quantize``); norms stay fp32.
+        (How a Hugging Face checkpoint, a draft model or heads become a quantised model.)"""
+        from ..gguf_blocks import quantize
+
+        def q(w):
+            return quantize(dense(w).float(), block_type)
+
+        embed = q(self.embed)
+        lm_head = embed if self.lm_head is self.embed else q(self.lm_head)
+        layers = [{k: (q(v) if k in self.LINEAR_KEYS else v.float()) for k, v in L.items()} for L in self.layers]
+        return Llama(self.config, dict(embed=embed, norm=self.norm.float(), lm_head=lm_head, layers=layers),
+                     name=self.name, weight_format=block_type.lower())
+
     def hf_state_dict(self) -> dict:
         """The weights under Hugging Face names (for comparison with transformers)."""
         c = self.config
         D = c.head_dim
-        sd = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
+        sd = {"model.embed_tokens.weight": dense(self.embed), "model.norm.weight": self.norm}
         if not c.tie_word_embeddings:
-            sd["lm_head.weight"] = self.lm_head
+            sd["lm_head.weight"] = dense(self.lm_head)
         for i, L in enumerate(self.layers):
             p = f"model.layers.{i}."
-            q, k, v = L["wqkv"].split([c.num_heads * D, c.num_kv_heads * D, c.num_kv_heads * D])
-            g, u = L["w_gate_up"].chunk(2)
+            q, k, v = dense(L["wqkv"]).split([c.num_heads * D, c.num_kv_heads * D, c.num_kv_heads * D])
+            g, u = dense(L["w_gate_up"]).chunk(2)
             sd.update({p + "input_layernorm.weight": L["attn_norm"], p + "self_attn.q_proj.weight": q,
                        p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
-                       p + "self_attn.o_proj.weight": L["wo"], p + "post_attention_layernorm.weight": L["mlp_norm"],
-                       p + "mlp.gate_proj.weight": g, p + "mlp.up_proj.weight": u, p + "mlp.down_proj.weight": L["w_down"]})
+                       p + "self_attn.o_proj.weight": dense(L["wo"]), p + "post_attention_layernorm.weight": L["mlp_norm"],
+                       p + "mlp.gate_proj.weight": g, p + "mlp.up_proj.weight": u, p + "mlp.down_proj.weight": dense(L["w_down"])})
         return {k: v.contiguous() for k, v in sd.items()}
 
     def truncated(self, num_layers: int) -> "Llama":
         """The first ``num_layers`` layers with the same final norm and LM head (shares weights)."""
         cfg = LlamaConfig(**{**self.config.__dict__, "num_layers": num_layers})
         return Llama(cfg, dict(embed=self.embed, norm=self.norm, lm_head=self.lm_head,
-                               layers=self.layers[:num_layers]), name=f"{self.name}[:{num_layers}]")
+                               layers=self.layers[:num_layers]), name=f"{self.name}[:{num_layers}]",
+                     weight_format=self.weight_format)
 
     def new_cache(self, max_batch: int, max_len: int, *, block_size: int = 64) -> PagedKVCache:
         """A paged cache with room for ``max_batch`` requests of ``max_len`` positions."""
@@ -172,19 +212,26 @@ class Llama:
         """cos, sin: [T, D], the rotary tables at the tokens' positions (gathered once per forward)."""
         c = self.config
         D = c.head_dim
-        qkv = ops.linear(rms_norm(x, L["attn_norm"], c.rms_norm_eps), L["wqkv"])
+        qkv = linear(rms_norm(x, L["attn_norm"], c.rms_norm_eps), L["wqkv"])
         q, k, v = qkv.split([c.num_heads * D, c.num_kv_heads * D, c.num_kv_heads * D], dim=-1)
         q = apply_rope(q.view(-1, c.num_heads, D), cos, sin)
         k = apply_rope(k.view(-1, c.num_kv_heads, D), cos, sin)
         return q, k, v.reshape(-1, c.num_kv_heads, D)
 
     def _mlp(self, L: dict, h: torch.Tensor) -> torch.Tensor:
-        gate, up = ops.linear(rms_norm(h, L["mlp_norm"], self.config.rms_norm_eps), L["w_gate_up"]).chunk(2, dim=-1)
-        return h + ops.linear(F.silu(gate) * up, L["w_down"])
+        gate, up = linear(rms_norm(h, L["mlp_norm"], self.config.rms_norm_eps), L["w_gate_up"]).chunk(2, dim=-1)
+        return h + linear(F.silu(gate) * up, L["w_down"])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: [T, H] -> fp32 [T, V]."""
-        return ops.linear(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+        return linear(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head).float()
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[T] int64 -> [T, H] in the activation dtype (block weights: only these rows are
+        dequantised)."""
+        if is_block_weight(self.embed):
+            return self.embed.embedding(tokens).to(self.dtype)
+        return self.embed[tokens]
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, batch: Batch,
@@ -196,7 +243,7 @@ class Llama:
         self._ensure_rope(int(positions.max()) + 1)
         sm_scale = 1.0 / math.sqrt(c.head_dim)
         cos, sin = self.cos[positions], self.sin[positions]
-        h = self.embed[tokens]
+        h = self.embed_tokens(tokens)
         for i, L in enumerate(self.layers[:num_layers]):
             q, k, v = self._qkv(L, h, cos, sin)
             cache.write(i, batch.slot_mapping, k, v)
@@ -206,29 +253,33 @@ class Llama:
             attn = torch.empty_like(q)
             torch.ops.specdec.tree_attention(q, cache.k_caches[i], cache.v_caches[i], batch.block_table,
                                              batch.prefix_lens, batch.qo_indptr, batch.tree_mask, sm_scale, attn, None)
-            h = h + ops.linear(attn.reshape(attn.shape[0], -1), L["wo"])
+            h = h + linear(attn.reshape(attn.shape[0], -1), L["wo"])
             h = self._mlp(L, h)
         return h
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, cache: PagedKVCache, slot: int, *, num_layers: int | None = None,
-                commit: bool = True) -> torch.Tensor:
+                commit: bool = True, return_layers=None):
         """Causal forward of one request's tokens (int64 [S]) after the ``start`` tokens its
         cache slot holds (positions start..start+S-1); writes their K/V and commits them.
-        Returns hidden [S, H]."""
+        Returns hidden [S, H]; with ``return_layers`` (layer counts, e.g. (2, 15, 30)) returns
+        (hidden, [the hidden states [S, H] after that many layers, in the given order]) —
+        the low/middle/high features of EAGLE-style drafting and its training data."""
         c = self.config
         S = tokens.shape[0]
         start = cache.length(slot)
         if S == 0:
-            return self.embed[:0]
+            empty = torch.zeros(0, c.hidden_size, dtype=self.dtype, device=self.device)
+            return empty if return_layers is None else (empty, [empty for _ in return_layers])
         self._ensure_rope(start + S)
+        captured = {}
         new = cache.append_slots([slot], [S])
         positions = new.cache_positions.to(torch.int64)
-        all_slots = cache_slots(cache, slot, torch.arange(start + S, device=tokens.device))
+        all_slots = cache.slot_mapping(slot, torch.arange(start + S, device=tokens.device))
         # The mask lets query s see keys 0..start+s.
         mask = None if start == 0 else torch.ones(S, start + S, dtype=torch.bool, device=tokens.device).tril(start)
         cos, sin = self.cos[positions], self.sin[positions]
-        h = self.embed[tokens]
+        h = self.embed_tokens(tokens)
         for i, L in enumerate(self.layers[:num_layers]):
             q, k, v = self._qkv(L, h, cos, sin)
             cache.write(i, new.slot_mapping, k, v)
@@ -237,8 +288,12 @@ class Llama:
             attn = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
                 attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-            h = h + ops.linear(attn[0].transpose(0, 1).reshape(S, -1), L["wo"])
+            h = h + linear(attn[0].transpose(0, 1).reshape(S, -1), L["wo"])
             h = self._mlp(L, h)
+            captured[i + 1] = h
         if commit:
             cache.commit([slot], [S])
+        if return_layers is not None:
+            captured[0] = self.embed_tokens(tokens)
+            return h, [captured[n] for n in return_layers]
         return h

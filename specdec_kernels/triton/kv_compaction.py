@@ -10,9 +10,9 @@ touch the same bytes (they differ in request, head or layer).
 How the list of layers reaches the kernel: the launcher passes two int64 tensors holding
 the data pointers of the K and V caches of every layer (``tl.load(ptrs + layer)`` cast to
 a pointer), so one launch covers all layers, whatever their number, and layer tensors need
-not be slices of one allocation. The pointer tables are kept with the checked cache lists
-(rebuilt only when a pointer changes), so after the first call on a cache no host-to-device
-copy is made and the launch is capturable in a CUDA graph. (The alternative, one launch per layer chunk with the chunk's
+not be slices of one allocation. The pointer tables are remembered by their content (the
+tuple of pointers), so after the first call on a cache no host-to-device copy is made and
+the launch is capturable in a CUDA graph. (The alternative, one launch per layer chunk with the chunk's
 pointers as separate arguments, costs a launch per chunk, which is what dominates this tiny
 op on a GPU.)
 
@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from ..checks import check_compact_kv
 
 __all__ = ["compact_kv_triton"]
 
@@ -113,21 +115,26 @@ def _compact_kv_kernel(
         tl.store(v_cache + dst_offsets, v_rows, mask=mask)
 
 
-def _pointer_tables(entry, k_caches, v_caches) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 tensors of the layers' data pointers, on the caches' device; kept with the
-    checked cache lists (``ops._CacheLists``) and rebuilt if a pointer changed."""
-    pointers = (tuple(t.data_ptr() for t in k_caches), tuple(t.data_ptr() for t in v_caches))
-    if entry is not None and entry.pointer_tables is not None and entry.pointer_tables[0] == pointers:
-        return entry.pointer_tables[1], entry.pointer_tables[2]
+# Pointer tables by (device, K pointers, V pointers): an entry's content is its key, so a
+# hit is always right, whatever happened to the tensors. A few entries cover the caches of
+# one engine; the oldest is dropped beyond that.
+_POINTER_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_MAX_POINTER_TABLES = 8
+
+
+def _pointer_tables(k_caches, v_caches) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 tensors of the layers' data pointers, on the caches' device (made once per
+    set of pointers: no host-to-device copy on later calls)."""
     device = k_caches[0].device
-    tables = (
-        pointers,
-        torch.tensor(pointers[0], dtype=torch.int64, device=device),
-        torch.tensor(pointers[1], dtype=torch.int64, device=device),
-    )
-    if entry is not None:  # None: checked without the memo (inside torch.compile tracing)
-        entry.pointer_tables = tables
-    return tables[1], tables[2]
+    key = (device, tuple(t.data_ptr() for t in k_caches), tuple(t.data_ptr() for t in v_caches))
+    tables = _POINTER_TABLES.get(key)
+    if tables is None:
+        tables = (torch.tensor(key[1], dtype=torch.int64, device=device),
+                  torch.tensor(key[2], dtype=torch.int64, device=device))
+        if len(_POINTER_TABLES) >= _MAX_POINTER_TABLES:
+            del _POINTER_TABLES[next(iter(_POINTER_TABLES))]
+        _POINTER_TABLES[key] = tables
+    return tables
 
 
 def compact_kv_triton(k_caches, v_caches, block_table, prefix_lens, accepted_nodes, num_accepted) -> None:
@@ -135,10 +142,8 @@ def compact_kv_triton(k_caches, v_caches, block_table, prefix_lens, accepted_nod
     [num_blocks, block_size, num_kv_heads, head_dim] per layer, block_table int32 [B,
     max_blocks], prefix_lens int32 [B], accepted_nodes int32 [B, D], num_accepted int32 [B].
     Works on CUDA tensors and, under TRITON_INTERPRET=1, on CPU tensors."""
-    from ..ops import _check_compact_kv_args
-
     k_caches, v_caches = list(k_caches), list(v_caches)
-    entry = _check_compact_kv_args(k_caches, v_caches, block_table, prefix_lens, accepted_nodes, num_accepted)
+    check_compact_kv(k_caches, v_caches, block_table, prefix_lens, accepted_nodes, num_accepted)
     first = k_caches[0]
     num_blocks, block_size, num_heads, head_dim = first.shape
     batch, max_accepted = accepted_nodes.shape
@@ -147,7 +152,7 @@ def compact_kv_triton(k_caches, v_caches, block_table, prefix_lens, accepted_nod
         raise ValueError(f"k_caches element size must be 1, 2, 4 or 8 bytes, got {first.element_size()} ({first.dtype})")
     if batch == 0 or max_accepted == 0 or first.numel() == 0:
         return
-    k_ptrs, v_ptrs = _pointer_tables(entry, k_caches, v_caches)
+    k_ptrs, v_ptrs = _pointer_tables(k_caches, v_caches)
     # Enough programs to fill a GPU (~1024) without making each one trivially small: split
     # the layers into chunks only as far as needed.
     programs_per_layer_chunk = batch * num_heads

@@ -1,4 +1,6 @@
-"""Triton kernel of specdec::skinny_linear (CUDA key), also the GEMM of medusa_topk's ResBlocks.
+"""Triton kernels of specdec::skinny_linear (CUDA key), also the GEMM of medusa_topk's
+ResBlocks, and of specdec::quantized_linear (``_quantized_linear_kernel``: the weight as raw
+GGUF blocks, decoded in registers).
 
 ``_linear_kernel`` computes out = x W^T (+ b) for one (row block, output block, head) per
 program, optionally fused into the Medusa ResBlock x_next = x + SiLU(x W^T + b)
@@ -11,6 +13,25 @@ Every launcher also runs on CPU tensors under TRITON_INTERPRET=1 (the tests do t
 import torch
 import triton
 import triton.language as tl
+
+from ..checks import GGUF_BLOCK_FORMATS, check_quantized_linear, check_skinny_linear
+
+
+@triton.jit
+def dot_tile(x_base, w_base, rm, rn, M, N, H, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] fp32 tile of x w^T: rows rm (< M) of x, fp32 rows of length H at
+    x_base, times rows rn (< N) of w [N, H], any float dtype, at w_base; rows out of range
+    give 0. (Also the LM-head tile of medusa_topk.)"""
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + rk
+        x = tl.load(x_base + rm[:, None] * H + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < H), other=0.0)
+        # The weight tile is loaded transposed, [BLOCK_K, BLOCK_N], straight from [N, H].
+        w = tl.load(w_base + rn[None, :].to(tl.int64) * H + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < H),
+                    other=0.0)
+        acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    return acc
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -28,17 +49,8 @@ def _linear_kernel(
     head = tl.program_id(2).to(tl.int64)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     x_base = x_ptr + head * stride_xh
-    w_base = w_ptr + head * stride_wh
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        kk = k0 + rk
-        x = tl.load(x_base + rm[:, None] * H + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < H), other=0.0)
-        # The weight tile is loaded transposed, [BLOCK_K, BLOCK_N], straight from [N, H].
-        w = tl.load(w_base + rn[None, :].to(tl.int64) * H + kk[:, None], mask=(rn[None, :] < N) & (kk[:, None] < H),
-                    other=0.0)
-        acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    acc = dot_tile(x_base, w_ptr + head * stride_wh, rm, rn, M, N, H, BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         bias = tl.load(b_ptr + head * stride_bh + rn, mask=rn < N, other=0.0).to(tl.float32)
         acc += bias[None, :]
@@ -47,22 +59,6 @@ def _linear_kernel(
         resid = tl.load(x_base + rm[:, None] * H + rn[None, :], mask=mask, other=0.0).to(tl.float32)
         acc = resid + acc / (1.0 + tl.exp(-acc))
     tl.store(out_ptr + head * stride_oh + rm[:, None] * N + rn[None, :], acc, mask=mask)
-
-
-def _check(condition, message):
-    if not condition:
-        raise ValueError(message)
-
-
-def _check_skinny_linear(x, weight, bias, out):
-    """The shapes the launcher indexes with (through torch.ops on a CUDA tensor no wrapper has
-    checked them): a mismatch would read or write past a tensor."""
-    _check(x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1],
-           f"weight must have shape [N, {x.shape[-1]}] (x is {list(x.shape)}), got {list(weight.shape)}")
-    M, N = x.shape[0], weight.shape[0]
-    if bias is not None:
-        _check(tuple(bias.shape) == (N,), f"bias must have shape [{N}], got {list(bias.shape)}")
-    _check(out.dim() == 2 and tuple(out.shape) == (M, N), f"out must have shape [{M}, {N}], got {list(out.shape)}")
 
 
 def launch_linear(x, weight, bias, out, *, heads=1, stride_xh=0, stride_wh=0, stride_bh=0, stride_oh=0,
@@ -84,7 +80,7 @@ def launch_linear(x, weight, bias, out, *, heads=1, stride_xh=0, stride_wh=0, st
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor) -> None:
     """Launcher of specdec::skinny_linear: out [M, N] = x [M, H] @ weight [N, H]^T + bias."""
-    _check_skinny_linear(x, weight, bias, out)
+    check_skinny_linear(x, weight, bias, out)  # torch.ops on CUDA reaches this launcher directly
     M, N = out.shape
     if M == 0 or N == 0:
         return
@@ -97,3 +93,95 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor
 
 
 torch.library.register_kernel("specdec::skinny_linear", "cuda", skinny_linear)
+
+
+# ---------------------------------------------------------------------------------------
+# quantized_linear: the weight as raw GGUF blocks.
+# ---------------------------------------------------------------------------------------
+
+# GGML type ids (gguf.GGMLQuantizationType), as in ops.GGUF_BLOCK_FORMATS.
+_F32, _F16, _Q4_0, _Q4_1, _Q8_0, _BF16 = 0, 1, 2, 3, 8, 30
+
+
+@triton.jit
+def _fp16_at(ptr):
+    """The little-endian fp16 at uint8 pointers ``ptr`` (any shape), as fp32 (exact)."""
+    lo = tl.load(ptr).to(tl.uint16)
+    hi = tl.load(ptr + 1).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _quantized_linear_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr,
+    M, N, H, row_bytes,
+    BLOCK_TYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """out [M, N] = x [M, H] (fp32) @ W^T (+ b), W [N, H] decoded from GGUF blocks 32 weights
+    at a time, exactly as gguf.dequantize (w_ptr: uint8 [N, row_bytes] for Q4_0 / Q4_1 /
+    Q8_0, or the float32 / float16 / bfloat16 [N, H] view of the bytes for F32 / F16 / BF16).
+
+    Each step adds sum_k x[m, k] * w[n, k] over 32 weights (a tree sum, the same for every
+    (m, n)) to the fp32 accumulator: the order depends on H only, never on M or on the
+    other rows (batch invariance)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, 32)
+    n_ok = rn < N
+    rn_safe = tl.where(n_ok, rn, 0).to(tl.int64)  # rows past N read row 0 (dropped)
+    nibble_byte = rk % 16  # weight j of a 4-bit block: byte j % 16, high nibble for j >= 16
+    nibble_shift = (rk // 16) * 4
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, 32):
+        kk = k0 + rk
+        x = tl.load(x_ptr + rm[:, None].to(tl.int64) * H + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < H),
+                    other=0.0)
+        if BLOCK_TYPE == 0 or BLOCK_TYPE == 1 or BLOCK_TYPE == 30:  # F32 / F16 / BF16: one value per weight
+            w = tl.load(w_ptr + rn_safe[:, None] * H + kk[None, :], mask=kk[None, :] < H, other=0.0).to(tl.float32)
+        else:
+            block = w_ptr + rn_safe * row_bytes + (k0 // 32) * BLOCK_BYTES
+            d = _fp16_at(block)
+            if BLOCK_TYPE == 8:  # Q8_0: q * d
+                q = tl.load(block[:, None] + 2 + rk[None, :]).to(tl.int8, bitcast=True).to(tl.float32)
+                w = q * d[:, None]
+            elif BLOCK_TYPE == 2:  # Q4_0: d * (nibble - 8)
+                qb = tl.load(block[:, None] + 2 + nibble_byte[None, :]).to(tl.int32)
+                w = d[:, None] * (((qb >> nibble_shift[None, :]) & 15) - 8).to(tl.float32)
+            else:  # Q4_1: d * nibble + m (d * nibble is exact: fused or not, one rounding)
+                m = _fp16_at(block + 2)
+                qb = tl.load(block[:, None] + 4 + nibble_byte[None, :]).to(tl.int32)
+                w = d[:, None] * ((qb >> nibble_shift[None, :]) & 15).to(tl.float32) + m[:, None]
+        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0)[None, :]
+    tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc, mask=(rm[:, None] < M) & n_ok[None, :])
+
+
+# The element dtypes of the views the kernel reads for the float types.
+_FLOAT_VIEWS = {_F32: torch.float32, _F16: torch.float16, _BF16: torch.bfloat16}
+QUANTIZED_BLOCK_M, QUANTIZED_BLOCK_N = 16, 16
+
+
+def quantized_linear(x: torch.Tensor, weight: torch.Tensor, block_type: int, bias, out: torch.Tensor) -> None:
+    """Launcher of specdec::quantized_linear: out [M, N] fp32 = x [M, H] @ W^T + bias, W the
+    GGUF blocks uint8 [N, row_bytes] of type block_type (see ops.quantized_linear)."""
+    check_quantized_linear(x, weight, block_type, bias, out)  # torch.ops on CUDA reaches this launcher directly
+    M, N = out.shape
+    H = x.shape[1]
+    if M == 0 or N == 0:
+        return
+    x32 = x.to(torch.float32).contiguous()
+    w = weight.view(_FLOAT_VIEWS[block_type]) if block_type in _FLOAT_VIEWS else weight
+    b32 = None if bias is None else bias.to(torch.float32).contiguous()
+    grid = (triton.cdiv(N, QUANTIZED_BLOCK_N), triton.cdiv(M, QUANTIZED_BLOCK_M))
+    _quantized_linear_kernel[grid](
+        x32, w, b32 if b32 is not None else x32, out, M, N, H, weight.shape[1],
+        BLOCK_TYPE=block_type, BLOCK_BYTES=GGUF_BLOCK_FORMATS[block_type][2], HAS_BIAS=b32 is not None,
+        BLOCK_M=QUANTIZED_BLOCK_M, BLOCK_N=QUANTIZED_BLOCK_N,
+    )
+
+
+torch.library.register_kernel("specdec::quantized_linear", "cuda", quantized_linear)

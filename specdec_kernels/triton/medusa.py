@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .linear import launch_linear
+from ..checks import check_medusa_topk
+from .linear import dot_tile, launch_linear
 
 # Candidates per tile are extracted one by one; beyond this the fallback below is used.
 MAX_FUSED_TOP_K = 64
@@ -43,16 +44,8 @@ def _lm_head_topk_kernel(
     head = tl.program_id(2).to(tl.int64)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rv = pid_t * BLOCK_V + tl.arange(0, BLOCK_V)
-    rk = tl.arange(0, BLOCK_K)
     rows = head * M + rm  # global row index in [K*M]
-    w_base = w_ptr + head * stride_wh
-    acc = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        kk = k0 + rk
-        x = tl.load(x_ptr + rows[:, None] * H + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < H), other=0.0)
-        w = tl.load(w_base + rv[None, :].to(tl.int64) * H + kk[:, None], mask=(rv[None, :] < V) & (kk[:, None] < H),
-                    other=0.0)
-        acc += tl.dot(x, w.to(tl.float32), input_precision="ieee")
+    acc = dot_tile(x_ptr + head * M * H, w_ptr + head * stride_wh, rm, rv, M, V, H, BLOCK_M, BLOCK_V, BLOCK_K)
     neg_inf = float("-inf")
     logits = tl.where(rv[None, :] < V, acc, neg_inf)
     row_ok = rm < M
@@ -138,29 +131,6 @@ def _merge_kernel(
     tl.store(logprobs_ptr + out, run_val - lse, mask=kmask)
 
 
-def _check(condition, message):
-    if not condition:
-        raise ValueError(message)
-
-
-def _check_medusa_topk(hidden, res_weight, res_bias, lm_head, top_k, topk_ids, topk_logprobs):
-    """The shapes the launcher indexes with (through torch.ops on a CUDA tensor no wrapper has
-    checked them; the ops.medusa_topk rules that matter here): a mismatch would read or write
-    past a tensor."""
-    _check(hidden.dim() == 2, f"hidden must have 2 dimensions, got shape {list(hidden.shape)}")
-    M, H = hidden.shape
-    _check(res_weight.dim() == 4 and res_weight.shape[0] >= 1 and tuple(res_weight.shape[2:]) == (H, H),
-           f"res_weight must have shape [K >= 1, L, {H}, {H}], got {list(res_weight.shape)}")
-    K, L = res_weight.shape[:2]
-    _check(tuple(res_bias.shape) == (K, L, H), f"res_bias must have shape [{K}, {L}, {H}], got {list(res_bias.shape)}")
-    _check((lm_head.dim() == 2 and lm_head.shape[1] == H) or (lm_head.dim() == 3 and tuple(lm_head.shape[::2]) == (K, H)),
-           f"lm_head must have shape [V, {H}] (shared) or [{K}, V, {H}] (per head), got {list(lm_head.shape)}")
-    V = lm_head.shape[-2]
-    _check(isinstance(top_k, int) and 1 <= top_k <= V, f"top_k must be an int in [1, V = {V}], got {top_k!r}")
-    for t, name, dtype in ((topk_ids, "topk_ids", torch.int64), (topk_logprobs, "topk_logprobs", torch.float32)):
-        _check(t.dtype == dtype and tuple(t.shape) == (M, K, top_k) and t.is_contiguous(),
-               f"{name} must be a contiguous {dtype} tensor of shape [{M}, {K}, {top_k}], got {t.dtype} "
-               f"{list(t.shape)} (contiguous: {t.is_contiguous()})")
 
 
 def _head_states(hidden, res_weight, res_bias):
@@ -184,7 +154,7 @@ def medusa_topk(hidden, res_weight, res_bias, lm_head, top_k: int, topk_ids, top
     """Launcher of specdec::medusa_topk (argument meaning: ops.medusa_topk). block_v: vocabulary
     tile; block_t, block_c: tiles / candidates per merge step (small values let the tests
     exercise multi-step merges on small vocabularies)."""
-    _check_medusa_topk(hidden, res_weight, res_bias, lm_head, top_k, topk_ids, topk_logprobs)
+    check_medusa_topk(hidden, res_weight, res_bias, lm_head, top_k, topk_ids, topk_logprobs)  # as skinny_linear
     M, H = hidden.shape
     K = res_weight.shape[0]
     shared = lm_head.dim() == 2

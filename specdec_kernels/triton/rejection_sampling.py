@@ -1,4 +1,5 @@
-"""Triton kernels of chain_rejection_sample, tree_rejection_sample and apply_top_k_top_p.
+"""Triton kernels of specdec::chain_rejection_sample (and its flattened layout,
+chain_rejection_sample_flat), tree_rejection_sample, apply_top_k_top_p.
 
 Rejection sampling is four launches, parallel over requests and vocabulary tiles, with no
 host synchronisation (so it can be captured in a CUDA graph):
@@ -6,9 +7,11 @@ host synchronisation (so it can be captured in a CUDA graph):
 1. ``_row_stats_kernel``, grid (B * N rows, vocabulary tiles): per tile the max of l / T,
    sum exp(l / T - tile max), the first argmax and a "bad" flag (NaN or +inf);
 2. ``_walk_kernel``, grid (B,): combines the tile partials of the rows it visits and walks
-   the tree (a chain is the tree parents = [-1, 0, 1, ...]); acceptance tests read one
-   logit and one q entry; an i.i.d. rejection that is not the last sibling costs one pass
-   over the row for the residual's mass. It writes the accepted path and a "race spec"
+   the tree (a chain is the tree parents = [-1, 0, 1, ...]): ``_greedy_walk`` follows the
+   child holding the row's argmax, ``_sampled_walk`` runs the acceptance tests of each
+   node's children (``_sampled_step``); acceptance tests read one logit and one q entry;
+   an i.i.d. rejection that is not the last sibling costs one pass over the row for the
+   residual's mass. It writes the accepted path and, for a sampled request, a "race spec"
    (row, max, coefficient of q, excluded tokens) for the last token;
 3. ``_race_kernel``, grid (B, vocabulary tiles): the exponential race argmax w / (-log u)
    over each tile for the residual weights and, as a fallback for a residual without
@@ -18,8 +21,8 @@ host synchronisation (so it can be captured in a CUDA graph):
 Out-of-range data never reads out of bounds: counts are clamped into range, a drafted
 token outside [0, V) is rejected (p(x) = 0), a node whose parent is not an earlier node
 is never visited. ``apply_top_k_top_p`` finds the k-th largest value and the top-p
-threshold by bisection on the ordered bits of fp32 (32 steps, one pass over the row per
-step) instead of sorting. The launchers are registered for the CUDA key and also run on
+threshold by bisection on the ordered bits of fp32 (``_bisect_keys``: 32 steps, one pass
+over the row per step) instead of sorting. The launchers are registered for the CUDA key and also run on
 CPU tensors under ``TRITON_INTERPRET=1``.
 """
 from __future__ import annotations
@@ -28,10 +31,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops import check_chain_flat_rejection_args, check_chain_rejection_args, check_tree_rejection_args
-from .rng import philox_uniform
+from ..checks import (check_apply_top_k_top_p, check_chain_rejection_sample, check_chain_rejection_sample_flat,
+                      check_tree_rejection_sample)
+from .rng import PURPOSE_ACCEPT, PURPOSE_SAMPLE, philox_uniform
 
 BLOCK_V = 1024
+# Larger than every index: the "no index" of the min-reductions that pick the lowest index
+# among equal values (int32 max, as indices are int32).
+NO_INDEX = tl.constexpr(2147483647)
 
 
 @triton.jit
@@ -48,10 +55,12 @@ def _row_stats_kernel(logits_ptr, row0_ptr, temp_ptr, rows_ptr, pmax_ptr, psum_p
         idx = tile * BLOCK + tl.arange(0, BLOCK)
         mask = idx < V
         logits_row = tl.load(row0_ptr + b) + k
-        x = tl.load(logits_ptr + logits_row * V + idx, mask=mask, other=float("-inf")).to(tl.float32) * scale
+        # Lanes past V are -inf after the scaling (-inf * scale is NaN when T = +inf).
+        x = tl.where(mask, tl.load(logits_ptr + logits_row * V + idx, mask=mask, other=0.0).to(tl.float32) * scale,
+                     float("-inf"))
         bad = tl.max(((x != x) | (x == float("inf"))).to(tl.int32), axis=0)
         m = tl.max(x, axis=0)
-        arg = tl.min(tl.where(x == m, idx, 2147483647), axis=0)
+        arg = tl.min(tl.where(x == m, idx, NO_INDEX), axis=0)
         s = tl.sum(tl.where(x > float("-inf"), tl.exp(x - m), 0.0), axis=0)
         tl.store(pmax_ptr + row * T + tile, m)
         tl.store(psum_ptr + row * T + tile, s)
@@ -71,6 +80,141 @@ def _residual_mass(logits_ptr, q_ptr, row_off, q_off, V, inv_t, m, coef, BLOCK: 
         w = tl.maximum(tl.exp(x * inv_t - m) - coef * qv, 0.0)
         acc += tl.where(mask, w, 0.0)
     return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _row_max_and_sum(pmax_ptr, psum_ptr, base, tidx, tmask):
+    """A row's max of l / T and sum of exp(l / T - max), from its tiles' partials at base."""
+    pm = tl.load(pmax_ptr + base + tidx, mask=tmask, other=float("-inf"))
+    ps = tl.load(psum_ptr + base + tidx, mask=tmask, other=0.0)
+    m = tl.max(pm, axis=0)
+    z = tl.sum(tl.where(pm > float("-inf"), ps * tl.exp(pm - m), 0.0), axis=0)
+    return m, z
+
+
+@triton.jit
+def _greedy_walk(b, walk, n, par, tok, nidx, pmax_ptr, parg_ptr, N, T, tidx, tmask, BLOCK_N: tl.constexpr):
+    """Greedy request (when walk): follow the child whose token is the row's first argmax.
+    Returns (path [BLOCK_N] of accepted nodes, -1 padded; their number; the final token)."""
+    path = tl.full([BLOCK_N], -1, tl.int32)
+    depth = 0
+    node = 0
+    final = -1
+    done = (walk == 0).to(tl.int32)
+    while done == 0:
+        base = (b * N + node) * T
+        pm = tl.load(pmax_ptr + base + tidx, mask=tmask, other=float("-inf"))
+        pa = tl.load(parg_ptr + base + tidx, mask=tmask, other=NO_INDEX)
+        m = tl.max(pm, axis=0)
+        amax = tl.min(tl.where(pm == m, pa, NO_INDEX), axis=0)
+        cond = (nidx > node) & (nidx < n) & (par == node) & (tok == amax)
+        c = tl.min(tl.where(cond, nidx, BLOCK_N), axis=0)
+        if c < BLOCK_N:
+            path = tl.where(nidx == depth, c, path)
+            depth += 1
+            node = c
+        else:
+            final = amax.to(tl.int32)
+            done = 1
+    return path, depth, final
+
+
+@triton.jit
+def _sampled_step(row0, q_row0, node, n, par, tok, nidx, logits_ptr, q_ptr, seed, offset, inv_t, m, z, V,
+                  HAS_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The acceptance tests of node's children in order, against the residual left by the
+    rejected ones. Returns (the accepted child or -1, the excluded tokens [BLOCK_N] (no q:
+    the rejected ones, -1 padded), the residual's coefficient of q and mass, the number of
+    rejected children)."""
+    row_off = (row0 + node) * V
+    q_off = (q_row0 + node) * V
+    next_node = -1
+    # Residual p' = w / mass: i.i.d. drafts w = max(e - coef q, 0), deterministic
+    # drafts w = e with the rejected tokens (excl[:num_excl]) zeroed.
+    coef = 0.0
+    mass = z
+    excl = tl.full([BLOCK_N], -1, tl.int64)
+    num_excl = 0
+    num_rejected = 0
+    prev = node
+    searching = 1
+    while searching == 1:
+        c = tl.min(tl.where((nidx > prev) & (nidx < n) & (par == node), nidx, BLOCK_N), axis=0)
+        if c >= BLOCK_N:
+            searching = 0
+        else:
+            x = tl.sum(tl.where(nidx == c, tok, 0), axis=0)
+            in_range = (x >= 0) & (x < V)
+            xs = tl.where(in_range, x, 0)
+            e_x = tl.exp(tl.load(logits_ptr + row_off + xs).to(tl.float32) * inv_t - m)
+            u = philox_uniform(seed, offset + c, PURPOSE_ACCEPT, c * 0)
+            dup = tl.sum(((excl == x) & (nidx < num_excl)).to(tl.int32), axis=0) > 0
+            if HAS_Q:
+                q_x = tl.load(q_ptr + q_off + xs)
+                w_x = tl.maximum(e_x - coef * q_x, 0.0)
+            else:
+                q_x = e_x * 0.0 + 1.0
+                w_x = tl.where(dup, 0.0, e_x)
+            w_x = tl.where(in_range, w_x, 0.0)
+            p_x = w_x / mass
+            if (p_x > 0.0) & ((q_x <= 0.0) | (u <= p_x / q_x)):
+                next_node = c
+                searching = 0
+            else:
+                num_rejected += 1
+                if dup == 0:
+                    excl = tl.where(nidx == num_excl, x, excl)
+                    num_excl += 1
+                has_next = tl.min(tl.where((nidx > c) & (nidx < n) & (par == node), nidx, BLOCK_N),
+                                  axis=0) < BLOCK_N
+                if has_next:
+                    if HAS_Q:
+                        coef = coef + mass
+                        mass = _residual_mass(logits_ptr, q_ptr, row_off, q_off, V, inv_t, m, coef, BLOCK_V)
+                        if mass <= 0.0:
+                            coef = 0.0
+                            mass = z
+                    else:
+                        mass = mass - w_x
+                        if mass <= 0.0:
+                            excl = tl.full([BLOCK_N], -1, tl.int64)
+                            num_excl = 0
+                            mass = z
+                prev = c
+    return next_node, excl, coef, mass, num_rejected
+
+
+@triton.jit
+def _sampled_walk(b, row0, q_row0, walk, n, par, tok, nidx, logits_ptr, q_ptr, pmax_ptr, psum_ptr, seed, offset,
+                  inv_t, N, V, T, tidx, tmask,
+                  HAS_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Sampled request (when walk): accept children by rejection sampling until a node
+    accepts none. Returns (path, its length, the excluded tokens and the race spec: node,
+    max, coefficient of q, from which the last token is drawn)."""
+    path = tl.full([BLOCK_N], -1, tl.int32)
+    excl = tl.full([BLOCK_N], -1, tl.int64)
+    depth = 0
+    node = 0
+    spec_node = b * 0 - 1
+    spec_max = 0.0
+    spec_coef = 0.0
+    done = (walk == 0).to(tl.int32)
+    while done == 0:
+        m, z = _row_max_and_sum(pmax_ptr, psum_ptr, (b * N + node) * T, tidx, tmask)
+        next_node, excl, coef, mass, num_rejected = _sampled_step(
+            row0, q_row0, node, n, par, tok, nidx, logits_ptr, q_ptr, seed, offset, inv_t, m, z, V,
+            HAS_Q, BLOCK_N, BLOCK_V)
+        if next_node >= 0:
+            path = tl.where(nidx == depth, next_node, path)
+            depth += 1
+            node = next_node
+        else:
+            spec_node = node + b * 0
+            spec_max = m
+            if HAS_Q:
+                spec_coef = tl.where(num_rejected > 0, coef + mass, 0.0)
+            done = 1
+    return path, depth, excl, spec_node, spec_max, spec_coef
 
 
 @triton.jit
@@ -104,97 +248,15 @@ def _walk_kernel(parents_ptr, tokens_ptr, num_nodes_ptr, logits_ptr, q_ptr, row0
         bad = tl.maximum(bad, tl.max(pb, axis=0))
         bad = tl.maximum(bad, (tl.max(pm, axis=0) == float("-inf")).to(tl.int32))
 
-    path = tl.full([BLOCK_N], -1, tl.int32)
-    excl = tl.full([BLOCK_N], -1, tl.int64)
-    depth = 0
-    node = 0
-    final = -1
-    spec_node = b * 0 - 1
-    spec_max = 0.0
-    spec_coef = 0.0
-    done = ((bad != 0) | (n == 0)).to(tl.int32)
-    while done == 0:
-        base = (b * N + node) * T
-        pm = tl.load(pmax_ptr + base + tidx, mask=tmask, other=float("-inf"))
-        ps = tl.load(psum_ptr + base + tidx, mask=tmask, other=0.0)
-        pa = tl.load(parg_ptr + base + tidx, mask=tmask, other=2147483647)
-        m = tl.max(pm, axis=0)
-        z = tl.sum(tl.where(pm > float("-inf"), ps * tl.exp(pm - m), 0.0), axis=0)
-        row_off = (row0 + node) * V
-        q_off = (q_row0 + node) * V
-        next_node = -1
-        if sampled:
-            # Residual p' = w / mass: i.i.d. drafts w = max(e - coef q, 0), deterministic
-            # drafts w = e with the rejected tokens (excl[:num_excl]) zeroed.
-            coef = 0.0
-            mass = z
-            excl = tl.full([BLOCK_N], -1, tl.int64)
-            num_excl = 0
-            num_rejected = 0
-            prev = node
-            searching = 1
-            while searching == 1:
-                c = tl.min(tl.where((nidx > prev) & (nidx < n) & (par == node), nidx, BLOCK_N), axis=0)
-                if c >= BLOCK_N:
-                    searching = 0
-                else:
-                    x = tl.sum(tl.where(nidx == c, tok, 0), axis=0)
-                    in_range = (x >= 0) & (x < V)
-                    xs = tl.where(in_range, x, 0)
-                    e_x = tl.exp(tl.load(logits_ptr + row_off + xs).to(tl.float32) * inv_t - m)
-                    u = philox_uniform(seed, offset + c, 0, c * 0)
-                    dup = tl.sum(((excl == x) & (nidx < num_excl)).to(tl.int32), axis=0) > 0
-                    if HAS_Q:
-                        q_x = tl.load(q_ptr + q_off + xs)
-                        w_x = tl.maximum(e_x - coef * q_x, 0.0)
-                    else:
-                        q_x = e_x * 0.0 + 1.0
-                        w_x = tl.where(dup, 0.0, e_x)
-                    w_x = tl.where(in_range, w_x, 0.0)
-                    p_x = w_x / mass
-                    if (p_x > 0.0) & ((q_x <= 0.0) | (u <= p_x / q_x)):
-                        next_node = c
-                        searching = 0
-                    else:
-                        num_rejected += 1
-                        if dup == 0:
-                            excl = tl.where(nidx == num_excl, x, excl)
-                            num_excl += 1
-                        has_next = tl.min(tl.where((nidx > c) & (nidx < n) & (par == node), nidx, BLOCK_N),
-                                          axis=0) < BLOCK_N
-                        if has_next:
-                            if HAS_Q:
-                                coef = coef + mass
-                                mass = _residual_mass(logits_ptr, q_ptr, row_off, q_off, V, inv_t, m, coef, BLOCK_V)
-                                if mass <= 0.0:
-                                    coef = 0.0
-                                    mass = z
-                            else:
-                                mass = mass - w_x
-                                if mass <= 0.0:
-                                    excl = tl.full([BLOCK_N], -1, tl.int64)
-                                    num_excl = 0
-                                    mass = z
-                        prev = c
-            if next_node < 0:
-                spec_node = node + b * 0
-                spec_max = m
-                if HAS_Q:
-                    spec_coef = tl.where(num_rejected > 0, coef + mass, 0.0)
-        else:
-            amax = tl.min(tl.where(pm == m, pa, 2147483647), axis=0)
-            cond = (nidx > node) & (nidx < n) & (par == node) & (tok == amax)
-            c = tl.min(tl.where(cond, nidx, BLOCK_N), axis=0)
-            if c < BLOCK_N:
-                next_node = c
-            else:
-                final = amax.to(tl.int32)
-        if next_node >= 0:
-            path = tl.where(nidx == depth, next_node, path)
-            depth += 1
-            node = next_node
-        else:
-            done = 1
+    # One of the two walks runs (the other returns its initial values at once).
+    walk = (bad == 0) & (n > 0)
+    g_path, g_depth, final = _greedy_walk(b, walk & (sampled == 0), n, par, tok, nidx, pmax_ptr, parg_ptr, N, T,
+                                          tidx, tmask, BLOCK_N)
+    s_path, s_depth, excl, spec_node, spec_max, spec_coef = _sampled_walk(
+        b, row0, q_row0, walk & sampled, n, par, tok, nidx, logits_ptr, q_ptr, pmax_ptr, psum_ptr, seed, offset,
+        inv_t, N, V, T, tidx, tmask, HAS_Q, BLOCK_N, BLOCK_V)
+    path = tl.where(sampled, s_path, g_path)
+    depth = tl.where(sampled, s_depth, g_depth)
 
     tl.store(path_ptr + b * N + nidx, path, mask=nidx < N)
     tl.store(num_acc_ptr + b, tl.where(bad != 0, -1, depth))
@@ -222,7 +284,8 @@ def _race_kernel(logits_ptr, q_ptr, row0_ptr, q_row0_ptr, temp_ptr, seed_ptr, of
         m = tl.load(spec_max_ptr + b)
         idx = tile * BLOCK + tl.arange(0, BLOCK)
         mask = idx < V
-        x = tl.load(logits_ptr + (tl.load(row0_ptr + b) + node) * V + idx, mask=mask, other=float("-inf")).to(tl.float32)
+        x = tl.load(logits_ptr + (tl.load(row0_ptr + b) + node) * V + idx, mask=mask,
+                    other=float("-inf")).to(tl.float32)
         e = tl.where(mask, tl.exp(x * inv_t - m), 0.0)
         w = e
         if HAS_Q:
@@ -238,16 +301,16 @@ def _race_kernel(logits_ptr, q_ptr, row0_ptr, q_row0_ptr, temp_ptr, seed_ptr, of
                 w = tl.where(idx == t, 0.0, w)
         seed = tl.load(seed_ptr + b)
         offset = tl.load(offset_ptr + b)
-        u = philox_uniform(seed, offset + node, 1, idx)
+        u = philox_uniform(seed, offset + node, PURPOSE_SAMPLE, idx)
         # 0 - log(u): u = 1 gives +0 and a positive weight wins with +inf.
         ex = 0.0 - tl.log(u)
         score = tl.where(w > 0.0, w / ex, -1.0)
         fscore = tl.where(e > 0.0, e / ex, -1.0)
         best_score = tl.max(score, axis=0)
-        best_idx = tl.min(tl.where(score == best_score, idx, 2147483647), axis=0)
+        best_idx = tl.min(tl.where(score == best_score, idx, NO_INDEX), axis=0)
         best_idx = tl.where(best_score > -1.0, best_idx, -1)
         fb_score = tl.max(fscore, axis=0)
-        fb_idx = tl.min(tl.where(fscore == fb_score, idx, 2147483647), axis=0)
+        fb_idx = tl.min(tl.where(fscore == fb_score, idx, NO_INDEX), axis=0)
         fb_idx = tl.where(fb_score > -1.0, fb_idx, -1)
     tl.store(pscore_ptr + b * T + tile, best_score)
     tl.store(pidx_ptr + b * T + tile, best_idx)
@@ -267,9 +330,9 @@ def _race_reduce_kernel(spec_node_ptr, pscore_ptr, pidx_ptr, fscore_ptr, fidx_pt
         fs = tl.load(fscore_ptr + b * T + tidx, mask=tmask, other=-1.0)
         fi = tl.load(fidx_ptr + b * T + tidx, mask=tmask, other=-1)
         best = tl.max(s, axis=0)
-        winner = tl.min(tl.where((s == best) & (i >= 0), i, 2147483647), axis=0)
+        winner = tl.min(tl.where((s == best) & (i >= 0), i, NO_INDEX), axis=0)
         fbest = tl.max(fs, axis=0)
-        fwinner = tl.min(tl.where((fs == fbest) & (fi >= 0), fi, 2147483647), axis=0)
+        fwinner = tl.min(tl.where((fs == fbest) & (fi >= 0), fi, NO_INDEX), axis=0)
         # Residual without mass (only through rounding): draw from p instead.
         tl.store(final_ptr + b, tl.where(best > -1.0, winner, fwinner))
 
@@ -342,10 +405,9 @@ def _write_outputs(path, num_acc, final, node_tokens, output_token_ids, accepted
 def chain_rejection_sample(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed, offset,
                            output_token_ids, num_accepted):
     """Triton launcher of ``specdec::chain_rejection_sample`` (the chain as the tree [-1, 0, 1, ...])."""
-    # Checked here too: through torch.ops on a CUDA tensor no wrapper has checked the
-    # shapes the kernels index with.
-    check_chain_rejection_args(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed,
-                               offset, output_token_ids, num_accepted)
+    # The op's check runs here (specdec_kernels.checks): torch.ops on CUDA reaches this launcher directly.
+    check_chain_rejection_sample(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed,
+                                 offset, output_token_ids, num_accepted)
     batch, max_drafts = draft_token_ids.shape
     device = draft_token_ids.device
     parents = torch.arange(-1, max_drafts, dtype=torch.int32, device=device).unsqueeze(0).expand(batch, -1)
@@ -363,8 +425,8 @@ def chain_rejection_sample_flat(draft_token_ids, cu_num_draft_tokens, target_log
     """Triton launcher of ``specdec::chain_rejection_sample_flat``: the chain kernels with each
     request's rows where the flattened layout puts them (only [B, K+1] index tensors are
     built, the logits are not copied)."""
-    check_chain_flat_rejection_args(draft_token_ids, cu_num_draft_tokens, target_logits, draft_probs, temperature,
-                                    seed, offset, output_token_ids, num_accepted)
+    check_chain_rejection_sample_flat(draft_token_ids, cu_num_draft_tokens, target_logits, draft_probs, temperature,
+                                      seed, offset, output_token_ids, num_accepted)
     batch, width = output_token_ids.shape
     max_drafts = width - 1
     num_tokens = draft_token_ids.shape[0]
@@ -392,8 +454,8 @@ def chain_rejection_sample_flat(draft_token_ids, cu_num_draft_tokens, target_log
 def tree_rejection_sample(parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature, seed, offset,
                           accepted_nodes, output_token_ids, num_accepted):
     """Triton launcher of ``specdec::tree_rejection_sample`` (arguments checked as for chains)."""
-    check_tree_rejection_args(parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature, seed,
-                              offset, accepted_nodes, output_token_ids, num_accepted)
+    check_tree_rejection_sample(parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature, seed,
+                                offset, accepted_nodes, output_token_ids, num_accepted)
     batch, n_max = parents.shape
     rows = torch.arange(batch, dtype=torch.int64, device=parents.device) * n_max
     path, num_acc, final = _sample_tree(parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature,
@@ -407,18 +469,51 @@ def tree_rejection_sample(parents, tree_token_ids, num_nodes, target_logits, dra
 # ---------------------------------------------------------------------------------------
 
 
+# The bits of an fp32 read as int32 order non-negative floats; flipping the magnitude bits
+# of the negative ones orders all of them (the "key" of a float).
+MAGNITUDE_BITS = tl.constexpr(0x7FFFFFFF)
+
+
 @triton.jit
 def _key_to_float(key):
     """Inverse of the order-preserving map float bits -> int (keys as int64 in int32 range)."""
     k32 = key.to(tl.int32)
-    bits = tl.where(k32 >= 0, k32, k32 ^ 0x7FFFFFFF)
+    bits = tl.where(k32 >= 0, k32, k32 ^ MAGNITUDE_BITS)
     return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _float_to_key(x):
     bits = x.to(tl.int32, bitcast=True)
-    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+    return tl.where(bits >= 0, bits, bits ^ MAGNITUDE_BITS).to(tl.int64)
+
+
+@triton.jit
+def _bisect_keys(base, V, lo, hi, bound, threshold, m, TOP_P: tl.constexpr, BLOCK: tl.constexpr):
+    """Bisection over the float keys in (lo, hi), one pass over the row base[0..V) per step,
+    on a statistic S(t) of the row that does not increase with t: top-k (not TOP_P), the
+    count of entries >= t; top-p, the mass sum exp(x - m) of the entries x > t that are
+    >= threshold. Returns (lo, hi = lo + 1) with S(key lo) >= bound > S(key hi), given
+    that this holds for the lo and hi passed in."""
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        t = _key_to_float(mid)
+        if TOP_P:
+            acc = tl.zeros([BLOCK], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK], tl.int32)
+        for v0 in range(0, V, BLOCK):
+            idx = v0 + tl.arange(0, BLOCK)
+            x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+            if TOP_P:
+                acc += tl.where((x > t) & (x >= threshold), tl.exp(x - m), 0.0)
+            else:
+                acc += ((x >= t) & (idx < V)).to(tl.int32)
+        if tl.sum(acc, axis=0) < bound:
+            hi = mid
+        else:
+            lo = mid
+    return lo, hi
 
 
 @triton.jit
@@ -446,20 +541,8 @@ def _top_k_top_p_kernel(logits_ptr, top_k_ptr, top_p_ptr, min_p_ptr, V, BLOCK: t
             threshold = tl.zeros_like(m) - float("inf")
             if use_k:
                 # Largest key x with count(l >= x) >= k: the k-th largest value.
-                lo = _float_to_key(threshold)
-                hi = _float_to_key(m) + 1
-                while hi - lo > 1:
-                    mid = lo + (hi - lo) // 2
-                    t = _key_to_float(mid)
-                    cnt = tl.zeros([BLOCK], tl.int32)
-                    for v0 in range(0, V, BLOCK):
-                        idx = v0 + tl.arange(0, BLOCK)
-                        x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-                        cnt += ((x >= t) & (idx < V)).to(tl.int32)
-                    if tl.sum(cnt, axis=0) >= k:
-                        lo = mid
-                    else:
-                        hi = mid
+                lo, hi = _bisect_keys(base, V, _float_to_key(threshold), _float_to_key(m) + 1, k, threshold, m,
+                                      False, BLOCK)
                 threshold = _key_to_float(lo)
             if use_p:
                 zvec = tl.zeros([BLOCK], tl.float32)
@@ -470,21 +553,9 @@ def _top_k_top_p_kernel(logits_ptr, top_k_ptr, top_p_ptr, min_p_ptr, V, BLOCK: t
                 target = p * tl.sum(zvec, axis=0)
                 # Smallest key x with S(x) = mass of survivors strictly above x < target;
                 # the largest value is always kept.
-                lo2 = _float_to_key(threshold) - 1
-                hi2 = _float_to_key(m)
-                while hi2 - lo2 > 1:
-                    mid2 = lo2 + (hi2 - lo2) // 2
-                    t2 = _key_to_float(mid2)
-                    svec = tl.zeros([BLOCK], tl.float32)
-                    for v0 in range(0, V, BLOCK):
-                        idx = v0 + tl.arange(0, BLOCK)
-                        x = tl.load(base + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-                        svec += tl.where((x > t2) & (x >= threshold), tl.exp(x - m), 0.0)
-                    if tl.sum(svec, axis=0) < target:
-                        hi2 = mid2
-                    else:
-                        lo2 = mid2
-                threshold = tl.maximum(threshold, _key_to_float(hi2))
+                lo, hi = _bisect_keys(base, V, _float_to_key(threshold) - 1, _float_to_key(m), target, threshold, m,
+                                      True, BLOCK)
+                threshold = tl.maximum(threshold, _key_to_float(hi))
             for v0 in range(0, V, BLOCK):
                 idx = v0 + tl.arange(0, BLOCK)
                 mask = idx < V
@@ -498,16 +569,8 @@ def _top_k_top_p_kernel(logits_ptr, top_k_ptr, top_p_ptr, min_p_ptr, V, BLOCK: t
 
 def apply_top_k_top_p(logits, top_k, top_p, min_p):
     """Triton launcher of ``specdec::apply_top_k_top_p`` (in place on logits [R, V])."""
-    # Checked here too (through torch.ops on a CUDA tensor no wrapper has): the kernel
-    # indexes row r at r * V and reads one parameter per row.
-    if logits.dim() != 2 or not logits.is_contiguous():
-        raise ValueError(f"logits must be a contiguous [R, V] tensor, got shape {list(logits.shape)} "
-                         f"(contiguous: {logits.is_contiguous()})")
-    for t, name, dtype in ((top_k, "top_k", torch.int32), (top_p, "top_p", torch.float32),
-                           (min_p, "min_p", torch.float32)):
-        if t is not None and (t.dtype != dtype or tuple(t.shape) != (logits.shape[0],)):
-            raise ValueError(f"{name} must be a {dtype} tensor of shape [{logits.shape[0]}], got {t.dtype} "
-                             f"{list(t.shape)}")
+    # The op's check (the kernel indexes row r at r * V and reads one parameter per row).
+    check_apply_top_k_top_p(logits, top_k, top_p, min_p)
     rows, vocab = logits.shape
     if rows == 0:
         return

@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..checks import check_tree_attention
+
 
 # The token-count-dependent arguments (T, num_q_tiles) are runtime values and not
 # specialised (Triton would otherwise compile a variant for T == 1 and for T % 16 == 0):
@@ -193,12 +195,10 @@ def tree_attention(q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tre
     ``num_splits``/``block_n`` override the heuristics (tests use them to exercise the
     merge with several splits).
     """
-    from ..ops import _check_tree_attention
-
-    # The wrapper's shape/layout checks, also here: through torch.ops on a CUDA tensor this
+    # The op's check (specdec_kernels.checks): through torch.ops on a CUDA tensor this
     # launcher is the kernel, and it indexes with the strides and shapes it assumes (a
     # non-contiguous lse or tree_mask, a mis-shaped out would be read or written past).
-    _check_tree_attention(q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tree_mask, out, lse)
+    check_tree_attention(q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tree_mask, out, lse)
     T, Hq, D = q.shape
     num_blocks, block_size, Hkv, _ = k_cache.shape
     B, max_blocks = block_table.shape

@@ -23,14 +23,15 @@ from __future__ import annotations
 import numpy as np
 
 from ...decoding import NgramTreeDrafter
-from . import check_vllm_version
+from .compat import check_vllm_version
 
 
 def trie_chain(trie: NgramTreeDrafter, tokens, k: int, min_prob: float) -> list[int]:
     """The most probable path of ``trie``'s multi-match trie for ``tokens`` (a sequence of
     ints): from the root, the most probable child (ties: the earlier node) while its
     estimated acceptance probability is >= ``min_prob``, at most ``k`` tokens."""
-    tok, par, _, ranked = trie.candidates(tokens, k)
+    cand = trie.candidates(tokens, k)
+    tok, par, ranked = cand.tokens, cand.parents, cand.ranked
     prob = {node: p for p, node in ranked}
     best_child: dict[int, int] = {}
     for node in range(1, len(tok)):

@@ -1,8 +1,9 @@
 """Train Medusa heads for a model of the package by self-distillation (no download).
 
-    specdec train-medusa --model smollm2-135m --out specdec_kernels/data/medusa_smollm2_135m.safetensors
+    specdec train-medusa --model smollm2-135m    (a new file in ~/.cache/specdec_kernels/medusa)
+    specdec train-medusa --model smollm2-135m --out specdec_kernels/data/medusa_smollm2_135m.safetensors --overwrite
 
-1. **Data.** :func:`~specdec_kernels.medusa_prompts.synthetic_prompts` builds instruction
+1. **Data.** :func:`~specdec_kernels.training.medusa_prompts.synthetic_prompts` builds instruction
    prompts from templates (never the benchmark's prompts); the chat template is applied and
    the model answers them greedily with the package's own decode loop at a large batch
    (:func:`collect_self_distillation`). For every emitted token o_i we keep the hidden
@@ -13,10 +14,12 @@
    token, the root at decode time); head k (0-based) must predict o_{i+k+1}, the token k+1
    steps after the root — the model's own greedy continuation, which greedy verification
    accepts. (In the base model's position terms: the hidden state at position t, whose LM
-   head predicts token t+1, gives head k the target token t+k+2, as in ``medusa_loss``.)
+   head predicts token t+1, gives head k the target token t+k+2, as in
+   :func:`~specdec_kernels.training.medusa_loss.sequence_targets`.)
    Positions past the end of a sequence are ignored (-1).
 3. **Training** (:func:`train_heads`). ``MedusaHeads`` with L ResBlocks per head and the
-   model's LM head shared (frozen), loss sum_k 0.8^k CE_k. The softmax is taken over the
+   model's LM head shared (frozen), loss sum_k 0.8^k CE_k (``medusa_loss``, one ``train_step``
+   per batch). The softmax is taken over the
    tokens that occur in the data (every target is one of them) rather than the full
    vocabulary: the frozen LM head dominates the cost and on one CPU thread the full 49k-row
    softmax would be ~5x slower. Held-out accuracy is measured with the full vocabulary
@@ -35,11 +38,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from .medusa import MedusaHeads, save_medusa_heads
+from .._platform import user_cache_dir
+from ..medusa import MedusaHeads, save_medusa_heads
+from .medusa_loss import medusa_targets, train_step
 
-DEFAULT_CACHE = ".cache/medusa"
 
 
 # ---------------------------------------------------------------------------------------
@@ -58,8 +61,8 @@ def collect_self_distillation(model, prompts: list[list[int]], *, max_new_tokens
     """
     from tqdm import tqdm
 
-    from .decoding import Generator
-    from .models.llama import rms_norm
+    from ..decoding import Generator
+    from ..models.llama import rms_norm
 
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     hidden_of: dict[int, list] = {}
@@ -168,21 +171,6 @@ def concat_data(shards: list[dict]) -> dict:
             "seq_start": torch.cat(starts)}
 
 
-def medusa_targets(tokens: torch.Tensor, seq_start: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """int64 [N, num_heads]: head k's target for row i is tokens[i + k + 1] when that row is
-    in the same sequence, else -1 (ignored). Row i's hidden state produced tokens[i]."""
-    N = tokens.shape[0]
-    seq_id = torch.repeat_interleave(torch.arange(seq_start.shape[0] - 1), seq_start.diff())
-    out = torch.full((N, num_heads), -1, dtype=torch.int64)
-    for k in range(num_heads):
-        shift = k + 1
-        if shift >= N:
-            break
-        same = seq_id[shift:] == seq_id[:-shift]
-        out[:-shift, k] = torch.where(same, tokens[shift:], torch.full_like(tokens[shift:], -1))
-    return out
-
-
 def split_sequences(seq_start: torch.Tensor, held_out: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(train rows, held-out rows) int64, whole sequences to one side."""
     S = seq_start.shape[0] - 1
@@ -201,11 +189,6 @@ def split_sequences(seq_start: torch.Tensor, held_out: float, seed: int) -> tupl
 # ---------------------------------------------------------------------------------------
 # Training.
 # ---------------------------------------------------------------------------------------
-
-
-def _resblocks(heads: MedusaHeads, hidden: torch.Tensor, root_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """[M, H] -> [M, K, H]: each head's ResBlocks (before the shared LM head)."""
-    return torch.stack(heads.head_states(hidden, root_ids), dim=1)
 
 
 @torch.no_grad()
@@ -267,7 +250,6 @@ def train_heads(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.Tens
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, total - warmup))))
     g = torch.Generator().manual_seed(seed)
-    weights = torch.tensor([decay ** k for k in range(K)])
     bar = tqdm(total=total, desc="train heads", unit="step", disable=not progress)
     heads.train()
     best = None
@@ -276,25 +258,16 @@ def train_heads(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.Tens
         run_loss, run_acc, n_seen = torch.zeros(K), torch.zeros(K), 0
         for s in range(0, N, batch_size):
             idx = perm[s: s + batch_size]
-            x = hidden[idx].float()
             t = sub_targets[idx]  # [M, K]
-            z = _resblocks(heads, x, None if root_ids is None else root_ids[idx])  # [M, K, H]
-            logits = z @ w_sub.T  # [M, K, Vs]
-            losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), t.reshape(-1), ignore_index=-100,
-                                     reduction="none").view(t.shape)
-            valid = (t >= 0).float()
-            per_head = (losses * valid).sum(0) / valid.sum(0).clamp(min=1)
-            loss = (per_head * weights).sum()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            step = train_step(heads, hidden[idx].float(), t, opt, decay=decay, lm_head=w_sub,
+                              root_ids=None if root_ids is None else root_ids[idx])  # logits [M, K, Vs]
             sched.step()
-            with torch.no_grad():
-                run_loss += per_head.detach() * idx.shape[0]
-                run_acc += ((logits.argmax(-1) == t).float() * valid).sum(0) / valid.sum(0).clamp(min=1) * idx.shape[0]
-                n_seen += idx.shape[0]
+            valid = (t >= 0).float()
+            run_loss += step["head_losses"] * idx.shape[0]
+            run_acc += ((step["logits"].argmax(-1) == t).float() * valid).sum(0) / valid.sum(0).clamp(min=1) * idx.shape[0]
+            n_seen += idx.shape[0]
             bar.update(1)
-            bar.set_postfix(epoch=epoch, loss=f"{float(loss.detach()):.3f}")
+            bar.set_postfix(epoch=epoch, loss=f"{step['loss']:.3f}")
         msg = (f"epoch {epoch}: train loss per head {[round(v, 3) for v in (run_loss / n_seen).tolist()]}, "
                f"top-1 (data vocab) {[round(v, 3) for v in (run_acc / n_seen).tolist()]}")
         if validation is not None:
@@ -395,47 +368,65 @@ def draft_vocabulary(targets: torch.Tensor, vocab_size: int, size: int) -> torch
     return torch.cat([seen, fill])
 
 
+def output_path(out: str | None, model: str, *, overwrite: bool) -> Path | str:
+    """Where the trained heads go: ``out`` if it is new or ``overwrite`` is set, else a new
+    file in the per-user cache; an "error: ..." line when ``out`` exists without ``overwrite``
+    (the package's shipped heads are replaced only when named explicitly with ``--overwrite``)."""
+    if out is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        return user_cache_dir() / "medusa" / f"medusa_{Path(model).stem}_{stamp}_{os.getpid()}.safetensors"
+    if Path(out).exists() and not overwrite:
+        return f"error: {out} exists: pass --overwrite to replace it, or name a new file with --out"
+    return Path(out)
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="specdec train-medusa", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--out", default=None, help="output .safetensors (default: the package's file for the model)")
-    p.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where the generated data is cached")
-    p.add_argument("--num-prompts", type=int, default=512)
-    p.add_argument("--max-new-tokens", type=int, default=160)
-    p.add_argument("--gen-batch-size", type=int, default=64)
-    p.add_argument("--num-heads", type=int, default=4)
-    p.add_argument("--num-layers", type=int, default=1)
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p = argparse.ArgumentParser(prog="specdec train-medusa", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m", help="registered name, .gguf file or HF checkpoint folder")
+    p.add_argument("--out", default=None,
+                   help="output .safetensors; None: a new file in the per-user cache "
+                        f"({user_cache_dir() / 'medusa'}). An existing file, such as the heads the package "
+                        "ships, is replaced only with --overwrite")
+    p.add_argument("--overwrite", action="store_true", help="allow --out to replace an existing file")
+    p.add_argument("--cache-dir", default=str(user_cache_dir() / "medusa"), help="where the generated data is cached")
+    p.add_argument("--num-prompts", type=int, default=512, help="synthetic prompts the model answers for the training data")
+    p.add_argument("--max-new-tokens", type=int, default=160, help="tokens generated per training prompt")
+    p.add_argument("--gen-batch-size", type=int, default=64, help="prompts answered at once while generating the data")
+    p.add_argument("--num-heads", type=int, default=4, help="Medusa heads (head k predicts the token k+1 ahead)")
+    p.add_argument("--num-layers", type=int, default=1, help="ResBlocks per head")
+    p.add_argument("--epochs", type=int, default=2, help="passes over the training rows")
+    p.add_argument("--batch-size", type=int, default=128, help="training rows per optimiser step")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (cosine schedule)")
     p.add_argument("--held-out", type=float, default=0.08, help="fraction of sequences held out")
     p.add_argument("--eval-rows", type=int, default=4000, help="rows scored for the full-vocabulary accuracies")
     p.add_argument("--draft-vocab-size", type=int, default=4096,
                    help="tokens the heads draft from (0 = the whole vocabulary), see MedusaHeads.set_draft_vocab")
-    p.add_argument("--max-tree-nodes", type=int, default=32)
+    p.add_argument("--max-tree-nodes", type=int, default=32, help="largest draft tree considered")
     p.add_argument("--tree-nodes", type=int, default=0, help="force the tree size (default: best predicted)")
     p.add_argument("--cost-per-node", type=float, default=0.09,
                    help="verification cost of one more tree node, relative to an autoregressive step")
     p.add_argument("--draft-cost", type=float, default=0.07, help="the heads' cost relative to an autoregressive step")
     p.add_argument("--root-conditioned", type=int, default=1,
                    help="1: the heads also see the root token's embedding (MedusaHeads.head_input); 0: plain Medusa")
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     p.add_argument("--early-stop", type=int, default=1, help="1: keep the epoch with the best validation accuracy")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0, help="seed of prompts, split, initialisation and shuffling")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--regenerate", action="store_true", help="regenerate the data even if cached")
     p.add_argument("--data-only", action="store_true", help="generate (and cache) the data, do not train")
     args = p.parse_args(argv)
-
-    from .medusa import default_medusa_checkpoint
-    from .models import load_model
+    out = output_path(args.out, args.model, overwrite=args.overwrite)
+    if isinstance(out, str) and out.startswith("error: "):
+        print(f"specdec train-medusa: {out}", file=sys.stderr)
+        return 2
+    from ..models import load_model
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    model, tok = load_model(args.model)
-    out = args.out or default_medusa_checkpoint(args.model, must_exist=False)
-    if out is None:
-        p.error(f"no default output file for {args.model!r}: pass --out")
+    # fp32 weights: the trainer reads the LM head and embedding as dense tensors (and the shipped
+    # heads were trained on the fp32 model's hidden states).
+    model, tok = load_model(args.model, weights="fp32")
     t0 = time.perf_counter()
     data = load_or_generate(model, tok, args.num_prompts, max_new_tokens=args.max_new_tokens,
                             batch_size=args.gen_batch_size, seed=args.seed,
@@ -487,7 +478,8 @@ def main(argv=None) -> int:
               f"{row['predicted_speedup']:.3f}x{mark}")
     choices = [list(c) for c, _ in scored[:n]]
     print(f"medusa choices ({n} nodes): {choices}")
-    save_medusa_heads(heads, out, dtype=torch.bfloat16,
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_medusa_heads(heads, str(out), dtype=torch.bfloat16,
                       metadata={"model": args.model, "num_prompts": str(args.num_prompts),
                                 "max_new_tokens": str(args.max_new_tokens), "epochs": str(args.epochs),
                                 "lr": str(args.lr), "seed": str(args.seed), "train_tokens": str(int(train_rows.numel())),

@@ -1,0 +1,56 @@
+"""What this machine offers the package: the CPU features the compiled kernels need, and
+whether Triton is installed. (Kept out of ``specdec_kernels/__init__.py`` so that the
+package's namespace holds only its API.)"""
+import importlib.util
+import os
+import platform
+
+# setup.py compiles the x86-64 extension with AVX2, FMA and F16C.
+REQUIRED_X86_FEATURES = ("avx2", "fma", "f16c")
+
+
+def missing_cpu_features(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
+    """The x86-64 features the compiled kernels use that this CPU lacks ([] elsewhere)."""
+    if platform.machine() != "x86_64" or not os.path.exists(cpuinfo):
+        return []
+    with open(cpuinfo) as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                return [feat for feat in REQUIRED_X86_FEATURES if feat not in flags]
+    return []
+
+
+def check_cpu_features() -> None:
+    """Raise ImportError if the CPU lacks a feature the kernels use: without it a kernel
+    would die with SIGILL mid-run."""
+    missing = missing_cpu_features()
+    if missing:
+        raise ImportError(f"specdec_kernels' C++ kernels are compiled for x86-64 CPUs with "
+                          f"{', '.join(REQUIRED_X86_FEATURES)}; this CPU lacks {', '.join(missing)}")
+
+
+def has_triton() -> bool:
+    """Triton is optional: CPU-only installs work without it. (The probe must not import
+    it: importing triton reads TRITON_INTERPRET, which the tests set first.)"""
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_kernels_usable() -> bool:
+    """Whether importing the package should load the Triton kernels: when a CUDA device is
+    there to run them, or under ``TRITON_INTERPRET=1`` (they then run on CPU tensors, as in
+    the tests). Elsewhere importing triton would only cost startup time (~1 s), so a CPU-only
+    process skips it; ``import specdec_kernels.triton`` still loads them on demand."""
+    import torch
+
+    return os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
+
+
+def user_cache_dir() -> "Path":
+    """Where ``specdec`` commands write what nobody asked to keep elsewhere (benchmark results,
+    trained heads, generated training data): $XDG_CACHE_HOME/specdec_kernels, by default
+    ~/.cache/specdec_kernels. Never inside the package or the working directory, so that no
+    command overwrites a tracked file unless its path is passed explicitly."""
+    from pathlib import Path
+
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specdec_kernels"

@@ -1,0 +1,449 @@
+"""EAGLE drafting with dynamic trees (EAGLE-2) over the trained feature-level draft head.
+
+Per request the drafter keeps the head's own paged KV cache (one layer, ``PagedKVCache``):
+entry t holds the head's K/V for (target feature f_t, token t+1). Each step:
+
+1. **Catch up** — the entries the target's last verification made known (root and accepted
+   nodes: their features ``Request.path_hidden`` and the emitted tokens; after the prefill,
+   the prompt's ``Request.prompt_hidden``) go through the head in one causal
+   ``tree_attention`` pass and are committed. The last one's output ``g`` is the depth-1
+   draft state: its logits rank the root's children.
+2. **Expand** (EAGLE-2) — depth 1: the root's top-k children with their log-probabilities.
+   Depth d > 1: the ``top_k`` candidates of depth d-1 with the highest *cumulative* draft
+   log-probability (the beam) are fed back as (their parent's ``g``, their token); each
+   attends to the committed entries, its ancestors' entries and itself (scratch K/V that is
+   never committed) and yields ``top_k`` children. Expansion stops at the speculation
+   length, ``max_depth``, or when one more depth is not expected to pay for its measured
+   cost (below).
+3. **Select** — the verified tree is the root plus the candidates with the highest cumulative
+   log-probability over all depths (``tree.eagle_tree_from_expansions``: closed under
+   parents). How many: the number of verified rows ``R`` (B roots + kept nodes over the
+   batch) that maximises expected tokens per unit time, ``(B + sum p) / (cost(R) +
+   draft time)``, with p = exp(cumulative log-prob) and ``cost`` the *measured* verification
+   cost curve (``verify_cost``; by default measured once per model at first use,
+   :func:`measure_verify_cost`) and the draft time measured while drafting.
+4. **Verify** — the generator's one ``tree_attention`` forward and ``tree_rejection_sample``.
+
+The draft cache needs no ``compact_kv``: only entries built from the *target's* features
+are committed (step 1); the tree's entries were built from the head's own estimates g and
+are dropped after each step — EAGLE recomputes accepted tokens' entries from the true
+features, which costs one row per accepted token in the next step's catch-up pass, and
+keeps drafts as good as the head was trained for.
+
+Sampling (temperature > 0): children are drawn i.i.d. from the head's q (softmax of the
+draft logits / T) instead of taken as the top-k, every drawn child is kept (a node's
+children never depend on their own values, which keeps the acceptance exact), and the
+draft's q rows go to ``tree_rejection_sample``. Greedy requests use deterministic top-k
+children (exact: greedy verification follows the target's argmax).
+
+``ngram``: a prompt-lookup chain merged into the tree as one more branch (``eagle+ngram``,
+as ``MedusaDrafter`` does).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from ..eagle import EagleHead, eagle_head_for
+from ..kv_cache import PagedKVCache
+from ..models.llama import Batch
+from ..tree import eagle_tree_from_expansions
+from .drafters import Draft, Drafter, MedusaDrafter
+
+_COST_CACHE: dict = {}
+
+
+@torch.inference_mode()
+def measure_verify_cost(model, rows=(1, 2, 4, 8, 12, 16, 24, 32, 48), *, context: int = 128,
+                        repeats: int = 2) -> tuple[float, dict]:
+    """(seconds of a one-row verification forward, {rows: cost relative to one row}) of
+    ``model`` at batch 1 with ``context`` cached tokens, medians of ``repeats`` — measured on
+    this machine, with this thread count, at first use (cached per model and thread count)."""
+    key = (id(model), torch.get_num_threads())
+    if key in _COST_CACHE and _COST_CACHE[key][0] is model:
+        return _COST_CACHE[key][1]
+    cache = model.new_cache(1, context + max(rows) + 1, block_size=64)
+    slot = cache.add_request(0)
+    model.prefill(torch.randint(0, model.config.vocab_size, (context,)), cache, slot)
+    seconds = {}
+    for r in rows:
+        new = cache.append_slots([slot], [r])
+        block_table, prefix = cache.batch_view([slot])
+        parents = torch.arange(-1, r - 1)  # a chain: the mask does not change the cost much
+        batch = Batch(block_table, prefix, new.qo_indptr, new.slot_mapping, None)
+        toks = torch.randint(0, model.config.vocab_size, (r,))
+        pos = torch.arange(context, context + r)
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            model.logits(model.forward(toks, pos, cache, batch))
+            times.append(time.perf_counter() - t0)
+        seconds[r] = sorted(times[1:])[len(times[1:]) // 2]
+        del parents
+    base = seconds[rows[0]]
+    table = {r: max(1.0, s / base) for r, s in seconds.items()}
+    # The curve is non-decreasing in truth; medians on a busy machine are not.
+    run = 1.0
+    for r in sorted(table):
+        run = max(run, table[r])
+        table[r] = run
+    _COST_CACHE[key] = (model, (base, table))
+    return base, table
+
+
+def interpolate(table: dict, rows: int) -> float:
+    """Piecewise-linear cost at ``rows`` from {rows: cost}; linear extrapolation past the end."""
+    ks = sorted(table)
+    if rows <= ks[0]:
+        return table[ks[0]]
+    for a, b in zip(ks, ks[1:]):
+        if rows <= b:
+            return table[a] + (table[b] - table[a]) * (rows - a) / (b - a)
+    a, b = ks[-2], ks[-1]
+    return table[b] + (table[b] - table[a]) / (b - a) * (rows - b)
+
+
+class EagleDrafter(Drafter):
+    """EAGLE-2 dynamic trees from an :class:`~specdec_kernels.eagle.EagleHead` (module
+    docstring). ``head``: default ``eagle_head_for(target)`` (the trained head the package
+    ships for the model). ``top_k``: children per expanded node and beam width.
+    ``max_tree_nodes``: most draft nodes per request (root excluded). ``verify_cost``:
+    {rows: cost relative to a one-row step} or a callable rows -> that, plus ``step_seconds``
+    (a one-row step in seconds, to weigh the draft time); default measured at first use.
+    ``sample_width``: children drawn per expanded node (and beam width) for sampled requests.
+    """
+
+    name = "eagle"
+
+    def __init__(self, target, head: EagleHead | None = None, *, top_k: int = 8, max_depth: int = 8,
+                 max_tree_nodes: int = 48, ngram=None, verify_cost=None, step_seconds: float | None = None,
+                 sample_width: int = 2, name: str | None = None):
+        self.target = target
+        self.head = head if head is not None else eagle_head_for(target)
+        self.top_k, self.max_depth, self.max_tree_nodes = top_k, max_depth, max_tree_nodes
+        self.sample_width = sample_width
+        self.ngram = ngram
+        sampled_nodes = sample_width + sample_width * sample_width * (max_depth - 1)
+        self.max_nodes = max(max_tree_nodes, sampled_nodes) + 1 + (ngram.max_nodes - 1 if ngram is not None else 0)
+        self.name = name or ("eagle+ngram" if ngram is not None else "eagle")
+        self._verify_cost, self._step_seconds = verify_cost, step_seconds
+        self._depth_seconds = None  # measured: moving average of one expansion depth
+        self._gen = torch.Generator()
+        # Drafting statistics: tree sizes and depths, accepted lengths (see ``summary``).
+        self.stats = {"steps": 0, "nodes": 0, "depth_hist": {}, "accepted_hist": {}}
+        self.cost(1)  # measure the verification cost curve now (once per model), not inside a timed run
+
+    # ---- costs ------------------------------------------------------------------------
+    def cost(self, rows: int) -> float:
+        """Verification cost of ``rows`` rows relative to a one-row step."""
+        if self._verify_cost is None:
+            self._step_seconds, self._verify_cost = measure_verify_cost(self.target)
+        vc = self._verify_cost
+        if callable(vc):
+            return float(vc(rows))
+        if not isinstance(vc, dict):
+            vc = {i + 1: float(c) for i, c in enumerate(vc)}
+            self._verify_cost = vc
+        return interpolate(vc, rows)
+
+    def _draft_cost(self, depths: int) -> float:
+        """Relative cost of ``depths`` expansion depths (measured; 0 until measured)."""
+        if self._depth_seconds is None:
+            return 0.0
+        if self._step_seconds is None:
+            self.cost(1)
+            if self._step_seconds is None:
+                self._step_seconds, _ = measure_verify_cost(self.target)
+        return depths * self._depth_seconds / self._step_seconds
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def start(self, gen, reqs):
+        h = self.head
+        self._gen.manual_seed(int(reqs[0].sampling.seed) if reqs else 0)
+        bs = gen.cache.block_size
+        blocks = -(-gen.cache.max_len // bs)
+        self.cache = PagedKVCache(1, h.num_kv_heads, h.head_dim, num_blocks=len(reqs) * blocks, block_size=bs,
+                                  max_batch=len(reqs), max_blocks_per_seq=blocks, dtype=self.target.dtype,
+                                  device=self.target.device)
+        self.slot, self.pending = {}, {}
+        for r in reqs:
+            self.slot[r.rid] = self.cache.add_request(0)
+            # Entry t = (f_t, token t+1) for t < P-1: the prefill computed f_0..f_{P-2}.
+            self.pending[r.rid] = (r.prompt_hidden, list(r.prompt[1:]))
+
+    def verified(self, gen, reqs, num_accepted):
+        for r, n in zip(reqs, num_accepted):
+            self.stats["accepted_hist"][n] = self.stats["accepted_hist"].get(n, 0) + 1
+            if r.done:
+                continue
+            # Entries (f of the root and of each accepted node, the token it produced).
+            self.pending[r.rid] = (r.path_hidden, r.tokens[len(r.tokens) - (n + 1):])
+
+    def finish(self, gen, req):
+        self.cache.free(self.slot.pop(req.rid))
+        self.pending.pop(req.rid, None)
+
+    def summary(self) -> dict:
+        s = self.stats
+        return {"steps": s["steps"], "mean_tree_nodes": s["nodes"] / max(1, s["steps"]),
+                "tree_depth_hist": dict(sorted(s["depth_hist"].items())),
+                "accepted_length_hist": dict(sorted(s["accepted_hist"].items()))}
+
+    # ---- drafting -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def catch_up(self, reqs: list) -> dict:
+        """Step 1: run and commit the pending entries; {b: (g [H], draft log-probs [Vd]) of
+        the last entry}."""
+        head, cache = self.head, self.cache
+        rows = [b for b, r in enumerate(reqs) if self.pending[r.rid][0] is not None and len(self.pending[r.rid][1])]
+        if not rows:
+            return {}
+        feats, toks, counts = [], [], []
+        for b in rows:
+            f, t = self.pending[reqs[b].rid]
+            feats.append(f.to(self.target.dtype))
+            toks.extend(t)
+            counts.append(len(t))
+        slots = [self.slot[reqs[b].rid] for b in rows]
+        starts = [cache.length(s) for s in slots]
+        new = cache.append_slots(slots, counts)
+        block_table, prefix = cache.batch_view(slots)
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts)])
+        x = head.decode_inputs(torch.cat(feats), torch.tensor(toks, dtype=torch.int64))
+        q, k, v = head.decode_qkv(x, positions)
+        cache.write(0, new.slot_mapping, k, v)
+        attn = torch.empty_like(q)
+        torch.ops.specdec.tree_attention(q, cache.k_caches[0], cache.v_caches[0], block_table, prefix,
+                                         new.qo_indptr, None, head.head_dim ** -0.5, attn, None)
+        last = new.qo_indptr[1:].long() - 1
+        g, logp = head.decode_output(x[last], attn.reshape(attn.shape[0], -1)[last])
+        cache.commit(slots, counts)
+        for b in rows:
+            self.pending[reqs[b].rid] = (None, [])
+        return {b: (g[i], logp[i]) for i, b in enumerate(rows)}
+
+    def _committed_kv(self, slots: list):
+        """Committed K/V of each slot, padded: k, v [B, Lmax, Hkv, D] and valid bool [B, Lmax]."""
+        cache, h = self.cache, self.head
+        lens = [cache.length(s) for s in slots]
+        Lmax = max(lens)
+        B = len(slots)
+        k = torch.zeros(B, Lmax, h.num_kv_heads, h.head_dim, dtype=self.target.dtype)
+        v = torch.zeros_like(k)
+        kc = cache.k_caches[0].view(-1, h.num_kv_heads, h.head_dim)
+        vc = cache.v_caches[0].view(-1, h.num_kv_heads, h.head_dim)
+        for i, (s, n) in enumerate(zip(slots, lens)):
+            idx = cache.slot_mapping(s, torch.arange(n))
+            k[i, :n] = kc[idx]
+            v[i, :n] = vc[idx]
+        valid = torch.arange(Lmax)[None, :] < torch.tensor(lens)[:, None]
+        return k, v, valid, torch.tensor(lens)
+
+    def _children(self, logp: torch.Tensor, sampled: torch.Tensor, temps: torch.Tensor, width: int):
+        """logp [B, M, Vd] -> (child draft ids [B, M, width], child log-prob [B, M, width],
+        q [B, M, Vd] or None): top-``width`` for greedy rows, i.i.d. draws from
+        softmax(logits / T) for sampled rows (their scores are log q)."""
+        ids = logp.topk(width, dim=-1)
+        cid, clp = ids.indices, ids.values
+        q = None
+        if bool(sampled.any()):
+            B, M, Vd = logp.shape
+            q = (logp / temps.clamp(min=1e-6)[:, None, None]).softmax(-1)
+            draws = torch.multinomial(q[sampled].reshape(-1, Vd), width, replacement=True,
+                                      generator=self._gen).view(-1, M, width)
+            cid = cid.clone()
+            clp = clp.clone()
+            cid[sampled] = draws
+            clp[sampled] = torch.gather(q[sampled], -1, draws).clamp(min=1e-30).log()
+        return cid, clp, q
+
+    @torch.inference_mode()
+    def propose(self, gen, reqs, lengths):
+        t_start = time.perf_counter()
+        head = self.head
+        drafts = [Draft.root_only(r.tokens[-1]) for r in reqs]
+        roots_g = self.catch_up(reqs)
+        active = [b for b, k in enumerate(lengths) if k > 0 and b in roots_g]
+        if not active:
+            return self._with_ngram(reqs, lengths, drafts)
+        B = len(active)
+        sub = [reqs[b] for b in active]
+        depth_cap = torch.tensor([min(lengths[b], self.max_depth) for b in active])
+        sampled = torch.tensor([r.sampling.temperature > 0 for r in sub])
+        temps = torch.tensor([max(r.sampling.temperature, 0.0) for r in sub], dtype=torch.float32)
+        any_sampled = bool(sampled.any())
+        # Children per expanded node and beam width (a batch with sampled requests uses the
+        # sampled width for all: every drawn child is kept, so it sizes the tree).
+        width = self.sample_width if any_sampled else self.top_k
+        vocab = head.draft_vocab
+
+        # Depth 1: the root's children.
+        g0 = torch.stack([roots_g[b][0] for b in active])  # [B, H]
+        logp0 = torch.stack([roots_g[b][1] for b in active])  # [B, Vd]
+        cid, clp, q0 = self._children(logp0[:, None], sampled, temps, width)
+        scores = [clp[:, 0]]  # [B, C_0]
+        parents = [None]
+        tokens = [vocab[cid[:, 0]]]
+        qs = [q0[:, 0] if q0 is not None else None]  # q of the root, per request
+        cand_g = g0[:, None].expand(B, width, -1)  # the g each candidate's entry is fed with
+        slots = [self.slot[r.rid] for r in sub]
+        ck, cv, cvalid, clen = self._committed_kv(slots)
+        rep = head.num_heads // head.num_kv_heads
+        Hkv, D = head.num_kv_heads, head.head_dim
+        sk = torch.zeros(B, 0, Hkv, D, dtype=ck.dtype)
+        sv = torch.zeros_like(sk)
+        cand_anc = torch.zeros(B, width, 0, dtype=torch.bool)
+        beam_q = []  # per depth: q rows of the beam nodes [B, G, Vd] (sampled requests)
+        beam_idx_all = []
+        t_depth = time.perf_counter()
+        d = 1
+        while d < int(depth_cap.max()):
+            s_prev = scores[-1].masked_fill((depth_cap < d)[:, None], float("-inf"))
+            if not self._worth_another_depth(scores, d):
+                break
+            G = min(width, s_prev.shape[1])
+            beam = s_prev.topk(G, dim=-1).indices  # [B, G], indices into step d-1's candidates
+            bsel = beam[..., None]
+            feat = torch.gather(cand_g, 1, bsel.expand(B, G, cand_g.shape[-1]))
+            tok = torch.gather(tokens[-1], 1, beam)
+            pos = (clen + d - 1)[:, None].expand(B, G).reshape(-1)
+            x = head.decode_inputs(feat.reshape(B * G, -1), tok.reshape(-1))
+            q, k, v = head.decode_qkv(x, pos)
+            anc = torch.gather(cand_anc, 1, bsel.expand(B, G, cand_anc.shape[-1]))
+            sk = torch.cat([sk, k.view(B, G, Hkv, D)], 1)
+            sv = torch.cat([sv, v.view(B, G, Hkv, D)], 1)
+            anc = torch.cat([anc, torch.eye(G, dtype=torch.bool)[None].expand(B, G, G)], -1)  # + itself
+            mask = torch.cat([cvalid[:, None].expand(B, G, -1), anc], -1)[:, None]  # [B, 1, G, L+S]
+            keys = torch.cat([ck, sk], 1).repeat_interleave(rep, 2).transpose(1, 2)
+            vals = torch.cat([cv, sv], 1).repeat_interleave(rep, 2).transpose(1, 2)
+            attn = F.scaled_dot_product_attention(q.view(B, G, -1, D).transpose(1, 2), keys, vals, attn_mask=mask)
+            g, logp = head.decode_output(x, attn.transpose(1, 2).reshape(B * G, -1))
+            g, logp = g.view(B, G, -1), logp.view(B, G, -1)
+            cid, clp, qd = self._children(logp, sampled, temps, width)
+            beam_score = torch.gather(s_prev, 1, beam)
+            scores.append((beam_score[..., None] + clp).reshape(B, G * width))
+            parents.append(beam)
+            tokens.append(vocab[cid].reshape(B, G * width))
+            beam_idx_all.append(beam)
+            beam_q.append(qd)
+            cand_g = g.repeat_interleave(width, 1)
+            cand_anc = anc.repeat_interleave(width, 1)
+            d += 1
+            now = time.perf_counter()
+            dt = now - t_depth
+            t_depth = now
+            self._depth_seconds = dt if self._depth_seconds is None else 0.8 * self._depth_seconds + 0.2 * dt
+        # Beyond a request's own cap the candidates are not eligible.
+        for j in range(len(scores)):
+            scores[j] = scores[j].masked_fill((depth_cap < j + 1)[:, None], float("-inf"))
+        draft_rel = (time.perf_counter() - t_start) / self._step_seconds if self._step_seconds else 0.0
+        keep = self._select(scores, B, draft_rel)
+        for i, b in enumerate(active):
+            r = sub[i]
+            if bool(sampled[i]):
+                drafts[b] = self._sampled_draft(r, i, scores, parents, tokens, qs, beam_q)
+            else:
+                n = min(keep[i], self.max_tree_nodes)
+                tree = eagle_tree_from_expansions([s[i: i + 1] for s in scores],
+                                                  [None] + [p[i: i + 1] for p in parents[1:]], n,
+                                                  [t[i: i + 1] for t in tokens],
+                                                  torch.tensor([r.tokens[-1]]))
+                drafts[b] = Draft(tree.parents[0].tolist(), tree.token_ids[0].tolist())
+        self.stats["steps"] += 1
+        for b in active:
+            dd = drafts[b]
+            self.stats["nodes"] += len(dd.tokens) - 1
+            depth = max(dd.depths())
+            self.stats["depth_hist"][depth] = self.stats["depth_hist"].get(depth, 0) + 1
+        return self._with_ngram(reqs, lengths, drafts)
+
+    def _worth_another_depth(self, scores: list, d: int) -> bool:
+        """Whether one more expansion depth is expected to pay for its measured cost: the
+        best nodes it can add are the beam's best children, estimated as the beam's
+        probability times the last depth's best-child/parent probability ratio."""
+        if d >= self.max_depth:
+            return False
+        if self._depth_seconds is None:
+            return True  # not measured yet: expand (the first steps measure it)
+        p_all = torch.cat([s.exp() for s in scores], 1)  # [B, C]
+        B = p_all.shape[0]
+        top = p_all.sort(dim=1, descending=True).values[:, : self.max_tree_nodes]
+        # Current expected tokens per step and cost at the best size.
+        best = None
+        for n in range(0, top.shape[1] + 1, max(1, top.shape[1] // 16)):
+            e = B + float(top[:, :n].sum())
+            c = self.cost(B * (n + 1)) + self._draft_cost(d)
+            if best is None or e / c > best[0]:
+                best = (e / c, e, c)
+        last = scores[-1].exp()
+        prev = scores[-2].exp() if len(scores) > 1 else torch.ones(B, 1)
+        ratio = float(last.max(1).values.sum() / prev.max(1).values.sum().clamp(min=1e-9))
+        G = min(self.top_k, last.shape[1])
+        gain = ratio * float(last.topk(G, dim=1).values.sum())
+        _, e, c = best
+        return (e + gain) / (c + self._draft_cost(1)) > e / c
+
+    def _select(self, scores: list, B: int, draft_rel: float) -> list:
+        """Nodes to keep per request: the batch's most probable candidates, as many as
+        maximise (B + sum p) / (cost(B + kept) + draft cost)."""
+        p_all = torch.cat([s.exp() for s in scores], 1)
+        top = p_all.sort(dim=1, descending=True).values[:, : self.max_tree_nodes]
+        pool = sorted(((-float(p), b) for b in range(B) for p in top[b] if p > 0), key=lambda t: t[0])
+        best_n, best, total = 0, B / (self.cost(B) + draft_rel), float(B)
+        for n, (neg_p, _) in enumerate(pool, 1):
+            total -= neg_p
+            value = total / (self.cost(B + n) + draft_rel)
+            if value > best:
+                best_n, best = n, value
+        keep = [0] * B
+        for _, b in pool[:best_n]:
+            keep[b] += 1
+        return keep
+
+    def _sampled_draft(self, r, i: int, scores, parents, tokens, qs, beam_q) -> Draft:
+        """The tree of a sampled request: every drawn child of every expanded node (i.i.d.
+        from q), with q rows (over the target vocabulary) for ``tree_rejection_sample``."""
+        V = self.target.config.vocab_size
+        vocab = self.head.draft_vocab
+        width = scores[0].shape[1]
+        node_of = {}  # (step, candidate index) -> node
+        par, tok = [-1], [r.tokens[-1]]
+        rows = [qs[0][i]]  # node 0's children were drawn from the root's q
+        for c in range(width):
+            node_of[(0, c)] = len(tok)
+            par.append(0)
+            tok.append(int(tokens[0][i, c]))
+            rows.append(None)
+        for d in range(1, len(scores)):
+            beam = parents[d][i].tolist()
+            w = scores[d].shape[1] // len(beam)
+            for gi, pc in enumerate(beam):
+                pnode = node_of.get((d - 1, pc))
+                if pnode is None or not torch.isfinite(scores[d][i, gi * w]):
+                    continue
+                rows[pnode] = beam_q[d - 1][i, gi]
+                for c in range(w):
+                    node_of[(d, gi * w + c)] = len(tok)
+                    par.append(pnode)
+                    tok.append(int(tokens[d][i, gi * w + c]))
+                    rows.append(None)
+        probs = torch.zeros(len(tok), V, dtype=torch.float32)
+        for n, q in enumerate(rows):
+            if q is not None:
+                probs[n, vocab] = q.float()
+        return Draft(par, tok, probs)
+
+    def _with_ngram(self, reqs, lengths, drafts):
+        if self.ngram is None:
+            return drafts
+        out = []
+        for r, k, d in zip(reqs, lengths, drafts):
+            if k > 0 and d.probs is None:
+                chain = self.ngram.lookup(r.tokens, min(k, self.ngram.max_nodes - 1))
+                if chain:
+                    par, tok = MedusaDrafter.merge_chain(d.parents, d.tokens, chain)
+                    d = Draft(par, tok)
+            out.append(d)
+        return out

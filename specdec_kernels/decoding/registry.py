@@ -1,0 +1,92 @@
+"""Drafters by name: what ``specdec generate --drafter`` and the end-to-end benchmark take.
+
+``DRAFTER_INFO`` is the one table of drafters: each name with the speculation-length schedule
+it runs with unless ``--schedule`` says otherwise (the one that suits how it drafts) and a
+one-line description. A new drafter adds a row here and a branch in ``make_drafter``.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from .drafters import Drafter
+
+
+class DrafterInfo(NamedTuple):
+    schedule: str  # default speculation-length schedule (SpecSchedule.KINDS)
+    description: str  # one line, shown by --help
+
+
+DRAFTER_INFO = {
+    "none": DrafterInfo("constant", "no drafter: plain autoregressive decoding, one token per step"),
+    "ngram": DrafterInfo("heuristic", "prompt lookup: the continuation of the latest earlier match of the last "
+                                      "tokens, as a chain (length grows while all drafts are accepted)"),
+    "ngram-tree": DrafterInfo("max", "prompt lookup over several earlier matches merged into one tree, sized by "
+                                     "expected accepted tokens over the measured verify cost"),
+    "self-spec": DrafterInfo("constant", "the target's first --self-spec-layers layers draft a chain"),
+    "medusa": DrafterInfo("constant", "the Medusa heads shipped for the model (or --medusa-checkpoint) draft a tree"),
+    "medusa+ngram": DrafterInfo("constant", "the Medusa tree plus the prompt-lookup chain as one more branch"),
+    "medusa-untrained": DrafterInfo("constant", "untrained Medusa heads on a static small tree (for comparison)"),
+    "draft": DrafterInfo("constant", "a draft model (--draft-model, default the target's first layers) drafts "
+                                     "a chain"),
+    "draft-tree": DrafterInfo("constant", "a draft model drafts a tree, its top 3 tokens at each step"),
+    "eagle": DrafterInfo("max", "the EAGLE-style head shipped for the model (or --eagle-checkpoint) drafts a "
+                                "dynamic tree sized by the measured step cost"),
+    "eagle+ngram": DrafterInfo("max", "the EAGLE tree plus the prompt-lookup chain as one more branch"),
+    "eagle-untrained": DrafterInfo("max", "an untrained EAGLE head (for comparison)"),
+}
+DRAFTERS = tuple(DRAFTER_INFO)
+# The drafter `specdec generate` runs by default: the fastest at batch 1 on the package's
+# prompts in the README's end-to-end benchmark (ngram-tree with the max schedule).
+DEFAULT_DRAFTER = "ngram-tree"
+
+
+def default_schedule(name: str | None) -> str:
+    """The schedule ``name`` runs with when none is given."""
+    return DRAFTER_INFO[name or "none"].schedule if (name or "none") in DRAFTER_INFO else "constant"
+
+
+def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: str | None = None,
+                 medusa_checkpoint: str | None = None, max_k: int = 16,
+                 eagle_checkpoint: str | None = None) -> Drafter | None:
+    """A drafter by name for ``model`` (None for plain autoregressive decoding)."""
+    # Imported here: the table above serves --help and argument checks without loading the
+    # decode loop's modules.
+    from .drafters import (MEDUSA_SMALL_CHOICES, MedusaDrafter, ModelDrafter, NgramDrafter, NgramTreeDrafter,
+                           SelfSpecDrafter, medusa_heads_for)
+
+    if name in ("none", "ar", None):
+        return None
+    if name == "ngram":
+        return NgramDrafter(max_k=max_k)
+    if name == "ngram-tree":
+        return NgramTreeDrafter(max_k=max_k)
+    if name == "self-spec":
+        return SelfSpecDrafter(model, self_spec_layers, max_k=max_k)
+    if name == "medusa":  # the package's trained heads for the model unless a checkpoint is given
+        return MedusaDrafter(model, medusa_heads_for(model, medusa_checkpoint))
+    if name == "medusa+ngram":  # the trained heads' tree plus the prompt-lookup chain as one more branch
+        return MedusaDrafter(model, medusa_heads_for(model, medusa_checkpoint), ngram=NgramDrafter(max_k=max_k))
+    if name == "medusa-untrained":  # for comparison: zero ResBlocks, the static small tree
+        drafter = MedusaDrafter(model, medusa_heads_for(model, "untrained"), MEDUSA_SMALL_CHOICES)
+        drafter.name = "medusa-untrained"
+        return drafter
+    if name in ("eagle", "eagle+ngram", "eagle-untrained"):  # the package's trained head unless one is given
+        from ..eagle import eagle_head_for
+        from .eagle_drafter import EagleDrafter
+
+        head = eagle_head_for(model, "untrained" if name == "eagle-untrained" else eagle_checkpoint)
+        return EagleDrafter(model, head, ngram=NgramDrafter(max_k=max_k) if name == "eagle+ngram" else None,
+                            name=name)
+    if name in ("draft", "draft-tree"):
+        if draft_model:
+            from ..models import load_model
+
+            dm, _ = load_model(draft_model)
+            if dm.config.vocab_size != model.config.vocab_size:
+                raise ValueError(f"draft model vocabulary ({dm.config.vocab_size}) differs from the target's "
+                                 f"({model.config.vocab_size})")
+        else:  # no second checkpoint ships with the package: a layer-truncated copy of the target
+            dm = model.truncated(self_spec_layers)
+        return ModelDrafter(dm, tree_width=3 if name == "draft-tree" else 1, max_k=max_k, name=name)
+    raise ValueError(f"unknown drafter {name!r}; choose from {DRAFTERS}")

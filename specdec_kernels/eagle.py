@@ -1,0 +1,263 @@
+"""EAGLE-style draft head: one decoder layer that runs autoregressively at the feature level.
+
+The target's feature at position t (``f_t``: its last layer's output before the final norm,
+what the decode loop calls ``hidden``; it produces the prediction of token t+1) and the
+embedding of token t+1 are fused into one vector; one Llama decoder layer (its own small
+KV cache over the sequence) turns it into ``g_t``, an estimate of ``f_{t+1}``; the target's
+final norm and LM head rows of a reduced *draft vocabulary* turn ``g_t`` into draft logits
+for token t+2. Deeper drafts feed ``g`` back in place of the feature the target has not
+computed yet (EAGLE's feature-level autoregression)::
+
+    x_t = fc([f_t ; embed(token_{t+1})])          [H]   (fc: [H, 2H])
+    g_t = DecoderLayer(x_t, position t, K/V of x_0..x_t)
+    draft logits = norm(g_t) @ lm_head[draft_vocab]^T
+
+Why the top feature alone and not EAGLE-3's low/middle/high fusion: a quick probe on this
+machine (``specdec train-eagle --features fused|top --unroll 1 --max-updates 10``, the same
+96 self-distillation sequences, 15.8k positions, same seed) gave held-out depth-1 top-1
+0.182 with layers 2/15/30 fused by a learned [H, 3H] projection vs 0.144 with the last layer
+alone — a small gain after only 10 updates, not a settled one; and fusion needs the
+verification forward to return two more hidden states per verified node (the decode loop
+keeps only the last layer's, and a feature-level draft must get them for every accepted
+node), plus an input path for the head's own outputs, which are estimates of the *last*
+layer only. With the training budget of one CPU-hour, the last layer's feature — which the
+loop already returns — was the better use of the time; fusion stays a measured option for
+a larger budget.
+
+Only the layer, ``fc`` and the draft vocabulary are stored (bf16, see :func:`save_eagle_head`);
+the embedding, final norm and LM head rows are the target's (frozen, attached at load).
+
+Shapes: H hidden size, Hq/Hkv attention heads, D head dim, V target vocabulary, Vd draft
+vocabulary.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import ops
+from .models.llama import apply_rope, dense, rms_norm, rope_tables
+
+
+class EagleHead(nn.Module):
+    """The draft layer. Parameters: ``fc`` [H, 2H]; the decoder layer ``attn_norm`` [H],
+    ``wqkv`` [(Hq+2Hkv)*D, H], ``wo`` [H, Hq*D], ``mlp_norm`` [H], ``w_gate_up`` [2I, H],
+    ``w_down`` [H, I]. Buffers (not trained): ``draft_vocab`` int64 [Vd] and, once
+    :meth:`attach` ed to a target, its ``embed`` [V, H], ``norm`` [H] and ``lm_head_draft``
+    [Vd, H] (the LM head's rows of the draft vocabulary)."""
+
+    def __init__(self, config, draft_vocab: torch.Tensor, *, intermediate_size: int | None = None):
+        super().__init__()
+        H, D = config.hidden_size, config.head_dim
+        self.config = config
+        self.hidden_size, self.head_dim = H, D
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.eps = config.rms_norm_eps
+        inter = intermediate_size or config.intermediate_size
+        self.intermediate_size = inter
+        qkv = (config.num_heads + 2 * config.num_kv_heads) * D
+        self.fc = nn.Parameter(torch.zeros(H, 2 * H))
+        self.attn_norm = nn.Parameter(torch.ones(H))
+        self.wqkv = nn.Parameter(torch.randn(qkv, H) * H ** -0.5)
+        self.wo = nn.Parameter(torch.randn(H, config.num_heads * D) * (config.num_heads * D) ** -0.5 * 0.1)
+        self.mlp_norm = nn.Parameter(torch.ones(H))
+        self.w_gate_up = nn.Parameter(torch.randn(2 * inter, H) * H ** -0.5)
+        self.w_down = nn.Parameter(torch.randn(H, inter) * inter ** -0.5 * 0.1)
+        with torch.no_grad():
+            self.fc[:, :H] = torch.eye(H)  # start as "the feature, plus what the token adds"
+            self.fc[:, H:] = torch.randn(H, H) * 0.02
+        self.register_buffer("draft_vocab", torch.as_tensor(draft_vocab, dtype=torch.int64).clone(), persistent=True)
+        self.embed = self.norm = self.lm_head_draft = None
+        self._rope_len = 0
+        self.metadata: dict = {}
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def for_target(cls, target, draft_vocab: torch.Tensor, *, init_layer: int | None = -1) -> "EagleHead":
+        """A head for ``target`` (a ``Llama``), its decoder layer copied from the target's
+        layer ``init_layer`` (None: random) — a better start than random with little data."""
+        head = cls(target.config, draft_vocab)
+        if init_layer is not None:
+            L = target.layers[init_layer]
+            with torch.no_grad():
+                for name in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down"):
+                    getattr(head, name).copy_(dense(L[name]).float())  # native weights: dequantised
+        return head.attach(target)
+
+    def attach(self, target) -> "EagleHead":
+        """Use ``target``'s embedding, final norm and LM head (frozen, not copied into the
+        state dict). Call after loading or changing the draft vocabulary."""
+        if target.config.hidden_size != self.hidden_size:
+            raise ValueError(f"target hidden size {target.config.hidden_size} != head's {self.hidden_size}")
+        if int(self.draft_vocab.max()) >= target.config.vocab_size:
+            raise ValueError("draft vocabulary ids exceed the target's vocabulary")
+        self.embed = target.embed_tokens  # rows looked up (and dequantised for block weights) on demand
+        self.norm = target.norm
+        self.lm_head_draft = dense(target.lm_head)[self.draft_vocab].contiguous()
+        self._decode_weights = None
+        return self
+
+    def _rope(self, n: int):
+        if n > self._rope_len:
+            n = max(n, 2 * self._rope_len, 256)
+            self.cos, self.sin = rope_tables(self.config, n)
+            self._rope_len = n
+        return self.cos, self.sin
+
+    # ---- the layer, in pieces the trainer and the drafter share ------------------------------
+    def inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """[..., H] features (f_t or a draft's g) and int64 [...] next tokens -> x [..., H]."""
+        e = self.embed(tokens).to(features.dtype)
+        return F.linear(torch.cat([features, e], dim=-1), self.fc.to(features.dtype))
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        """x [T, H], positions int64 [T] -> q [T, Hq, D], k, v [T, Hkv, D] (RoPE applied)."""
+        D = self.head_dim
+        cos, sin = self._rope(int(positions.max()) + 1 if positions.numel() else 1)
+        cos, sin = cos[positions].to(x.dtype), sin[positions].to(x.dtype)
+        h = rms_norm(x, self.attn_norm.to(x.dtype), self.eps)
+        q, k, v = F.linear(h, self.wqkv.to(x.dtype)).split(
+            [self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
+        q = apply_rope(q.reshape(-1, self.num_heads, D), cos, sin)
+        k = apply_rope(k.reshape(-1, self.num_kv_heads, D), cos, sin)
+        return q, k, v.reshape(-1, self.num_kv_heads, D)
+
+    def output(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual + attention output projection + MLP: x [T, H], attn [T, Hq*D] -> g [T, H]."""
+        h = x + F.linear(attn, self.wo.to(x.dtype))
+        gate, up = F.linear(rms_norm(h, self.mlp_norm.to(x.dtype), self.eps), self.w_gate_up.to(x.dtype)).chunk(2, -1)
+        return h + F.linear(F.silu(gate) * up, self.w_down.to(x.dtype))
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        """g [..., H] -> fp32 draft logits [..., Vd] (index into ``draft_vocab``)."""
+        w = self.lm_head_draft.to(g.dtype)
+        return F.linear(rms_norm(g, self.norm.to(g.dtype), self.eps), w).float()
+
+    # ---- fast paths for decoding (no autograd, the target's dtype, ops.linear) ---------------
+    def decode_weights(self, dtype) -> dict:
+        """The parameters as contiguous ``dtype`` tensors (cached): ops.linear picks the
+        skinny kernel for the few rows a draft step has."""
+        if self._decode_weights is None or self._decode_weights["fc"].dtype != dtype:
+            self._decode_weights = {n: p.detach().to(dtype).contiguous() for n, p in self.named_parameters()}
+            self._decode_weights["lm_head_draft"] = self.lm_head_draft.to(dtype).contiguous()
+            self._decode_weights["norm"] = self.norm.to(dtype)
+        return self._decode_weights
+
+    @torch.inference_mode()
+    def decode_inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        w = self.decode_weights(features.dtype)
+        return ops.linear(torch.cat([features, self.embed(tokens).to(features.dtype)], dim=-1), w["fc"])
+
+    @torch.inference_mode()
+    def decode_qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        w = self.decode_weights(x.dtype)
+        D = self.head_dim
+        cos, sin = self._rope(int(positions.max()) + 1)
+        cos, sin = cos[positions].to(x.dtype), sin[positions].to(x.dtype)
+        q, k, v = ops.linear(rms_norm(x, w["attn_norm"], self.eps), w["wqkv"]).split(
+            [self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
+        q = apply_rope(q.reshape(-1, self.num_heads, D), cos, sin)
+        k = apply_rope(k.reshape(-1, self.num_kv_heads, D), cos, sin)
+        return q, k, v.reshape(-1, self.num_kv_heads, D)
+
+    @torch.inference_mode()
+    def decode_output(self, x: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (g [T, H], fp32 draft log-probs [T, Vd])."""
+        w = self.decode_weights(x.dtype)
+        h = x + ops.linear(attn, w["wo"])
+        gate, up = ops.linear(rms_norm(h, w["mlp_norm"], self.eps), w["w_gate_up"]).chunk(2, -1)
+        g = h + ops.linear(F.silu(gate) * up, w["w_down"])
+        logits = ops.linear(rms_norm(g, w["norm"], self.eps), w["lm_head_draft"]).float()
+        return g, logits.log_softmax(-1)
+
+
+def attention_reference(q, k, v, mask=None):
+    """Plain attention for the head: q [T, Hq, D], k, v [S, Hkv, D], mask bool [T, S] (True
+    = visible) or None (all visible) -> [T, Hq*D]. Grouped-query heads are repeated."""
+    rep = q.shape[1] // k.shape[1]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(rep, 1).transpose(0, 1),
+                                         v.repeat_interleave(rep, 1).transpose(0, 1), attn_mask=mask)
+    return out.transpose(0, 1).reshape(q.shape[0], -1)
+
+
+# ---------------------------------------------------------------------------------------
+# Files.
+# ---------------------------------------------------------------------------------------
+
+SHIPPED_HEADS = {"smollm2-135m": "eagle_smollm2_135m.safetensors"}
+
+
+def default_eagle_checkpoint(model_name: str, *, must_exist: bool = True) -> str | None:
+    """Path of the package's trained EAGLE head for a registered model name (also matched on
+    the model's file name), or None if none ships."""
+    def squash(name):
+        return re.sub(r"[^a-z0-9]", "", name.lower())
+
+    given = squash(os.path.basename(str(model_name)))
+    key = next((k for k in SHIPPED_HEADS if k == model_name or squash(k) in given), None)
+    if key is None:
+        return None
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", SHIPPED_HEADS[key])
+    return path if (os.path.exists(path) or not must_exist) else None
+
+
+def save_eagle_head(head: EagleHead, path, *, dtype=torch.bfloat16, metadata: dict | None = None) -> None:
+    """Write the trainable parameters (``dtype``) and ``draft_vocab`` (int64) to a
+    ``.safetensors`` file with string metadata (the training command's settings and scores)."""
+    from safetensors.torch import save_file
+
+    state = {n: p.detach().to(dtype).contiguous().clone() for n, p in head.named_parameters()}
+    state["draft_vocab"] = head.draft_vocab.detach().to(torch.int64).clone()
+    meta = {**head.metadata, **(metadata or {}), "intermediate_size": str(head.intermediate_size)}
+    save_file(state, os.fspath(path), metadata={str(k): str(v) for k, v in meta.items()})
+
+
+def load_eagle_head(path, target) -> EagleHead:
+    """An :class:`EagleHead` from a file of :func:`save_eagle_head`, attached to ``target``
+    (parameters in the target's dtype, eval mode, no gradients)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    state = load_file(os.fspath(path))
+    with safe_open(os.fspath(path), framework="pt") as f:
+        meta = dict(f.metadata() or {})
+    missing = {"fc", "wqkv", "wo", "w_gate_up", "w_down", "draft_vocab"} - set(state)
+    if missing:
+        raise ValueError(f"{path}: not an EAGLE head file (missing {sorted(missing)})")
+    if state["fc"].shape != (target.config.hidden_size, 2 * target.config.hidden_size):
+        raise ValueError(f"{path}: fc has shape {tuple(state['fc'].shape)}, the target's hidden size is "
+                         f"{target.config.hidden_size}")
+    head = EagleHead(target.config, state["draft_vocab"], intermediate_size=state["w_down"].shape[1])
+    head.load_state_dict({k: v.float() for k, v in state.items()})
+    head.metadata = meta
+    head.to(target.dtype)
+    return head.attach(target).eval().requires_grad_(False)
+
+
+def read_metadata(path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(os.fspath(path), framework="pt") as f:
+        return dict(f.metadata() or {})
+
+
+def eagle_head_for(target, checkpoint=None, *, draft_vocab_size: int = 4096) -> EagleHead:
+    """The head for ``target``: ``checkpoint`` (a file), None = the package's trained head
+    for the model if it ships one, else an untrained head (``"untrained"``: the decoder layer
+    copied from the target's last layer, the lowest ``draft_vocab_size`` ids as the draft
+    vocabulary — for tests and comparisons, expect low acceptance)."""
+    if checkpoint is None:
+        checkpoint = default_eagle_checkpoint(target.name) or "untrained"
+    if checkpoint == "untrained":
+        V = target.config.vocab_size
+        head = EagleHead.for_target(target, torch.arange(min(V, draft_vocab_size)))
+        return head.to(target.dtype).attach(target).eval().requires_grad_(False)
+    return load_eagle_head(checkpoint, target)
+
+
+__all__ = ["EagleHead", "attention_reference", "default_eagle_checkpoint", "eagle_head_for", "load_eagle_head",
+           "save_eagle_head", "read_metadata"]

@@ -1,0 +1,189 @@
+"""Self-distillation data: the target answers synthetic prompts; we keep what drafts learn from.
+
+Shared by the EAGLE head (``specdec train-eagle``) and the draft-model / exit-head trainers:
+
+1. **Answers.** :func:`~specdec_kernels.training.medusa_prompts.synthetic_prompts` (templates, never
+   the benchmark's prompts) with the chat template applied; the target answers them greedily
+   with the package's own batched loop (``Generator`` with no drafter, a batch of prompts of
+   similar length per call), stopping at EOS or ``max_new_tokens``.
+2. **Features.** Every sequence (prompt + answer) is run once more, teacher-forced, through
+   ``Llama.prefill(return_layers=...)``: the hidden states after the requested layer counts
+   (default: the model's low / middle / last layer, EAGLE-3's fusion inputs; the last one,
+   before the final norm, is what the decode loop calls ``hidden``), fp16, at every position
+   of the sequence; and the target's top-k next-token logits (fp16) and their ids, for a KL
+   to the target's distribution (issue: distilled draft model). Position t's features are
+   the state after reading tokens[0..t]: they produce the prediction of tokens[t+1].
+3. **Cache.** Shards of ``shard_size`` prompts, ``cache_dir/<model>/<key>/shard_XXXX.pt``
+   where the key names everything that changes the data (seed, token limit, layers, top-k,
+   shard size); an interrupted run resumes at the first missing shard (shards are written
+   atomically). ``synthetic_prompts(n)`` is a prefix of ``synthetic_prompts(n + m)``, so a
+   larger run reuses a smaller one's shards.
+
+A data dict (one shard or several concatenated) holds, with N positions in S sequences:
+``tokens`` int64 [N]; ``seq_start`` int64 [S+1] (sequence s owns rows seq_start[s]:
+seq_start[s+1]); ``prompt_len`` int64 [S]; ``features`` fp16 [len(layers), N, H];
+``layers`` int64 [len(layers)]; ``topk_ids`` int64 [N, k] and ``topk_logits`` fp16 [N, k]
+(absent when top-k is 0); ``category`` list[str] [S].
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdec_kernels" / "distill"
+
+
+def default_layers(num_layers: int) -> tuple[int, int, int]:
+    """(low, middle, last) layer counts: EAGLE-3 fuses an early, a middle and a late layer;
+    we take layer 2, the middle one and the last (the decode loop's ``hidden``)."""
+    return (min(2, num_layers), num_layers // 2, num_layers)
+
+
+@torch.inference_mode()
+def teacher_forced(model, sequences: list[list[int]], layers, topk: int) -> dict:
+    """Features (after each layer count in ``layers``) and top-k logits of ``model`` at every
+    position of each sequence (one causal forward per sequence). See the module docstring."""
+    feats, ids, vals = [], [], []
+    max_len = max(len(s) for s in sequences)
+    cache = model.new_cache(1, max_len + 1, block_size=64)
+    for seq in sequences:
+        slot = cache.add_request(0)
+        h, states = model.prefill(torch.tensor(seq, dtype=torch.int64), cache, slot, return_layers=tuple(layers))
+        cache.free(slot)
+        feats.append(torch.stack([s.to(torch.float16) for s in states]))
+        if topk > 0:
+            v, i = model.logits(h).topk(topk, dim=-1)
+            ids.append(i)
+            vals.append(v.to(torch.float16))
+    out = {"features": torch.cat(feats, dim=1)}
+    if topk > 0:
+        out["topk_ids"] = torch.cat(ids)
+        out["topk_logits"] = torch.cat(vals)
+    return out
+
+
+def collect(model, prompts: list[list[int]], *, max_new_tokens: int, layers, topk: int,
+            batch_size: int = 32) -> dict:
+    """Greedy answers of ``model`` to ``prompts`` (token ids) with the package's batched
+    decode loop, then :func:`teacher_forced` features over prompt + answer."""
+    from ..decoding import Generator
+
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    answers: dict[int, list] = {}
+    gen = Generator(model, None)
+    for start in range(0, len(order), batch_size):
+        ids = order[start: start + batch_size]
+        for i, r in zip(ids, gen.generate([prompts[i] for i in ids], max_new_tokens)):
+            answers[i] = r.output
+    sequences = [list(prompts[i]) + answers[i] for i in range(len(prompts))]
+    data = teacher_forced(model, sequences, layers, topk)
+    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
+    data.update(tokens=torch.tensor([t for s in sequences for t in s], dtype=torch.int64),
+                seq_start=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+                prompt_len=torch.tensor([len(p) for p in prompts], dtype=torch.int64),
+                layers=torch.tensor(list(layers), dtype=torch.int64))
+    return data
+
+
+def concat(shards: list[dict]) -> dict:
+    """Concatenate data dicts (same layers / top-k)."""
+    starts, offset = [torch.zeros(1, dtype=torch.int64)], 0
+    for sh in shards:
+        starts.append(sh["seq_start"][1:] + offset)
+        offset += int(sh["seq_start"][-1])
+    out = {"tokens": torch.cat([s["tokens"] for s in shards]), "seq_start": torch.cat(starts),
+           "prompt_len": torch.cat([s["prompt_len"] for s in shards]),
+           "features": torch.cat([s["features"] for s in shards], dim=1), "layers": shards[0]["layers"],
+           "category": [c for s in shards for c in s.get("category", [])]}
+    if "topk_ids" in shards[0]:
+        out["topk_ids"] = torch.cat([s["topk_ids"] for s in shards])
+        out["topk_logits"] = torch.cat([s["topk_logits"] for s in shards])
+    return out
+
+
+def load_or_generate(model, tok, num_prompts: int, *, model_name: str, max_new_tokens: int = 128, layers=None,
+                     topk: int = 32, shard_size: int = 32, seed: int = 0, cache_dir=DEFAULT_CACHE,
+                     regenerate: bool = False, progress: bool = True, prompts: list[dict] | None = None) -> dict:
+    """Self-distillation data for ``synthetic_prompts(num_prompts, seed)`` (or ``prompts``,
+    [{"prompt", "category"}]), generated shard by shard and cached (see the module docstring)."""
+    from tqdm import tqdm
+
+    from .medusa_prompts import synthetic_prompts
+
+    torch.manual_seed(seed)
+    layers = tuple(layers or default_layers(model.config.num_layers))
+    if prompts is None:
+        prompts = synthetic_prompts(num_prompts, seed=seed)
+        tag = f"synthetic_s{seed}"
+    else:
+        import hashlib
+
+        tag = "custom_" + hashlib.sha1("\n".join(p["prompt"] for p in prompts).encode()).hexdigest()[:10]
+    key = f"{tag}_t{max_new_tokens}_l{'-'.join(map(str, layers))}_k{topk}_b{shard_size}"
+    root = Path(cache_dir) / Path(model_name).stem / key
+    root.mkdir(parents=True, exist_ok=True)
+    shards = []
+    chunks = [prompts[s: s + shard_size] for s in range(0, len(prompts), shard_size)]
+    bar = tqdm(total=len(prompts), desc="self-distillation", unit="prompt", disable=not progress)
+    positions = 0
+    for i, chunk in enumerate(chunks):
+        path = root / f"shard_{i:04d}.pt"
+        if path.exists() and not regenerate:
+            shard = torch.load(path, weights_only=True)
+        else:
+            t0 = time.perf_counter()
+            shard = collect(model, [tok.chat_prompt(p["prompt"]) for p in chunk], max_new_tokens=max_new_tokens,
+                            layers=layers, topk=topk, batch_size=shard_size)
+            shard["category"] = [p.get("category", "") for p in chunk]
+            tmp = path.with_suffix(".tmp")
+            torch.save(shard, tmp)
+            tmp.replace(path)  # atomic: a killed run never leaves half a shard
+            if progress:
+                tqdm.write(f"shard {i}: {shard['tokens'].shape[0]} positions in {time.perf_counter() - t0:.0f}s -> {path}")
+        shards.append(shard)
+        positions += shard["tokens"].shape[0]
+        bar.update(len(chunk))
+        bar.set_postfix(positions=positions)
+    bar.close()
+    return concat(shards)
+
+
+def split_sequences(seq_start: torch.Tensor, held_out: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train sequences, held-out sequences): a seeded split of whole sequences."""
+    S = seq_start.shape[0] - 1
+    perm = torch.randperm(S, generator=torch.Generator().manual_seed(seed)).tolist()
+    n_held = max(1, int(round(S * held_out))) if S > 1 else 0
+    return sorted(perm[n_held:]), sorted(perm[:n_held])
+
+
+def main(argv=None) -> int:
+    """``python -m specdec_kernels.training.distill_data --num-prompts N``: generate and cache."""
+    import argparse
+
+    p = argparse.ArgumentParser(description="generate (and cache) self-distillation data")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--num-prompts", type=int, default=384)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--topk", type=int, default=32)
+    p.add_argument("--shard-size", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--cache-dir", default=str(DEFAULT_CACHE))
+    args = p.parse_args(argv)
+    from ..models import load_model
+
+    torch.set_num_threads(args.threads)
+    model, tok = load_model(args.model)
+    t0 = time.perf_counter()
+    data = load_or_generate(model, tok, args.num_prompts, model_name=args.model, max_new_tokens=args.max_new_tokens,
+                            topk=args.topk, shard_size=args.shard_size, seed=args.seed, cache_dir=args.cache_dir)
+    print(f"{data['tokens'].shape[0]} positions in {data['seq_start'].shape[0] - 1} sequences "
+          f"({time.perf_counter() - t0:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

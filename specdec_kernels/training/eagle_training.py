@@ -1,0 +1,382 @@
+"""Train the EAGLE draft head for a model of the package by self-distillation (no download).
+
+    specdec train-eagle --model smollm2-135m --out eagle.safetensors
+    specdec train-eagle --out specdec_kernels/data/eagle_smollm2_135m.safetensors --overwrite  (the shipped file)
+
+1. **Data** (:mod:`specdec_kernels.training.distill_data`): synthetic prompts answered
+   greedily by the target with the package's batched loop; the features after every
+   position (teacher-forced) and the target's top-k next-token logits, cached and resumable.
+2. **Examples.** In each sequence, position t gives the head the feature f_t and token
+   t+1; it must predict the target's next-token distribution at position t+1 (soft
+   targets: the cached top-k logits, renormalised over the draft vocabulary — the target's
+   argmax is what greedy verification accepts) and regress f_{t+1} (smooth L1, scaled by
+   the features' standard deviation).
+3. **Training-time test** (EAGLE-3's idea, ``--unroll U``): at decode time the head's depth-j
+   draft reads its own depth-(j-1) output instead of the target's feature. Step j of the
+   unrolled forward does exactly that at every position at once: the input at t is
+   (g^{(j-1)}_{t-1}, token t+1), attending to the step-1 (true feature) keys up to t-j+1 and
+   to the step-i keys at t-(j-i) for 1 < i <= j — the attention pattern of a depth-j draft
+   node. Losses of step j are weighted ``decay^(j-1)``.
+4. **Held-out acceptance** after every epoch on held-out sequences: the top-1 agreement of
+   each unrolled step with the target (the acceptance rate at that draft depth, given the
+   shallower ones were right) and the chain's expected accepted length 1 + sum_j prod_i acc_i;
+   the epoch with the best one is kept. AdamW, cosine learning rate, fixed seeds.
+5. The head (decoder layer + fc, bf16) and its draft vocabulary (the most frequent target
+   predictions of the training data) are saved; ``--out`` never overwrites an existing file
+   unless ``--overwrite`` is given.
+
+Feature choice (module docstring of ``specdec_kernels.eagle``): ``--features fused`` trains
+the same head on a learned projection of layers low/middle/last instead of the last layer
+alone (depth-1 comparison only; decoding uses the last layer).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..eagle import EagleHead, save_eagle_head
+from . import distill_data
+
+
+def draft_vocabulary(targets: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
+    """int64 [size]: the target tokens ranked by frequency, then the lowest ids not yet in."""
+    from .medusa_training import draft_vocabulary as _draft_vocabulary  # the Medusa heads' helper
+
+    vocab = _draft_vocabulary(targets, vocab_size, size)
+    return torch.arange(vocab_size) if vocab is None else vocab
+
+
+class Examples:
+    """Sequences of a data dict as padded training batches.
+
+    For a sequence of S positions: feats [S-1, H] (f_0..f_{S-2}), tokens [S-1] (x_1..x_{S-1}),
+    next_feats [S-1, H] (f_1..f_{S-1}), target ids / logits [S-1, k] (the target's top-k at
+    positions 1..S-1, ids mapped into the draft vocabulary, -1 outside it)."""
+
+    def __init__(self, data: dict, seqs: list[int], layer_index, draft_vocab: torch.Tensor, vocab_size: int):
+        self.data, self.seqs = data, list(seqs)
+        self.layer_index = layer_index  # int (one feature) or list (fused)
+        remap = torch.full((vocab_size,), -1, dtype=torch.int64)
+        remap[draft_vocab] = torch.arange(draft_vocab.shape[0])
+        self.remap = remap
+        st = data["seq_start"]
+        self.bounds = [(int(st[s]), int(st[s + 1])) for s in self.seqs]
+
+    def __len__(self):
+        return len(self.seqs)
+
+    def batch(self, idx: list[int]) -> dict:
+        d = self.data
+        rows = [self.bounds[i] for i in idx]
+        T = max(b - a for a, b in rows) - 1
+        B = len(rows)
+        H = d["features"].shape[-1]
+        nf = 1 if isinstance(self.layer_index, int) else len(self.layer_index)
+        feats = torch.zeros(B, T, nf, H)
+        nxt = torch.zeros(B, T, H)
+        toks = torch.zeros(B, T, dtype=torch.int64)
+        k = d["topk_ids"].shape[1]
+        tid = torch.full((B, T, k), -1, dtype=torch.int64)
+        tlog = torch.zeros(B, T, k)
+        lens = torch.zeros(B, dtype=torch.int64)
+        top = d["layers"].shape[0] - 1  # the last requested layer: the regression target
+        li = [self.layer_index] if isinstance(self.layer_index, int) else list(self.layer_index)
+        for b, (a, e) in enumerate(rows):
+            n = e - a - 1
+            lens[b] = n
+            feats[b, :n] = d["features"][li, a: e - 1].float().transpose(0, 1)
+            nxt[b, :n] = d["features"][top, a + 1: e].float()
+            toks[b, :n] = d["tokens"][a + 1: e]
+            tid[b, :n] = self.remap[d["topk_ids"][a + 1: e]]
+            tlog[b, :n] = d["topk_logits"][a + 1: e].float()
+        return {"feats": feats if nf > 1 else feats[:, :, 0], "next": nxt, "tokens": toks, "target_ids": tid,
+                "target_logits": tlog, "lens": lens}
+
+
+def unrolled(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, steps: int, fuse=None) -> list:
+    """The training-time-test forward (module docstring, 3): feats [B, T, H] (or [B, T, 3, H]
+    with ``fuse`` [H, 3H]), tokens int64 [B, T] -> [g^(1), ..., g^(steps)], each [B, T, H]."""
+    B, T = tokens.shape
+    H, D, Hq, Hkv = head.hidden_size, head.head_dim, head.num_heads, head.num_kv_heads
+    rep = Hq // Hkv
+    scale = 1.0 / math.sqrt(D)
+    pos = torch.arange(T).repeat(B)
+    if fuse is not None:
+        feats = F.linear(feats.reshape(B, T, -1), fuse)
+    outs, keys, values = [], [], []
+    cur = feats
+    t_idx = torch.arange(T)
+    for j in range(1, steps + 1):
+        x = head.inputs(cur.reshape(B * T, H), tokens.reshape(-1))
+        q, k, v = head.qkv(x, pos)
+        q = q.view(B, T, Hq, D).transpose(1, 2)  # [B, Hq, T, D]
+        k = k.view(B, T, Hkv, D).transpose(1, 2).repeat_interleave(rep, 1)
+        v = v.view(B, T, Hkv, D).transpose(1, 2).repeat_interleave(rep, 1)
+        keys.append(k)
+        values.append(v)
+        if j == 1:
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            s1 = (q @ keys[0].transpose(-1, -2)) * scale  # [B, Hq, T, T]
+            visible = t_idx[None, :] <= (t_idx[:, None] - (j - 1)).clamp(min=0)
+            s1 = s1.masked_fill(~visible, float("-inf"))
+            diag, vals = [], []
+            for i in range(2, j + 1):
+                shift = j - i
+                ki = F.pad(keys[i - 1], (0, 0, shift, 0))[:, :, :T] if shift else keys[i - 1]
+                vi = F.pad(values[i - 1], (0, 0, shift, 0))[:, :, :T] if shift else values[i - 1]
+                diag.append((q * ki).sum(-1, keepdim=True) * scale)
+                vals.append(vi)
+            p = torch.cat([s1] + diag, dim=-1).softmax(-1)
+            attn = p[..., :T] @ values[0]
+            for n, vi in enumerate(vals):
+                attn = attn + p[..., T + n: T + n + 1] * vi
+        g = head.output(x, attn.transpose(1, 2).reshape(B * T, Hq * D)).view(B, T, H)
+        outs.append(g)
+        cur = F.pad(g, (0, 0, 1, 0))[:, :T]  # step j+1 at t reads g^(j) at t-1
+    return outs
+
+
+def losses(head, batch, steps: int, *, feat_scale: float, decay: float = 0.7, reg_weight: float = 0.3, fuse=None):
+    """(total loss, per-step top-1 hits [steps], per-step valid counts [steps])."""
+    g_all = unrolled(head, batch["feats"], batch["tokens"], steps, fuse)
+    T = batch["tokens"].shape[1]
+    t = torch.arange(T)
+    tid, tlog = batch["target_ids"], batch["target_logits"]
+    in_vocab = tid >= 0
+    soft = torch.where(in_vocab, tlog, torch.full_like(tlog, float("-inf"))).softmax(-1)
+    soft = torch.nan_to_num(soft, nan=0.0)  # no top-k token in the draft vocabulary: no CE signal
+    argmax = tid[..., 0]  # the target's greedy token (-1 outside the draft vocabulary)
+    total = 0.0
+    hits, counts = [], []
+    for j, g in enumerate(g_all, start=1):
+        valid = (t[None, :] >= j - 1) & (t[None, :] < batch["lens"][:, None])
+        logp = head.logits(g).log_softmax(-1)  # [B, T, Vd]
+        ce = -(soft * logp.gather(-1, tid.clamp(min=0))).sum(-1)
+        reg = F.smooth_l1_loss(g / feat_scale, batch["next"] / feat_scale, reduction="none").mean(-1)
+        w = valid.float()
+        step_loss = ((ce + reg_weight * reg) * w).sum() / w.sum().clamp(min=1)
+        total = total + decay ** (j - 1) * step_loss
+        with torch.no_grad():
+            hits.append(((logp.argmax(-1) == argmax) & valid).sum().item())
+            counts.append(valid.sum().item())
+    return total, hits, counts
+
+
+@torch.no_grad()
+def evaluate(head, examples: Examples, steps: int, *, feat_scale: float, batch_seqs: int = 8, fuse=None) -> dict:
+    """Held-out per-step top-1 agreement with the target and the chain's expected length."""
+    head.eval()
+    hits, counts = [0] * steps, [0] * steps
+    for s in range(0, len(examples), batch_seqs):
+        _, h, c = losses(head, examples.batch(list(range(s, min(len(examples), s + batch_seqs)))), steps,
+                         feat_scale=feat_scale, fuse=fuse)
+        hits = [a + b for a, b in zip(hits, h)]
+        counts = [a + b for a, b in zip(counts, c)]
+    head.train()
+    acc = [h / max(1, c) for h, c in zip(hits, counts)]
+    expected, run = 1.0, 1.0
+    for a in acc:
+        run *= a
+        expected += run
+    return {"top1_by_depth": acc, "expected_chain_length": expected}
+
+
+def train(head: EagleHead, train_ex: Examples, held_ex: Examples, *, steps: int, epochs: int, batch_seqs: int,
+          lr: float, seed: int, feat_scale: float, fuse=None, log=print, progress: bool = True,
+          max_updates: int = 0, max_seconds: float = 0, stop_after: int = 0, on_best=None) -> dict:
+    """AdamW + cosine schedule over ``epochs`` (or ``max_updates``); returns the history
+    (held-out scores per epoch) and leaves the best epoch's weights in ``head``.
+    ``on_best(head, scores)`` is called whenever an epoch improves the held-out score (the
+    trainer saves the head then, so an interrupted run keeps its best epoch).
+    ``max_seconds`` (0 = off): a wall-clock safety net, checked after every update — when
+    it stops the run early the result says so (``stopped_early``). ``stop_after`` (0 = off):
+    stop after that many updates without changing the learning-rate schedule (replays a run
+    that the time limit stopped)."""
+    from tqdm import tqdm
+
+    torch.manual_seed(seed)
+    params = [p for p in head.parameters() if p.requires_grad] + ([fuse] if fuse is not None else [])
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    per_epoch = math.ceil(len(train_ex) / batch_seqs)
+    total = per_epoch * epochs if not max_updates else min(max_updates, per_epoch * epochs)
+    warmup = min(30, max(1, total // 10))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, total - warmup)))))
+    g = torch.Generator().manual_seed(seed)
+    history, best = [], None
+    bar = tqdm(total=total, desc="train eagle", unit="step", disable=not progress)
+    head.train()
+    done = 0
+    t_start = time.perf_counter()
+    stopped_early = False
+    for epoch in range(epochs):
+        perm = torch.randperm(len(train_ex), generator=g).tolist()
+        for s in range(0, len(perm), batch_seqs):
+            if done >= total:
+                break
+            if (max_seconds and time.perf_counter() - t_start > max_seconds) or (stop_after and done >= stop_after):
+                stopped_early = True
+                break
+            batch = train_ex.batch(perm[s: s + batch_seqs])
+            loss, hits, counts = losses(head, batch, steps, feat_scale=feat_scale, fuse=fuse)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            done += 1
+            bar.update(1)
+            bar.set_postfix(epoch=epoch, loss=f"{float(loss.detach()):.3f}", top1=f"{hits[0] / max(1, counts[0]):.2f}")
+        ev = evaluate(head, held_ex, steps, feat_scale=feat_scale, fuse=fuse)
+        ev["epoch"] = epoch
+        history.append(ev)
+        log(f"epoch {epoch}: held-out top-1 by depth {[round(a, 3) for a in ev['top1_by_depth']]}, "
+            f"expected chain length {ev['expected_chain_length']:.3f}")
+        if best is None or ev["expected_chain_length"] > best[0]:
+            best = (ev["expected_chain_length"], epoch, {k: v.detach().clone() for k, v in head.state_dict().items()})
+            if on_best is not None:
+                on_best(head, ev)
+        if done >= total or stopped_early:
+            break
+    bar.close()
+    if best is not None and best[1] != history[-1]["epoch"]:
+        log(f"keeping epoch {best[1]} (best held-out expected chain length)")
+        head.load_state_dict(best[2])
+    return {"history": history, "best_epoch": best[1] if best else None, "updates": done,
+            "stopped_early": stopped_early}
+
+
+@torch.no_grad()
+def decode_acceptance(model, tok, head, prompts: list[str], *, max_new_tokens: int = 40) -> dict:
+    """Mean accepted length of real greedy decoding with the EAGLE drafter on ``prompts``
+    (never the benchmark's), batch 1, and whether every output equals autoregressive."""
+    from ..decoding import Generator, SpecSchedule
+    from ..decoding.eagle_drafter import EagleDrafter
+
+    emitted = steps = 0
+    by_depth = []
+    for text in prompts:
+        ids = tok.chat_prompt(text)
+        (r,) = Generator(model, EagleDrafter(model, head), SpecSchedule("max", 8, max_k=8)).generate([ids], max_new_tokens)
+        emitted += r.stats.emitted
+        steps += r.stats.steps
+        by_depth.append(r.stats.acceptance_per_pos)
+    return {"mean_accepted_length": emitted / max(1, steps), "prompts": len(prompts)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="specdec train-eagle", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--out", default="eagle_head.safetensors",
+                   help="output .safetensors (default: a new file in the working directory; the shipped one is "
+                        "specdec_kernels/data/eagle_smollm2_135m.safetensors)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--cache-dir", default=str(distill_data.DEFAULT_CACHE), help="where the generated data is cached")
+    p.add_argument("--num-prompts", type=int, default=320)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--shard-size", type=int, default=32)
+    p.add_argument("--topk", type=int, default=32, help="target logits cached per position")
+    p.add_argument("--draft-vocab-size", type=int, default=8192,
+                   help="tokens the head drafts from (8192 covered 0.93 of held-out greedy tokens, 4096 0.89)")
+    p.add_argument("--features", choices=("top", "fused"), default="top")
+    p.add_argument("--unroll", type=int, default=3, help="training-time-test steps (draft depths trained)")
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--max-updates", type=int, default=0, help="stop after this many optimiser steps (0: all epochs)")
+    p.add_argument("--max-minutes", type=float, default=0,
+                   help="wall-clock safety net (0 = off): stop updating after this long; reported if it triggers")
+    p.add_argument("--stop-after", type=int, default=0,
+                   help="stop after this many updates, keeping the schedule of --max-updates (replays a timed-out run)")
+    p.add_argument("--batch-seqs", type=int, default=8)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--held-out", type=float, default=0.08)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--eval-prompts", type=int, default=4, help="validation prompts decoded for the final acceptance")
+    p.add_argument("--data-only", action="store_true")
+    args = p.parse_args(argv)
+
+    if os.path.exists(args.out) and not args.overwrite and not args.data_only:
+        p.error(f"{args.out} exists: pass --overwrite to replace it, or another --out")
+    from ..models import load_model
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model, tok = load_model(args.model)
+    t0 = time.perf_counter()
+    data = distill_data.load_or_generate(model, tok, args.num_prompts, model_name=args.model,
+                                         max_new_tokens=args.max_new_tokens, topk=args.topk,
+                                         shard_size=args.shard_size, seed=args.seed, cache_dir=args.cache_dir)
+    S = data["seq_start"].shape[0] - 1
+    print(f"data: {data['tokens'].shape[0]} positions in {S} sequences, layers {data['layers'].tolist()} "
+          f"({time.perf_counter() - t0:.0f}s)")
+    if args.data_only:
+        return 0
+    train_seqs, held_seqs = distill_data.split_sequences(data["seq_start"], args.held_out, args.seed)
+    st = data["seq_start"]
+    train_rows = torch.cat([torch.arange(int(st[s]), int(st[s + 1])) for s in train_seqs])
+    vocab = draft_vocabulary(data["topk_ids"][train_rows, 0], model.config.vocab_size, args.draft_vocab_size)
+    held_rows = torch.cat([torch.arange(int(st[s]), int(st[s + 1])) for s in held_seqs])
+    inv = torch.zeros(model.config.vocab_size, dtype=torch.bool)
+    inv[vocab] = True
+    print(f"draft vocabulary: {vocab.shape[0]} tokens cover {inv[data['topk_ids'][held_rows, 0]].float().mean():.3f} "
+          f"of the target's held-out greedy tokens")
+    top = data["layers"].shape[0] - 1
+    layer_index = top if args.features == "top" else list(range(data["layers"].shape[0]))
+    train_ex = Examples(data, train_seqs, layer_index, vocab, model.config.vocab_size)
+    held_ex = Examples(data, held_seqs, layer_index, vocab, model.config.vocab_size)
+    feat_scale = float(data["features"][top, train_rows[:20000]].float().std())
+    head = EagleHead.for_target(model, vocab)
+    H = model.config.hidden_size
+    fuse = None
+    if args.features == "fused":
+        fuse = torch.nn.Parameter(torch.cat([torch.zeros(H, (len(layer_index) - 1) * H), torch.eye(H)], 1))
+    t1 = time.perf_counter()
+    base_meta = {"model": args.model, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
+                 "positions": int(data["tokens"].shape[0]), "train_sequences": len(train_seqs),
+                 "epochs": args.epochs, "max_updates": args.max_updates, "unroll": args.unroll, "lr": args.lr,
+                 "seed": args.seed, "draft_vocab_size": args.draft_vocab_size, "features": args.features,
+                 "trained_by": "specdec train-eagle (self-distillation on synthetic prompts)"}
+
+    def save_best(h, ev):  # keep the best epoch on disk as training goes
+        if args.features != "top":
+            return
+        save_eagle_head(h, args.out, metadata={**base_meta, "epoch": ev["epoch"],
+                                               "held_out_top1_by_depth": json.dumps([round(a, 4) for a in ev["top1_by_depth"]]),
+                                               "held_out_expected_chain_length": round(ev["expected_chain_length"], 4)})
+
+    result = train(head, train_ex, held_ex, steps=args.unroll, epochs=args.epochs, batch_seqs=args.batch_seqs,
+                   lr=args.lr, seed=args.seed, feat_scale=feat_scale, fuse=fuse, max_updates=args.max_updates,
+                   max_seconds=args.max_minutes * 60, stop_after=args.stop_after, on_best=save_best)
+    train_s = time.perf_counter() - t1
+    print(f"trained in {train_s:.0f}s ({result['updates']} updates"
+          f"{', stopped by --max-minutes' if result['stopped_early'] else ''})")
+    best = result["history"][result["best_epoch"]]
+    meta = {**base_meta, "updates": result["updates"], "stopped_by_time_limit": result["stopped_early"],
+            "epoch": best["epoch"], "train_seconds": round(train_s),
+            "held_out_top1_by_depth": json.dumps([round(a, 4) for a in best["top1_by_depth"]]),
+            "held_out_expected_chain_length": round(best["expected_chain_length"], 4)}
+    if args.features == "top" and args.eval_prompts:
+        from .medusa_training import VALIDATION_PROMPTS
+
+        head.eval().requires_grad_(False)
+        dec = decode_acceptance(model, tok, head, VALIDATION_PROMPTS[: args.eval_prompts])
+        print(f"validation decoding (greedy, batch 1, {dec['prompts']} prompts): mean accepted length "
+              f"{dec['mean_accepted_length']:.3f}")
+        meta["validation_mean_accepted_length"] = round(dec["mean_accepted_length"], 3)
+    if args.features == "top":
+        save_eagle_head(head, args.out, metadata=meta)
+        print(f"wrote {args.out} ({os.path.getsize(args.out) / 1e6:.1f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Helpers shared by the test modules (test modules import this, never each other).
+
+- ``requires_triton``: skip marker for tests that need Triton;
+- ``guarded`` / ``assert_guard_intact``: tensors in poisoned storage, to catch kernels that
+  read or write outside their arguments;
+- ``make_chain_inputs`` / ``make_tree_inputs`` (+ ``chain_args`` / ``tree_args``): random
+  rejection-sampling inputs whose drafts are often accepted; ``assert_same``.
+
+tests/conftest.py sets TRITON_INTERPRET before anything imports triton.
+"""
+import pytest
+import torch
+
+import specdec_kernels
+
+requires_triton = pytest.mark.skipif(
+    not specdec_kernels.HAS_TRITON, reason="triton is not installed (pip install triton)"
+)
+
+
+# ---------------------------------------------------------------------------------------
+# Guarded storage: catches reads and writes outside a tensor.
+# ---------------------------------------------------------------------------------------
+
+GUARD_ELEMENTS = 4096
+
+
+def _poison(dtype, count):
+    """Values a kernel must never see: for floats NaN, +-inf, huge and ordinary numbers mixed
+    (a uniform fill can be hidden by a fallback path, a mix changes results); for integers
+    ids far out of range, -1 and 0 mixed."""
+    gen = torch.Generator().manual_seed(1234)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (count,), generator=gen).bool()
+    if dtype.is_floating_point:
+        pool = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -1e30, 0.5, -3.0, 7.0])
+        return pool[torch.randint(0, len(pool), (count,), generator=gen)].to(dtype)
+    info = torch.iinfo(dtype)
+    pool = torch.tensor([info.max, info.min, -1, 0, 1, 3, info.max // 2], dtype=torch.int64)
+    return pool[torch.randint(0, len(pool), (count,), generator=gen)].to(dtype)
+
+
+def guarded(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` in the middle of a larger buffer filled with poison
+    (GUARD_ELEMENTS on each side). A kernel that reads outside ``t`` sees the poison and
+    (with the right inputs) gives a different result; one that writes outside changes the
+    guard, which ``assert_guard_intact`` checks."""
+    t = t.contiguous()
+    n = t.numel()
+    buf = _poison(t.dtype, n + 2 * GUARD_ELEMENTS)
+    view = buf[GUARD_ELEMENTS:GUARD_ELEMENTS + n].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def assert_guard_intact(view: torch.Tensor) -> None:
+    """The poison around a tensor made by ``guarded`` is unchanged (nothing wrote outside it)."""
+    buf = view._base
+    assert buf is not None, "not a guarded tensor"
+    n = view.numel()
+    expected = _poison(view.dtype, n + 2 * GUARD_ELEMENTS)
+    for name, sl in (("before", slice(0, GUARD_ELEMENTS)), ("after", slice(GUARD_ELEMENTS + n, None))):
+        got, want = buf[sl], expected[sl]
+        same = (got == want) | (got.isnan() & want.isnan()) if got.is_floating_point() else got == want
+        assert bool(same.all()), f"the kernel wrote {name} the tensor (outside its storage)"
+
+
+# ---------------------------------------------------------------------------------------
+# Rejection-sampling inputs.
+# ---------------------------------------------------------------------------------------
+
+
+def make_chain_inputs(batch, max_drafts, vocab, *, dtype=torch.float32, with_q=True, greedy_mask=None, gen=None,
+                      sharpness=3.0, num_drafts=None):
+    """Random chain inputs whose drafts are drawn from q (so acceptances are frequent)."""
+    gen = gen or torch.Generator().manual_seed(0)
+    logits = (torch.randn(batch, max_drafts + 1, vocab, generator=gen) * sharpness).to(dtype)
+    q = torch.softmax(torch.randn(batch, max(max_drafts, 1), vocab, generator=gen) * sharpness, dim=-1)[:, :max_drafts]
+    # Make the draft close to the target on some rows so that chains get accepted.
+    q = 0.5 * q + 0.5 * torch.softmax(logits[:, :max_drafts].float(), dim=-1)
+    q = q / q.sum(-1, keepdim=True)
+    if max_drafts > 0:
+        drafts = torch.multinomial(q.reshape(-1, vocab), 1, generator=gen).reshape(batch, max_drafts)
+    else:
+        drafts = torch.zeros(batch, 0, dtype=torch.int64)
+    if num_drafts is None:
+        num_drafts = torch.randint(0, max_drafts + 1, (batch,), generator=gen, dtype=torch.int32)
+    temperature = torch.rand(batch, generator=gen) + 0.5
+    if greedy_mask is not None:
+        temperature[greedy_mask] = 0.0
+    seed = torch.randint(-(2**62), 2**62, (batch,), generator=gen)
+    offset = torch.randint(0, 2**40, (batch,), generator=gen)
+    return dict(draft_token_ids=drafts, num_draft_tokens=num_drafts.to(torch.int32), target_logits=logits,
+                draft_probs=q.contiguous() if with_q else None, temperature=temperature, seed=seed, offset=offset)
+
+
+def chain_args(inp):
+    return (inp["draft_token_ids"], inp["num_draft_tokens"], inp["target_logits"], inp["draft_probs"],
+            inp["temperature"], inp["seed"], inp["offset"])
+
+
+def random_parents(num_nodes, gen, max_nodes=None):
+    max_nodes = max_nodes or num_nodes
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, num_nodes)]
+    return parents + [-1] * (max_nodes - num_nodes)
+
+
+def make_tree_inputs(batch, max_nodes, vocab, *, dtype=torch.float32, with_q=True, greedy_mask=None, gen=None,
+                     sharpness=3.0):
+    gen = gen or torch.Generator().manual_seed(0)
+    num_nodes = torch.randint(1, max_nodes + 1, (batch,), generator=gen, dtype=torch.int32)
+    parents = torch.tensor([random_parents(int(n), gen, max_nodes) for n in num_nodes], dtype=torch.int32)
+    logits = (torch.randn(batch, max_nodes, vocab, generator=gen) * sharpness).to(dtype)
+    q = torch.softmax(torch.randn(batch, max_nodes, vocab, generator=gen) * sharpness, dim=-1)
+    q = 0.5 * q + 0.5 * torch.softmax(logits.float(), dim=-1)
+    q = q / q.sum(-1, keepdim=True)
+    tokens = torch.zeros(batch, max_nodes, dtype=torch.int64)
+    for b in range(batch):
+        for i in range(1, int(num_nodes[b])):
+            tokens[b, i] = int(torch.multinomial(q[b, int(parents[b, i])], 1, generator=gen))
+    temperature = torch.rand(batch, generator=gen) + 0.5
+    if greedy_mask is not None:
+        temperature[greedy_mask] = 0.0
+    seed = torch.randint(-(2**62), 2**62, (batch,), generator=gen)
+    offset = torch.randint(0, 2**40, (batch,), generator=gen)
+    return dict(parents=parents, tree_token_ids=tokens, num_nodes=num_nodes, target_logits=logits,
+                draft_probs=q if with_q else None, temperature=temperature, seed=seed, offset=offset)
+
+
+def tree_args(inp):
+    return (inp["parents"], inp["tree_token_ids"], inp["num_nodes"], inp["target_logits"], inp["draft_probs"],
+            inp["temperature"], inp["seed"], inp["offset"])
+
+
+def assert_same(got, expected):
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e), f"\ngot      {g}\nexpected {e}"

