@@ -169,7 +169,7 @@ def run_vllm_method(method: str, args, prompts: list) -> list:
 def run_ours(args, prompts: list) -> list:
     import torch
 
-    from specdec_kernels.cli import make_drafter
+    from specdec_kernels.decoding.registry import make_drafter
     from specdec_kernels.decoding import Generator, SamplingParams, SpecSchedule
     from specdec_kernels.models import load_model
 
