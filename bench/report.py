@@ -90,9 +90,29 @@ def e2e(d) -> str:
     return "\n".join(out)
 
 
+def vllm(d) -> str:
+    m = d["machine"]
+    out = [f"({m['cpu_count']} cores, {m['threads']} thread(s) for vLLM and for our loop, vLLM {m['vllm']}, torch "
+           f"{m['torch']}, {m['time']}, load average {m['load_average'][0]:.1f}).", ""]
+    out.append(table(["T", "batch", "method", "tokens/s", "× vLLM AR", "mean accepted length",
+                      "rejection sampler ms/step", "greedy = vLLM AR"],
+                     [[r["temperature"], r["batch"], r["method"], r["tokens_per_s"], r["x_vllm_ar"] or "",
+                       r.get("mean_accepted_length", ""), r.get("rs_ms_per_step", ""),
+                       r.get("greedy_identical_to_vllm_ar", "")]
+                      for r in sorted(d["summary"], key=lambda r: (r["temperature"], r["batch"]))]))
+    if d.get("rejection_sampler_micro"):
+        out += ["", "The rejection sampler's `forward` alone on a synthetic step (V = 49152, every request with k "
+                "drafts), medians of 30 calls:", ""]
+        out.append(table(["T", "batch", "k", "vLLM's ms", "ours ms", "× vLLM's"],
+                         [[r["temperature"], r["batch"], r["k"], r["vllm_ms"], r["specdec_ms"], r["speedup"]]
+                          for r in d["rejection_sampler_micro"]]))
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     for name, fn in [("rejection_sampling", rejection_sampling), ("tree_attention", tree_attention),
-                     ("kv_compaction", kv_compaction), ("medusa", medusa), ("linear", linear), ("e2e", e2e), ("e2e_spec_bench", e2e)]:
+                     ("kv_compaction", kv_compaction), ("medusa", medusa), ("linear", linear), ("e2e", e2e), ("e2e_spec_bench", e2e),
+                     ("vllm", vllm)]:
         d = load(name)
         if d is not None:
             print(f"### {name}\n\n{fn(d)}\n")

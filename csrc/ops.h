@@ -10,6 +10,11 @@ void chain_rejection_sample_cpu(const at::Tensor& draft_token_ids, const at::Ten
                                 const at::Tensor& temperature, const at::Tensor& seed, const at::Tensor& offset,
                                 at::Tensor& output_token_ids, at::Tensor& num_accepted);
 
+void chain_rejection_sample_flat_cpu(const at::Tensor& draft_token_ids, const at::Tensor& cu_num_draft_tokens,
+                                     const at::Tensor& target_logits, const std::optional<at::Tensor>& draft_probs,
+                                     const at::Tensor& temperature, const at::Tensor& seed, const at::Tensor& offset,
+                                     at::Tensor& output_token_ids, at::Tensor& num_accepted);
+
 void tree_rejection_sample_cpu(const at::Tensor& parents, const at::Tensor& tree_token_ids,
                                const at::Tensor& num_nodes, const at::Tensor& target_logits,
                                const std::optional<at::Tensor>& draft_probs, const at::Tensor& temperature,

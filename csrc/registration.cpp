@@ -24,6 +24,13 @@ TORCH_LIBRARY(specdec, m) {
       "chain_rejection_sample(Tensor draft_token_ids, Tensor num_draft_tokens, "
       "Tensor target_logits, Tensor? draft_probs, Tensor temperature, Tensor seed, "
       "Tensor offset, Tensor(a!) output_token_ids, Tensor(b!) num_accepted) -> ()");
+  // The same on engines' flattened ragged layout (vLLM's): draft_token_ids [T],
+  // cu_num_draft_tokens [B], target_logits [T + B, V], draft_probs [T, V]; K = the width of
+  // output_token_ids [B, K + 1] minus one.
+  m.def(
+      "chain_rejection_sample_flat(Tensor draft_token_ids, Tensor cu_num_draft_tokens, "
+      "Tensor target_logits, Tensor? draft_probs, Tensor temperature, Tensor seed, "
+      "Tensor offset, Tensor(a!) output_token_ids, Tensor(b!) num_accepted) -> ()");
   m.def(
       "tree_rejection_sample(Tensor parents, Tensor tree_token_ids, Tensor num_nodes, "
       "Tensor target_logits, Tensor? draft_probs, Tensor temperature, Tensor seed, "

@@ -132,6 +132,43 @@ def chain_rejection_sample(draft_token_ids, num_draft_tokens, target_logits, dra
     return out, num_accepted
 
 
+def chain_rejection_sample_flat(draft_token_ids, cu_num_draft_tokens, target_logits, draft_probs, temperature, seed,
+                                offset, max_num_draft_tokens):
+    """The flattened ragged layout of engines (vLLM): request b owns drafts
+    start_b .. start_b + n_b - 1 of ``draft_token_ids`` [T] and of ``draft_probs`` [T, V]
+    (start_b = cu[b-1], 0 for b = 0, n_b = cu[b] - start_b) and logits rows start_b + b ..
+    start_b + b + n_b of ``target_logits`` [T + B, V] (its drafts' rows, then its bonus row).
+
+    A negative draft id is padding (engines pad some requests' drafts with -1): the request's
+    drafts end at the first one. Defined as ``chain_rejection_sample`` on the same requests
+    padded to K = ``max_num_draft_tokens`` drafts: same tokens, same randomness. Returns
+    (output_token_ids int64 [B, K+1], num_accepted int32 [B])."""
+    batch = cu_num_draft_tokens.shape[0]
+    vocab = target_logits.shape[-1]
+    k_max = max_num_draft_tokens
+    cu = [0] + [int(c) for c in cu_num_draft_tokens]
+    if cu[-1] != draft_token_ids.shape[0] or target_logits.shape[0] != cu[-1] + batch:
+        raise ValueError(f"cu_num_draft_tokens {cu[1:]} does not describe {draft_token_ids.shape[0]} drafts and "
+                         f"{target_logits.shape[0]} logits rows")
+    drafts = torch.zeros(batch, k_max, dtype=torch.int64)
+    num_drafts = torch.zeros(batch, dtype=torch.int32)
+    logits = torch.zeros(batch, k_max + 1, vocab, dtype=target_logits.dtype)
+    q = None if draft_probs is None else torch.zeros(batch, k_max, vocab, dtype=torch.float32)
+    for b in range(batch):
+        start, n = cu[b], cu[b + 1] - cu[b]
+        if not 0 <= n <= k_max:
+            raise ValueError(f"request {b} has {n} drafts, outside [0, {k_max}]")
+        n = next((k for k in range(n) if int(draft_token_ids[start + k]) < 0), n)  # padding ends the drafts
+        num_drafts[b] = n
+        for k in range(n):
+            drafts[b, k] = draft_token_ids[start + k]
+            if q is not None:
+                q[b, k] = draft_probs[start + k]
+        for k in range(n + 1):
+            logits[b, k] = target_logits[start + b + k]
+    return chain_rejection_sample(drafts, num_drafts, logits, q, temperature, seed, offset)
+
+
 def tree_rejection_sample(parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature, seed, offset):
     """Returns (accepted_nodes int32 [B, N-1], output_token_ids int64 [B, N], num_accepted int32 [B])."""
     batch, n_max = parents.shape

@@ -199,6 +199,32 @@ def check_chain_rejection_sample(draft_token_ids, num_draft_tokens, target_logit
                          *_sampling_inputs(target_logits, draft_probs, temperature, seed, offset)))
 
 
+def check_chain_rejection_sample_flat(draft_token_ids, cu_num_draft_tokens, target_logits, draft_probs, temperature,
+                                      seed, offset, output_token_ids, num_accepted) -> None:
+    """The flattened ragged layout: drafts [T], cu_num_draft_tokens [B], target_logits
+    [T + B, V], draft_probs [T, V]; K is output_token_ids' width [B, K + 1] minus one."""
+    check_tensor(draft_token_ids, "draft_token_ids", dtype=torch.int64, dims=1)
+    num_tokens = draft_token_ids.shape[0]
+    device = draft_token_ids.device
+    check_tensor(cu_num_draft_tokens, "cu_num_draft_tokens", dtype=torch.int32, dims=1, device=device)
+    batch = cu_num_draft_tokens.shape[0]
+    check_tensor(target_logits, "target_logits", dtype=FLOAT_DTYPES, dims=2, device=device)
+    check_tensor(target_logits, "target_logits", shape=(num_tokens + batch, None))
+    vocab = target_logits.shape[1]
+    if vocab == 0:
+        raise ValueError(f"target_logits must have a non-empty vocabulary dimension, got {list(target_logits.shape)}")
+    if draft_probs is not None:
+        check_tensor(draft_probs, "draft_probs", dtype=torch.float32, shape=(num_tokens, vocab), device=device)
+    check_tensor(temperature, "temperature", dtype=torch.float32, shape=(batch,), device=device)
+    check_tensor(seed, "seed", dtype=torch.int64, shape=(batch,), device=device)
+    check_tensor(offset, "offset", dtype=torch.int64, shape=(batch,), device=device)
+    check_tensor(output_token_ids, "output_token_ids", dtype=torch.int64, dims=2, device=device)
+    if output_token_ids.shape[0] != batch or output_token_ids.shape[1] < 1:
+        raise ValueError(f"output_token_ids must have shape [B = {batch}, K + 1] with K >= 0, got "
+                         f"{list(output_token_ids.shape)}")
+    check_tensor(num_accepted, "num_accepted", dtype=torch.int32, shape=(batch,), device=device)
+
+
 def check_tree_rejection_sample(parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature, seed,
                                 offset, accepted_nodes, output_token_ids, num_accepted) -> None:
     check_tensor(parents, "parents", dtype=torch.int32, dims=2)

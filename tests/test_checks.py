@@ -54,6 +54,15 @@ def _chain():
             "rejection_sampling", lambda tr: tr.chain_rejection_sample(*args, *outs))
 
 
+def _chain_flat():
+    # Requests of 3 and 1 drafts: drafts [4], logits [4 + 2, V].
+    args = (torch.randint(0, 16, (4,)), torch.tensor([3, 4], dtype=i32), torch.randn(6, 16), None, torch.ones(2),
+            torch.tensor([1, 2]), torch.zeros(2, dtype=i64))
+    outs = (torch.empty(2, 4, dtype=i64), torch.empty(2, dtype=i32))
+    return (lambda: specdec_kernels.chain_rejection_sample_flat(*args), "check_chain_rejection_sample_flat",
+            "rejection_sampling", lambda tr: tr.chain_rejection_sample_flat(*args, *outs))
+
+
 def _tree():
     args = (torch.tensor([[-1, 0, 0, 1]], dtype=i32), torch.randint(0, 16, (1, 4)), torch.tensor([4], dtype=i32),
             torch.randn(1, 4, 16), None, torch.ones(1), torch.tensor([1]), torch.zeros(1, dtype=i64))
@@ -96,7 +105,7 @@ def _medusa():
             lambda tr: tr.medusa_topk(*args, *outs))
 
 
-CASES = [_chain, _tree, _top_k_top_p, _attention, _compact, _skinny, _medusa]
+CASES = [_chain, _chain_flat, _tree, _top_k_top_p, _attention, _compact, _skinny, _medusa]
 
 
 def _counting(monkeypatch, owner, name):

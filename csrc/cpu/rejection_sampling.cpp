@@ -1,4 +1,6 @@
-// CPU kernels of specdec::chain_rejection_sample and specdec::tree_rejection_sample.
+// CPU kernels of specdec::chain_rejection_sample (padded [B, K+1, V] and the engines'
+// flattened [num_tokens + B, V] layout: chain_rejection_sample_flat) and
+// specdec::tree_rejection_sample.
 //
 // Semantics: docs/design.md and the docstrings in ops.py.
 //
@@ -593,14 +595,15 @@ WalkResult walk(const TreeView& tree, const scalar_t* logits, int64_t vocab, int
 
 struct Request {
   TreeView tree;
-  int64_t row0;
+  int64_t row0;      // target_logits row of node 0 (the padded layouts: b * rows per request)
   int64_t num_rows;
+  int64_t q_row0;    // draft_probs row of node 0
 };
 
 template <typename scalar_t>
 void sample_requests(const std::vector<Request>& reqs, const at::Tensor& logits, const float* q_base,
-                     int64_t q_rows_per_request, const float* temperature, const int64_t* seed, const int64_t* offset,
-                     int64_t rows_per_request, std::vector<WalkResult>& walks, std::vector<char>& valid) {
+                     const float* temperature, const int64_t* seed, const int64_t* offset, int64_t rows_per_request,
+                     std::vector<WalkResult>& walks, std::vector<char>& valid) {
   const int64_t batch = static_cast<int64_t>(reqs.size());
   const int64_t vocab = logits.size(-1);
   const scalar_t* data = logits.data_ptr<scalar_t>();
@@ -649,7 +652,7 @@ void sample_requests(const std::vector<Request>& reqs, const at::Tensor& logits,
       for (int64_t k = 0; k < num_rows; ++k) ok &= !(st[k].full || st[k].checked) || st[k].valid;
       if (!ok) continue;
       WalkResult w = walk(reqs[b].tree, data, vocab, reqs[b].row0, st,
-                          q_base ? q_base + b * q_rows_per_request * vocab : nullptr, temperature[b], seed[b], offset[b]);
+                          q_base ? q_base + reqs[b].q_row0 * vocab : nullptr, temperature[b], seed[b], offset[b]);
       if (w.invalid) continue;
       if (w.race.row >= 0)
         for (int64_t k = 0; k < num_rows; ++k)
@@ -667,6 +670,40 @@ void sample_requests(const std::vector<Request>& reqs, const at::Tensor& logits,
     if (valid[b] && specs[b].row >= 0) walks[b].final_token = winner[b];
 }
 
+// target_logits of `dims` dimensions (3: [B, rows, V]; 2: the flattened [rows, V]), whose
+// leading sizes are `lead`, and draft_probs (if given) of the same layout with `q_lead`.
+void check_logits_and_q(const at::Tensor& target_logits, const std::optional<at::Tensor>& draft_probs,
+                        at::IntArrayRef lead, at::IntArrayRef q_lead) {
+  const int64_t dims = static_cast<int64_t>(lead.size()) + 1;
+  check_cpu(target_logits, "target_logits");
+  check_dim(target_logits, dims, "target_logits");
+  TORCH_CHECK(is_float_dtype(target_logits.scalar_type()),
+              "target_logits must have dtype float32, bfloat16 or float16, got ", target_logits.scalar_type());
+  for (int64_t d = 0; d + 1 < dims; ++d) check_size(target_logits, d, lead[d], "target_logits");
+  const int64_t vocab = target_logits.size(dims - 1);
+  TORCH_CHECK(vocab > 0 && vocab < (int64_t(1) << 31), "target_logits.size(", dims - 1,
+              ") (the vocabulary) must lie in [1, 2^31), got shape ", target_logits.sizes());
+  if (draft_probs.has_value()) {
+    const at::Tensor& q = *draft_probs;
+    check_cpu(q, "draft_probs");
+    check_dtype(q, at::kFloat, "draft_probs");
+    check_dim(q, dims, "draft_probs");
+    for (int64_t d = 0; d + 1 < dims; ++d) check_size(q, d, q_lead[d], "draft_probs");
+    check_size(q, dims - 1, vocab, "draft_probs");
+  }
+}
+
+void check_request_params(const at::Tensor& temperature, const at::Tensor& seed, const at::Tensor& offset,
+                          int64_t batch) {
+  for (auto [t, name, dtype] : {std::tuple{&temperature, "temperature", at::kFloat},
+                                std::tuple{&seed, "seed", at::kLong}, std::tuple{&offset, "offset", at::kLong}}) {
+    check_cpu(*t, name);
+    check_dtype(*t, dtype, name);
+    check_dim(*t, 1, name);
+    check_size(*t, 0, batch, name);
+  }
+}
+
 using NamedTensors = std::initializer_list<std::pair<const at::Tensor*, const char*>>;
 
 // The outputs are written while the inputs are still read (and written one after another):
@@ -680,45 +717,59 @@ void check_outputs_apart(NamedTensors outputs, NamedTensors inputs) {
   }
 }
 
+// The inputs every sampling op reads, made contiguous once (sample() then reads these very
+// tensors, the ones the outputs were checked against).
+struct SamplingInputs {
+  at::Tensor logits;
+  std::optional<at::Tensor> q;
+  at::Tensor temp, seed, offset, no_q;
+  SamplingInputs(const at::Tensor& target_logits, const std::optional<at::Tensor>& draft_probs,
+                 const at::Tensor& temperature, const at::Tensor& seed_, const at::Tensor& offset_)
+      : logits(target_logits.contiguous()),
+        q(draft_probs.has_value() ? std::optional<at::Tensor>(draft_probs->contiguous()) : std::nullopt),
+        temp(temperature.contiguous()),
+        seed(seed_.contiguous()),
+        offset(offset_.contiguous()) {}
+  const at::Tensor* q_or_none() const { return q ? &*q : &no_q; }
+};
+
 void check_common(const at::Tensor& target_logits, const std::optional<at::Tensor>& draft_probs,
                   const at::Tensor& temperature, const at::Tensor& seed, const at::Tensor& offset, int64_t batch,
                   int64_t rows, int64_t q_rows) {
-  check_cpu(target_logits, "target_logits");
-  check_dim(target_logits, 3, "target_logits");
-  TORCH_CHECK(is_float_dtype(target_logits.scalar_type()),
-              "target_logits must have dtype float32, bfloat16 or float16, got ", target_logits.scalar_type());
-  check_size(target_logits, 0, batch, "target_logits");
-  check_size(target_logits, 1, rows, "target_logits");
-  TORCH_CHECK(target_logits.size(2) > 0 && target_logits.size(2) < (int64_t(1) << 31),
-              "target_logits.size(2) (the vocabulary) must lie in [1, 2^31), got shape ", target_logits.sizes());
-  if (draft_probs.has_value()) {
-    const at::Tensor& q = *draft_probs;
-    check_cpu(q, "draft_probs");
-    check_dtype(q, at::kFloat, "draft_probs");
-    check_dim(q, 3, "draft_probs");
-    check_size(q, 0, batch, "draft_probs");
-    check_size(q, 1, q_rows, "draft_probs");
-    check_size(q, 2, target_logits.size(2), "draft_probs");
-  }
-  for (auto [t, name, dtype] : {std::tuple{&temperature, "temperature", at::kFloat},
-                                std::tuple{&seed, "seed", at::kLong}, std::tuple{&offset, "offset", at::kLong}}) {
-    check_cpu(*t, name);
-    check_dtype(*t, dtype, name);
-    check_dim(*t, 1, name);
-    check_size(*t, 0, batch, name);
+  check_logits_and_q(target_logits, draft_probs, {batch, rows}, {batch, q_rows});
+  check_request_params(temperature, seed, offset, batch);
+}
+
+// Chain outputs: accepted drafts, the final token, -1 padding (rows of `width`); -1 counts
+// for invalid requests.
+void write_chain_outputs(const std::vector<Request>& reqs, const std::vector<WalkResult>& walks,
+                         const std::vector<char>& valid, at::Tensor& output_token_ids, at::Tensor& num_accepted) {
+  const int64_t width = output_token_ids.size(1);
+  output_token_ids.fill_(-1);
+  int64_t* out = output_token_ids.data_ptr<int64_t>();
+  int32_t* acc = num_accepted.data_ptr<int32_t>();
+  for (size_t b = 0; b < reqs.size(); ++b) {
+    if (!valid[b]) {
+      acc[b] = -1;
+      continue;
+    }
+    const auto& path = walks[b].path;
+    for (size_t i = 0; i < path.size(); ++i) out[b * width + i] = reqs[b].tree.token(path[i]);
+    out[b * width + path.size()] = walks[b].final_token;
+    acc[b] = static_cast<int32_t>(path.size());
   }
 }
 
-// Runs the three phases for reqs on the arguments both ops share, already made contiguous
-// by the op (which checks its outputs against exactly these tensors, the ones read);
-// draft_probs rows per request: q_rows_per_request, logits rows: rows_per_request.
+// Runs the three phases for reqs on the arguments the ops share (SamplingInputs: made contiguous
+// by the op, which checked its outputs against these very tensors); logits
+// rows per request in the stats buffer: rows_per_request (draft_probs rows: Request::q_row0).
 void sample(const std::vector<Request>& reqs, const at::Tensor& logits, const std::optional<at::Tensor>& q,
-            const at::Tensor& temp, const at::Tensor& seed_c, const at::Tensor& offset_c, int64_t q_rows_per_request,
-            int64_t rows_per_request, std::vector<WalkResult>& walks, std::vector<char>& valid) {
+            const at::Tensor& temp, const at::Tensor& seed_c, const at::Tensor& offset_c, int64_t rows_per_request,
+            std::vector<WalkResult>& walks, std::vector<char>& valid) {
   SPECDEC_DISPATCH_FLOAT_TYPES(logits.scalar_type(), "rejection_sample", [&] {
-    sample_requests<scalar_t>(reqs, logits, q ? q->data_ptr<float>() : nullptr, q_rows_per_request,
-                              temp.data_ptr<float>(), seed_c.data_ptr<int64_t>(), offset_c.data_ptr<int64_t>(),
-                              rows_per_request, walks, valid);
+    sample_requests<scalar_t>(reqs, logits, q ? q->data_ptr<float>() : nullptr, temp.data_ptr<float>(),
+                              seed_c.data_ptr<int64_t>(), offset_c.data_ptr<int64_t>(), rows_per_request, walks,
+                              valid);
   });
 }
 
@@ -747,17 +798,11 @@ void chain_rejection_sample_cpu(const at::Tensor& draft_token_ids, const at::Ten
   const int64_t vocab = target_logits.size(2);
   auto drafts = draft_token_ids.contiguous();
   auto num_drafts = num_draft_tokens.contiguous();
-  auto logits = target_logits.contiguous();
-  std::optional<at::Tensor> q;
-  if (draft_probs.has_value()) q = draft_probs->contiguous();
-  auto temp = temperature.contiguous();
-  auto seed_c = seed.contiguous();
-  auto offset_c = offset.contiguous();
-  const at::Tensor no_q;
+  const SamplingInputs in(target_logits, draft_probs, temperature, seed, offset);
   check_outputs_apart({{&output_token_ids, "output_token_ids"}, {&num_accepted, "num_accepted"}},
-                      {{&drafts, "draft_token_ids"}, {&num_drafts, "num_draft_tokens"}, {&logits, "target_logits"},
-                       {q ? &*q : &no_q, "draft_probs"}, {&temp, "temperature"}, {&seed_c, "seed"},
-                       {&offset_c, "offset"}});
+                      {{&drafts, "draft_token_ids"}, {&num_drafts, "num_draft_tokens"}, {&in.logits, "target_logits"},
+                       {in.q_or_none(), "draft_probs"}, {&in.temp, "temperature"}, {&in.seed, "seed"},
+                       {&in.offset, "offset"}});
   const int64_t* d = drafts.data_ptr<int64_t>();
   const int32_t* nd = num_drafts.data_ptr<int32_t>();
 
@@ -768,24 +813,73 @@ void chain_rejection_sample_cpu(const at::Tensor& draft_token_ids, const at::Ten
     for (int64_t k = 0; k < n; ++k)
       TORCH_CHECK(d[b * max_drafts + k] >= 0 && d[b * max_drafts + k] < vocab, "draft_token_ids[", b, ", ", k,
                   "] = ", d[b * max_drafts + k], " is not a token id in [0, ", vocab, ")");
-    reqs[b] = Request{TreeView{n + 1, nullptr, d + b * max_drafts, true}, b * (max_drafts + 1), n + 1};
+    reqs[b] = Request{TreeView{n + 1, nullptr, d + b * max_drafts, true}, b * (max_drafts + 1), n + 1, b * max_drafts};
   }
   std::vector<WalkResult> walks;
   std::vector<char> valid;
-  sample(reqs, logits, q, temp, seed_c, offset_c, max_drafts, max_drafts + 1, walks, valid);
-  output_token_ids.fill_(-1);
-  int64_t* out = output_token_ids.data_ptr<int64_t>();
-  int32_t* acc = num_accepted.data_ptr<int32_t>();
+  sample(reqs, in.logits, in.q, in.temp, in.seed, in.offset, max_drafts + 1, walks, valid);
+  write_chain_outputs(reqs, walks, valid, output_token_ids, num_accepted);
+}
+
+// The flattened ragged layout of engines: request b's drafts (and draft_probs rows) are
+// start_b .. start_b + n_b - 1 with start_b = cu[b - 1] (0 for b = 0) and n_b = cu[b] -
+// start_b; its logits rows are start_b + b .. start_b + b + n_b (drafts' rows, then the
+// bonus row). The same driver as the padded op, with each request's rows where they are.
+// A negative draft id is padding (vLLM pads some decodes with -1 drafts): the request's
+// drafts end there, and the token at that position is drawn from p like a bonus token.
+void chain_rejection_sample_flat_cpu(const at::Tensor& draft_token_ids, const at::Tensor& cu_num_draft_tokens,
+                                     const at::Tensor& target_logits, const std::optional<at::Tensor>& draft_probs,
+                                     const at::Tensor& temperature, const at::Tensor& seed, const at::Tensor& offset,
+                                     at::Tensor& output_token_ids, at::Tensor& num_accepted) {
+  check_cpu(draft_token_ids, "draft_token_ids");
+  check_dtype(draft_token_ids, at::kLong, "draft_token_ids");
+  check_dim(draft_token_ids, 1, "draft_token_ids");
+  const int64_t num_tokens = draft_token_ids.size(0);
+  check_cpu(cu_num_draft_tokens, "cu_num_draft_tokens");
+  check_dtype(cu_num_draft_tokens, at::kInt, "cu_num_draft_tokens");
+  check_dim(cu_num_draft_tokens, 1, "cu_num_draft_tokens");
+  const int64_t batch = cu_num_draft_tokens.size(0);
+  check_logits_and_q(target_logits, draft_probs, {num_tokens + batch}, {num_tokens});
+  check_request_params(temperature, seed, offset, batch);
+  TORCH_CHECK(output_token_ids.dim() == 2 && output_token_ids.size(1) >= 1,
+              "output_token_ids must have shape [B, K + 1] with K >= 0, got shape ", output_token_ids.sizes());
+  const int64_t max_drafts = output_token_ids.size(1) - 1;
+  check_output(output_token_ids, at::kLong, {batch, max_drafts + 1}, "output_token_ids");
+  check_output(num_accepted, at::kInt, {batch}, "num_accepted");
+
+  const int64_t vocab = target_logits.size(1);
+  auto drafts = draft_token_ids.contiguous();
+  auto cu_c = cu_num_draft_tokens.contiguous();
+  const SamplingInputs in(target_logits, draft_probs, temperature, seed, offset);
+  check_outputs_apart({{&output_token_ids, "output_token_ids"}, {&num_accepted, "num_accepted"}},
+                      {{&drafts, "draft_token_ids"}, {&cu_c, "cu_num_draft_tokens"}, {&in.logits, "target_logits"},
+                       {in.q_or_none(), "draft_probs"}, {&in.temp, "temperature"}, {&in.seed, "seed"},
+                       {&in.offset, "offset"}});
+  const int64_t* d = drafts.data_ptr<int64_t>();
+  const int32_t* cu = cu_c.data_ptr<int32_t>();
+
+  std::vector<Request> reqs(batch);
   for (int64_t b = 0; b < batch; ++b) {
-    if (!valid[b]) {
-      acc[b] = -1;
-      continue;
-    }
-    const auto& path = walks[b].path;
-    for (size_t i = 0; i < path.size(); ++i) out[b * (max_drafts + 1) + i] = d[b * max_drafts + path[i] - 1];
-    out[b * (max_drafts + 1) + path.size()] = walks[b].final_token;
-    acc[b] = static_cast<int32_t>(path.size());
+    const int64_t start = b == 0 ? 0 : cu[b - 1];
+    const int64_t n = cu[b] - start;
+    TORCH_CHECK(n >= 0 && n <= max_drafts, "cu_num_draft_tokens[", b, "] - cu_num_draft_tokens[", b - 1,
+                "] (request ", b, "'s drafts) must lie in [0, K = ", max_drafts, "], got ", n,
+                " (cu_num_draft_tokens holds inclusive prefix sums)");
+    TORCH_CHECK(cu[b] <= num_tokens, "cu_num_draft_tokens[", b, "] = ", cu[b], " exceeds draft_token_ids.size(0) = ",
+                num_tokens);
+    int64_t used = 0;  // drafts before the first padding (negative) id
+    while (used < n && d[start + used] >= 0) ++used;
+    for (int64_t k = 0; k < used; ++k)
+      TORCH_CHECK(d[start + k] < vocab, "draft_token_ids[", start + k, "] = ", d[start + k],
+                  " is not a token id in [0, ", vocab, ") (negative ids are padding)");
+    reqs[b] = Request{TreeView{used + 1, nullptr, d + start, true}, start + b, used + 1, start};
   }
+  TORCH_CHECK(batch == 0 ? num_tokens == 0 : cu[batch - 1] == num_tokens, "cu_num_draft_tokens[-1] must equal "
+              "draft_token_ids.size(0) = ", num_tokens, ", got ", batch == 0 ? 0 : cu[batch - 1]);
+  std::vector<WalkResult> walks;
+  std::vector<char> valid;
+  sample(reqs, in.logits, in.q, in.temp, in.seed, in.offset, max_drafts + 1, walks, valid);
+  write_chain_outputs(reqs, walks, valid, output_token_ids, num_accepted);
 }
 
 void tree_rejection_sample_cpu(const at::Tensor& parents, const at::Tensor& tree_token_ids,
@@ -815,18 +909,12 @@ void tree_rejection_sample_cpu(const at::Tensor& parents, const at::Tensor& tree
   auto par = parents.contiguous();
   auto tokens = tree_token_ids.contiguous();
   auto nn = num_nodes.contiguous();
-  auto logits = target_logits.contiguous();
-  std::optional<at::Tensor> q;
-  if (draft_probs.has_value()) q = draft_probs->contiguous();
-  auto temp = temperature.contiguous();
-  auto seed_c = seed.contiguous();
-  auto offset_c = offset.contiguous();
-  const at::Tensor no_q;
+  const SamplingInputs in(target_logits, draft_probs, temperature, seed, offset);
   check_outputs_apart({{&accepted_nodes, "accepted_nodes"}, {&output_token_ids, "output_token_ids"},
                        {&num_accepted, "num_accepted"}},
-                      {{&par, "parents"}, {&tokens, "tree_token_ids"}, {&nn, "num_nodes"}, {&logits, "target_logits"},
-                       {q ? &*q : &no_q, "draft_probs"}, {&temp, "temperature"}, {&seed_c, "seed"},
-                       {&offset_c, "offset"}});
+                      {{&par, "parents"}, {&tokens, "tree_token_ids"}, {&nn, "num_nodes"}, {&in.logits, "target_logits"},
+                       {in.q_or_none(), "draft_probs"}, {&in.temp, "temperature"}, {&in.seed, "seed"},
+                       {&in.offset, "offset"}});
   const int32_t* p = par.data_ptr<int32_t>();
   const int64_t* t = tokens.data_ptr<int64_t>();
   const int32_t* n_ptr = nn.data_ptr<int32_t>();
@@ -844,11 +932,11 @@ void tree_rejection_sample_cpu(const at::Tensor& parents, const at::Tensor& tree
       TORCH_CHECK(tb[i] >= 0 && tb[i] < vocab, "tree_token_ids[", b, ", ", i, "] = ", tb[i],
                   " is not a token id in [0, ", vocab, ")");
     }
-    reqs[b] = Request{TreeView{n, pb, tb, false}, b * max_nodes, n};
+    reqs[b] = Request{TreeView{n, pb, tb, false}, b * max_nodes, n, b * max_nodes};
   }
   std::vector<WalkResult> walks;
   std::vector<char> valid;
-  sample(reqs, logits, q, temp, seed_c, offset_c, max_nodes, max_nodes, walks, valid);
+  sample(reqs, in.logits, in.q, in.temp, in.seed, in.offset, max_nodes, walks, valid);
   accepted_nodes.fill_(-1);
   output_token_ids.fill_(-1);
   int32_t* an = accepted_nodes.data_ptr<int32_t>();
@@ -875,6 +963,7 @@ void tree_rejection_sample_cpu(const at::Tensor& parents, const at::Tensor& tree
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("chain_rejection_sample", &chain_rejection_sample_cpu);
+  m.impl("chain_rejection_sample_flat", &chain_rejection_sample_flat_cpu);
   m.impl("tree_rejection_sample", &tree_rejection_sample_cpu);
 }
 

@@ -49,11 +49,25 @@ def load_hf_dir(path: str, weights: str = "native"):
     return model, tokenizer
 
 
-def save_hf_dir(model: Llama, path: str) -> None:
-    """Write config.json + model.safetensors (used by tests to hand a model to transformers)."""
+def save_hf_dir(model: Llama, path: str, tokenizer=None) -> None:
+    """Write config.json + model.safetensors, and with ``tokenizer`` (a ``Tokenizer``) its
+    tokenizer.json, tokenizer_config.json and a generation_config.json with every EOS id:
+    a checkpoint directory that transformers and vLLM load (e.g. SmolLM2 from its GGUF)."""
     from safetensors.torch import save_file
 
+    # Dense tensors (hf_state_dict dequantises block weights to fp32) in one dtype, the
+    # embedding's, which config.json states.
+    sd = model.hf_state_dict()
+    dtype = sd["model.embed_tokens.weight"].dtype
+    sd = {k: v.to(dtype) for k, v in sd.items()}
     os.makedirs(path, exist_ok=True)
+    config = model.config.to_hf()
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(model.config.to_hf(), f)
-    save_file(model.hf_state_dict(), os.path.join(path, "model.safetensors"))
+        json.dump(config, f)
+    save_file(sd, os.path.join(path, "model.safetensors"))
+    if tokenizer is not None:
+        tokenizer.save_hf_dir(path)
+        eos = list(tokenizer.eos_token_ids) or list(model.config.eos_token_ids)
+        with open(os.path.join(path, "generation_config.json"), "w") as f:
+            json.dump({"eos_token_id": eos, "bos_token_id": tokenizer.bos_token_id}, f)

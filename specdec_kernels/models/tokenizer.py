@@ -73,6 +73,26 @@ class Tokenizer:
                 template = f.read()
         return cls(tok, chat_template=template, eos_token_ids=eos)
 
+    def save_hf_dir(self, path: str) -> None:
+        """Write tokenizer.json and tokenizer_config.json (chat template, EOS/BOS tokens) so
+        that ``from_hf_dir`` and transformers' ``AutoTokenizer`` (hence engines such as vLLM)
+        read the same tokenizer back."""
+        os.makedirs(path, exist_ok=True)
+        self.tok.save(os.path.join(path, "tokenizer.json"))
+        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+               "model_max_length": 1 << 20}
+        if self.eos_token_ids:
+            # transformers has one EOS token; the first end-of-turn token when there is one
+            # (chat models stop on it), the others are in generation_config.json.
+            names = [self.tok.id_to_token(i) for i in self.eos_token_ids]
+            cfg["eos_token"] = next((n for n in names if n in ("<|im_end|>", "<|eot_id|>")), names[0])
+        if self.bos_token_id is not None:
+            cfg["bos_token"] = self.tok.id_to_token(self.bos_token_id)
+        if self.chat_template:
+            cfg["chat_template"] = self.chat_template
+        with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
+
     @property
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()

