@@ -78,15 +78,41 @@ def linear(d) -> str:
     out.append(table(["weight [N, H]:dtype", "M=8 time / M=1 time", "× F.linear"],
                      [[k, t["skinny_M8_cold_vs_M1"][k], t["skinny_M8_cold_x_F.linear"][k]]
                       for k in t["skinny_M8_cold_vs_M1"]]))
+    if d.get("quantized_linear"):
+        out += ["", "quantized_linear on cold GGUF blocks against F.linear and skinny_linear on the same weight "
+                "dequantised to fp32 (cold too); fraction of copy bandwidth on the quantised bytes:", ""]
+        out.append(table(["weight [N, H]", "blocks", "M", "MB", "ours µs", "F.linear fp32 µs", "skinny fp32 µs",
+                          "× F.linear", "× skinny", "time / M=1 time", "fraction of copy BW"],
+                         [[f"{r['N']}x{r['H']}", r["block_type"], r["M"], r["weight_MB"], r["ours_us"],
+                           r["F.linear_fp32_us"], r["skinny_fp32_us"], r["x_F.linear"], r["x_skinny"], r["vs_M1"],
+                           r["frac_copy"]] for r in d["quantized_linear"] if r["M"] in (1, 8, 16)]))
     return "\n".join(out)
 
 
 def e2e(d) -> str:
-    out = [f"{machine_line(d)}; model load {d.get('load_seconds', 0):.1f} s.", ""]
+    out = [f"{machine_line(d)}; weights {d.get('weights', 'fp32')}; model load {d.get('load_seconds', 0):.1f} s.", ""]
     rows = d["summary"]
-    out.append(table(["batch", "method", "tokens/s", "× ours AR", "mean accepted length", "greedy output identical"],
-                     [[r["batch"], r["method"], r["tokens_per_s"], r["speedup_vs_ours_ar"], r["mean_accepted_length"],
-                       r["identical"]] for r in rows]))
+    if rows and "decode_tokens_per_s" in rows[0]:
+        out.append(table(["batch", "method", "tokens/s", "median", "decode tokens/s", "prefill tokens/s", "× ours AR",
+                          "mean accepted length", "greedy = ours AR"],
+                         [[r["batch"], r["method"], r["tokens_per_s"], r.get("median_tokens_per_s", ""),
+                           r["decode_tokens_per_s"], r["prefill_tokens_per_s"], r["speedup_vs_ours_ar"],
+                           r.get("mean_accepted_length", ""), r["identical"]] for r in rows]))
+    else:
+        out.append(table(["batch", "method", "tokens/s", "× ours AR", "mean accepted length", "greedy output identical"],
+                         [[r["batch"], r["method"], r["tokens_per_s"], r["speedup_vs_ours_ar"],
+                           r["mean_accepted_length"], r["identical"]] for r in rows]))
+    return "\n".join(out)
+
+
+def step_profile(d) -> str:
+    ms = d["ms_per_step"]
+    total = sum(ms.values())
+    out = [f"{d['weights']} weights, {d['threads']} thread(s), {d['decode_steps']} decode steps profiled; "
+           f"{d['weight_bytes_per_step'] / 1e6:.1f} MB of weights per step; step {d['step_ms_unprofiled']:.1f} ms "
+           f"unprofiled; weight products at {d['weight_products_gbs']:.1f} GB/s against {d['copy_bandwidth_gbs']:.1f} "
+           f"GB/s copy bandwidth (roofline step {d['roofline_step_ms']:.1f} ms).", ""]
+    out.append(table(["part of the step", "ms (profiled)", "share"], [[k, v, f"{v / total:.0%}"] for k, v in ms.items()]))
     return "\n".join(out)
 
 
@@ -112,7 +138,8 @@ def vllm(d) -> str:
 def main(argv=None) -> int:
     for name, fn in [("rejection_sampling", rejection_sampling), ("tree_attention", tree_attention),
                      ("kv_compaction", kv_compaction), ("medusa", medusa), ("linear", linear), ("e2e", e2e), ("e2e_spec_bench", e2e),
-                     ("vllm", vllm)]:
+                     ("e2e_spec_bench_native", e2e), ("step_profile_native", step_profile),
+                     ("step_profile_fp32", step_profile), ("vllm", vllm)]:
         d = load(name)
         if d is not None:
             print(f"### {name}\n\n{fn(d)}\n")
