@@ -33,7 +33,6 @@ vocabulary.
 from __future__ import annotations
 
 import os
-import re
 
 import torch
 import torch.nn as nn
@@ -194,15 +193,9 @@ SHIPPED_HEADS = {"smollm2-135m": "eagle_smollm2_135m.safetensors"}
 def default_eagle_checkpoint(model_name: str, *, must_exist: bool = True) -> str | None:
     """Path of the package's trained EAGLE head for a registered model name (also matched on
     the model's file name), or None if none ships."""
-    def squash(name):
-        return re.sub(r"[^a-z0-9]", "", name.lower())
+    from .models.registry import shipped_file
 
-    given = squash(os.path.basename(str(model_name)))
-    key = next((k for k in SHIPPED_HEADS if k == model_name or squash(k) in given), None)
-    if key is None:
-        return None
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", SHIPPED_HEADS[key])
-    return path if (os.path.exists(path) or not must_exist) else None
+    return shipped_file(model_name, SHIPPED_HEADS, must_exist=must_exist)
 
 
 def save_eagle_head(head: EagleHead, path, *, dtype=torch.bfloat16, metadata: dict | None = None) -> None:

@@ -290,15 +290,9 @@ SHIPPED_HEADS = {"smollm2-135m": "medusa_smollm2_135m.safetensors"}
 def default_medusa_checkpoint(model_name: str, *, must_exist: bool = True) -> str | None:
     """Path of the package's trained Medusa heads for a registered model name (e.g.
     ``smollm2-135m``, also matched on the model's file name), or None if none ships."""
-    def squash(name):
-        return re.sub(r"[^a-z0-9]", "", name.lower())
+    from .models.registry import shipped_file
 
-    given = squash(os.path.basename(str(model_name)))
-    key = next((k for k in SHIPPED_HEADS if k == model_name or squash(k) in given), None)
-    if key is None:
-        return None
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", SHIPPED_HEADS[key])
-    return path if (os.path.exists(path) or not must_exist) else None
+    return shipped_file(model_name, SHIPPED_HEADS, must_exist=must_exist)
 
 
 def load_medusa_heads(source, *, lm_head_weight: torch.Tensor | None = None, dtype=None,

