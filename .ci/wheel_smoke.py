@@ -10,6 +10,7 @@ plausible result. ``specdec generate`` is run by the shell script.
 Usage: python -I wheel_smoke.py SOURCE_TREE
 """
 import importlib
+import importlib.util
 import math
 import pkgutil
 import sys
@@ -33,11 +34,21 @@ def main(source_tree: str) -> None:
 
     # Every module imports without the source tree (pkgutil finds them in the install).
     modules = [m.name for m in pkgutil.walk_packages([str(installed)], prefix="specdec_kernels.")]
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    skipped = []
     for name in modules:
         if name.startswith("specdec_kernels.triton") and not specdec_kernels.HAS_TRITON:
-            continue  # the optional extra (pip install specdec_kernels[triton])
+            skipped.append(name)  # the optional extra (pip install specdec_kernels[triton])
+            continue
+        if name.startswith("specdec_kernels.integrations.vllm.") and not has_vllm:
+            # The vLLM adapter's modules import vLLM (the package itself, which vLLM's plugin
+            # entry point loads, must import without it: checked here). .ci/vllm tests them.
+            if name.rsplit(".", 1)[1] not in ("compat",):
+                skipped.append(name)
+                continue
         importlib.import_module(name)
-    print(f"imported {len(modules)} modules")
+    print(f"imported {len(modules) - len(skipped)} modules ({len(skipped)} need an optional package: "
+          f"{', '.join(skipped) or 'none'})")
 
     # Every package-data file of the source tree is in the install.
     data = sorted(p.relative_to(source / "specdec_kernels") for p in (source / "specdec_kernels" / "data").rglob("*")
@@ -71,6 +82,11 @@ def run_every_op() -> None:
                                           torch.tensor([0.0, 0.9]), torch.tensor([1, 2]), torch.tensor([0, 0]))
     assert acc[0] == 2 and out[0].tolist() == [*drafts[0].tolist(), int(logits[0, 2].argmax())]
     assert 0 <= int(acc[1]) <= 2
+    # the flattened layout: the same two requests' drafts and logits rows, no padding
+    flat_out, flat_acc = ops.chain_rejection_sample_flat(drafts.reshape(-1), torch.tensor([2, 4], dtype=i32),
+                                                         logits.reshape(-1, 50), None, torch.tensor([0.0, 0.9]),
+                                                         torch.tensor([1, 2]), torch.tensor([0, 0]))
+    assert flat_out.tolist() == out.tolist() and flat_acc.tolist() == acc.tolist()
     parents = torch.tensor([[-1, 0, 1]], dtype=i32)
     tokens = torch.tensor([[0, int(logits[0, 0].argmax()), int(logits[0, 1].argmax())]])
     nodes, out, acc = ops.tree_rejection_sample(parents, tokens, torch.tensor([3], dtype=i32), logits[:1], None,
@@ -110,7 +126,7 @@ def run_every_op() -> None:
     # quantized_linear on F32 blocks (GGML type 0: the weight's fp32 bytes as they are)
     torch.testing.assert_close(ops.quantized_linear(x, w.view(torch.uint8), 0), x @ w.T, atol=1e-5, rtol=1e-5)
 
-    ran = {"philox_uniform", "chain_rejection_sample", "tree_rejection_sample", "apply_top_k_top_p", "tree_attention",
+    ran = {"philox_uniform", "chain_rejection_sample", "chain_rejection_sample_flat", "tree_rejection_sample", "apply_top_k_top_p", "tree_attention",
            "compact_kv", "medusa_topk", "skinny_linear", "quantized_linear"}
     assert set(specdec_kernels.list_ops()) == ran, f"ops not run here: {set(specdec_kernels.list_ops()) - ran}"
     print("every op ran on CPU")
