@@ -4,8 +4,9 @@
 
 Per prompt (round-robin over categories, as bench_e2e.py picks them): our autoregressive
 loop, eagle:max and eagle+ngram:max back to back at batch 1 (48 new tokens, greedy, one
-thread). bench/results/e2e_spec_bench_eagle_partial.json is rewritten after every prompt,
-so a run stopped by a deadline keeps what it measured (bench_e2e.py writes only at the end).
+thread). bench/results/e2e_spec_bench_eagle.json is rewritten after every prompt, so a run stopped
+by a deadline keeps what it measured (bench_e2e.py writes only at the end). The model runs on
+its native (GGUF block) weights, the default.
 """
 import json
 import os
@@ -19,13 +20,13 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 torch.set_num_threads(1)
-from specdec_kernels.cli import make_drafter
-from specdec_kernels.decoding import Generator, SpecSchedule
-from specdec_kernels.decoding.benchmark import load_prompts
-from specdec_kernels.models import load_model
+from bench.bench_e2e import load_prompts  # noqa: E402
+from specdec_kernels.decoding import Generator, SpecSchedule  # noqa: E402
+from specdec_kernels.decoding.registry import make_drafter  # noqa: E402
+from specdec_kernels.models import load_model  # noqa: E402
 model, tok = load_model("smollm2-135m")
 prompts = load_prompts(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 26, tok)
-out = Path(ROOT) / "bench" / "results" / "e2e_spec_bench_eagle_partial.json"
+out = Path(ROOT) / "bench" / "results" / "e2e_spec_bench_eagle.json"
 methods = ["ours-ar", "eagle:max", "eagle+ngram:max"]
 Generator(model, None).generate([prompts[0]["ids"]], 4)  # warm-up
 for m in methods[1:]:
