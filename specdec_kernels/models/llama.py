@@ -59,22 +59,9 @@ def dense(w) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w) -> torch.Tensor:
     """x @ w^T through ops.linear; ``w`` may be a tuple of row blocks kept separate (block
-    weights of different types that cannot be concatenated), whose outputs are concatenated.
-
-    Block weights go to ``specdec::quantized_linear`` directly, as ``ops.linear`` would send
-    them, without the wrapper's Python argument checks: those cost ~15 µs a call, and a
-    decode step of SmolLM2 makes 121 of these calls (~2 ms of a ~16 ms step), while the C++
-    kernel (and the Triton launcher) check every argument again anyway."""
+    weights of different types that cannot be concatenated), whose outputs are concatenated."""
     if isinstance(w, tuple):
-        return torch.cat([linear(x, p) for p in w], dim=-1)
-    if is_block_weight(w):
-        N, H = w.shape
-        flat = x.reshape(-1, H)
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
-        out = torch.empty((flat.shape[0], N), dtype=torch.float32, device=flat.device)
-        torch.ops.specdec.quantized_linear(flat, w.blocks, w.block_type, None, out)
-        return out.reshape(*x.shape[:-1], N)
+        return torch.cat([ops.linear(x, p) for p in w], dim=-1)
     return ops.linear(x, w)
 
 
