@@ -47,12 +47,13 @@ def rss_bytes() -> int:
 
 
 def caches_of(gen: Generator, drafter) -> dict:
-    """The paged caches to check after a run: the target's and any the drafter holds."""
+    """The paged caches to check after a run: the target's, and the drafter's own when it
+    keeps one (``drafter.cache``: the EAGLE head's and a draft model's; self-speculation
+    shares the target's)."""
     caches = {"target": gen.cache}
-    for name in ("cache", "draft_cache", "head_cache"):
-        c = getattr(drafter, name, None) if drafter is not None else None
-        if c is not None and hasattr(c, "num_free_blocks"):
-            caches[f"drafter.{name}"] = c
+    own = getattr(drafter, "cache", None)
+    if own is not None and own is not gen.cache:
+        caches["drafter"] = own
     return caches
 
 
