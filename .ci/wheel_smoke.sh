@@ -52,4 +52,10 @@ cd "$WORK/run"
 "$WORK/venv/bin/specdec" generate --model smollm2-135m --drafter medusa --max-new-tokens 8 \
   --prompt "What is the capital of France?" 2>&1 | tee "$WORK/generate.log"
 grep -qi "tokens" "$WORK/generate.log" || { echo "wheel: specdec generate printed no stats" >&2; exit 1; }
+# The shipped distilled draft model and exit head (package data read from the wheel).
+for drafter in draft self-spec; do
+  "$WORK/venv/bin/specdec" generate --model smollm2-135m --drafter "$drafter" --max-new-tokens 8 --no-ar-check \
+    --prompt "What is the capital of France?" 2>&1 | tee "$WORK/generate_$drafter.log"
+  grep -q "$drafter" "$WORK/generate_$drafter.log" || { echo "wheel: --drafter $drafter did not run" >&2; exit 1; }
+done
 echo "wheel: smoke test passed"

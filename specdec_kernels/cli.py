@@ -6,6 +6,7 @@
         (bench/bench_e2e.py of a source checkout; results in ~/.cache/specdec_kernels/bench by default)
     specdec train-medusa --model smollm2-135m [--out FILE]   (trains Medusa heads; a new file by default)
     specdec train-eagle --model smollm2-135m [--out FILE]    (trains the EAGLE head; a new file by default)
+    specdec train-draft --kind draft|exit [--out FILE]       (a distilled draft model / a self-spec exit head)
     specdec export-hf --model smollm2-135m --out DIR   (a Hugging Face checkpoint folder, e.g. for vLLM)
 
 Bad input (an unknown model, numbers out of range, an empty or non-UTF-8 prompt) ends with
@@ -137,7 +138,8 @@ def cmd_generate(args) -> int:
     try:
         drafter = make_drafter(args.drafter, model, self_spec_layers=args.self_spec_layers,
                                draft_model=args.draft_model, medusa_checkpoint=args.medusa_checkpoint,
-                               eagle_checkpoint=args.eagle_checkpoint)
+                               eagle_checkpoint=args.eagle_checkpoint, draft_weights=args.draft_weights,
+                               exit_head=args.exit_head)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(f"--drafter {args.drafter}: {e}") from None
     if args.drafter == "medusa" and not args.medusa_checkpoint:
@@ -278,9 +280,16 @@ def build_parser() -> Parser:
                    help="sample from the smallest set of tokens with this much probability; 1 = off")
     g.add_argument("--seed", type=number(int, low=0, high=2**63 - 1), default=0, help="sampling seed")
     g.add_argument("--self-spec-layers", type=number(int, low=1), default=8,
-                   help="layers of the target that self-spec / draft (without --draft-model) run")
+                   help="layers of the target that self-spec-plain (and self-spec / draft when the model ships no "
+                        "exit head / draft model) run")
     g.add_argument("--draft-model", default=None,
-                   help="draft checkpoint for draft / draft-tree (None: the target's first --self-spec-layers layers)")
+                   help="draft for draft / draft-tree: a file of specdec train-draft, or a model name / checkpoint "
+                        "of the same vocabulary; None: the distilled draft the package ships for the model")
+    g.add_argument("--draft-weights", choices=("stored", "fp32", "q8_0", "q4_0"), default="stored",
+                   help="how a draft file's linear weights run (the shipped draft is stored as Q8_0 blocks)")
+    g.add_argument("--exit-head", default=None,
+                   help="self-spec exit head file of specdec train-draft --kind exit; None: the one the package "
+                        "ships for the model; 'none': plain early exit")
     g.add_argument("--medusa-checkpoint", default=None,
                    help="Medusa heads (.safetensors/.pt with the Medusa keys); None: the heads the package ships "
                         "for the model; 'untrained' for untrained heads")
@@ -310,6 +319,8 @@ def build_parser() -> Parser:
                    help="train Medusa heads by self-distillation (specdec train-medusa --help)")
     sub.add_parser("train-eagle", add_help=False,
                    help="train the EAGLE draft head by self-distillation (specdec train-eagle --help)")
+    sub.add_parser("train-draft", add_help=False,
+                   help="train a distilled draft model or a self-speculation exit head (specdec train-draft --help)")
     return p
 
 
@@ -326,6 +337,10 @@ def main(argv=None) -> int:
             from .training.eagle_training import main as train_eagle_main
 
             return train_eagle_main(argv[1:])
+        if argv[:1] == ["train-draft"]:
+            from .training.draft_training import main as train_draft_main
+
+            return train_draft_main(argv[1:])
         args = build_parser().parse_args(argv)
         return args.func(args)
     except UsageError as e:

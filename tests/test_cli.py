@@ -285,7 +285,7 @@ def test_beyond_the_context_is_one_error_line(tiny_dir, env):
                             "--drafter", "none"], env), "context")
 
 
-@pytest.mark.parametrize("command", ["generate", "train-medusa", "train-eagle"])
+@pytest.mark.parametrize("command", ["generate", "train-medusa", "train-eagle", "train-draft"])
 def test_every_flag_has_help_and_its_default(command, env):
     """``--help`` gives one line of help per flag and shows the defaults."""
     r = specdec([command, "--help"], env)
@@ -309,3 +309,25 @@ def test_every_flag_has_help_and_its_default(command, env):
         has_help = "  " in first or len(entry) > 1
         assert has_help, f"{command} {flag} has no help"
     assert "(default:" in text
+
+
+@pytest.mark.parametrize("kind", ["draft", "exit"])
+def test_train_draft_end_to_end(tiny_dir, env, tmp_path, kind):
+    """``specdec train-draft`` on the tiny model: data generated and cached, trained,
+    written; the file then drives ``generate --drafter draft / self-spec``; an existing
+    ``--out`` is refused without ``--overwrite``."""
+    out = tmp_path / f"{kind}.safetensors"
+    args = ["train-draft", "--kind", kind, "--model", str(tiny_dir), "--num-prompts", "6", "--max-new-tokens", "8",
+            "--shard-size", "3", "--draft-vocab-size", "64", "--epochs", "1", "--batch-seqs", "2", "--eval-prompts", "1",
+            "--layers", "1", "--exit-layers", "1", "--rank", "4", "--cache-dir", str(tmp_path / "data"), "--out", str(out)]
+    r = specdec(args, env)
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    assert out.exists() and f"wrote {out}" in r.stdout.decode()
+    assert len(list((tmp_path / "data").rglob("shard_*.pt"))) == 2
+    flag = ["--drafter", "draft", "--draft-model", str(out)] if kind == "draft" else ["--drafter", "self-spec",
+                                                                                       "--exit-head", str(out)]
+    g = specdec(["generate", "--model", str(tiny_dir), "--prompt", "hi", "--max-new-tokens", "6", "--no-ar-check", *flag],
+                env)
+    assert g.returncode == 0, g.stderr.decode()[-2000:]
+    again = specdec(args, env)
+    assert again.returncode == 2 and "--overwrite" in again.stderr.decode()

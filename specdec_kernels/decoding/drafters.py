@@ -17,6 +17,7 @@ prefill), ``verified`` (after each step, with the accepted counts) and ``finish`
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -138,20 +139,67 @@ class ModelDrafter(Drafter):
     of the root (deterministic drafts, verified without draft probabilities). With a chain
     and sampling, drafts are drawn from the draft model's q and verified with it.
     ``share_target_cache`` (self-speculation): ``model`` is the target truncated to its first
-    layers and writes into the target's cache.
+    layers and writes into the target's cache. A model with a ``draft_vocab`` (a distilled
+    draft or an exit head, ``specdec_kernels.draft_model``) drafts ids of that vocabulary,
+    mapped to the target's; its q is zero outside it, which rejection sampling handles exactly.
     """
 
     name = "draft"
 
     def __init__(self, model: Llama, *, tree_width: int = 1, max_k: int = 16, share_target_cache: bool = False,
-                 name: str | None = None):
+                 name: str | None = None, sized: bool = False, step_cost=None, acceptance: float | None = None):
+        """``sized``: the schedule's length is a cap and each step drafts the chain length
+        that maximises expected tokens per unit time (:meth:`chain_length`), from the
+        target's measured step-cost curve (``step_cost``, default the Generator's or
+        ``cost_model.step_cost_for``), the draft's measured time per token and its running
+        acceptance rate (starting from ``acceptance``, default the held-out agreement its
+        file records, else 0.5); the drafters by name (``make_drafter``) run this way with
+        the ``max`` schedule. ``sized=False``: exactly the schedule's length."""
         self.model, self.tree_width, self.share = model, tree_width, share_target_cache
+        self.vocab_size = model.config.vocab_size
         self.max_nodes = max_k + tree_width
         self.name = name or ("draft-tree" if tree_width > 1 else "draft")
         self._gen = torch.Generator()
+        self.sized = sized
+        self.step_cost = as_step_cost(step_cost) if step_cost is not None else None
+        prior = acceptance if acceptance is not None else float(getattr(model, "metadata", {}).get("held_out_top1", 0.5))
+        # Accepted draft tokens and rejections seen, seeded with a prior worth 8 tokens.
+        self._accepted, self._rejected = 8 * prior, 8 * (1 - prior)
+        self._token_s = None  # measured seconds of one draft depth (batch of this step), EMA
+        self._drafted: dict = {}
+
+    # ---- sizing ---------------------------------------------------------------------------
+    @property
+    def acceptance(self) -> float:
+        """Running estimate of P(a draft token is accepted | the ones before it were)."""
+        return self._accepted / max(1e-9, self._accepted + self._rejected)
+
+    def chain_length(self, batch: int, cap: int) -> int:
+        """The chain length (0..cap) maximising expected tokens per unit time at this batch:
+        ``B * sum_{i<=k} a^i / (cost(B (k + w)) + k * t_draft / t_step)`` with ``a`` the running
+        acceptance, ``cost`` the target's step-cost curve (relative to a one-row-per-request
+        step), ``w`` the tree width and ``t_draft / t_step`` the measured draft-depth time
+        over a target step."""
+        a, w = self.acceptance, self.tree_width
+        c = self._token_s / self.step_cost.seconds(batch, batch)
+        best_k, best = 0, 1.0
+        for k in range(1, cap + 1):
+            tokens = sum(a ** i for i in range(k + 1))  # the root's extra children count as cost only
+            value = tokens / (self.step_cost(batch * (k + w), batch) + k * c)
+            if value > best:
+                best_k, best = k, value
+        return best_k
 
     def start(self, gen, reqs):
         self._gen.manual_seed(int(reqs[0].sampling.seed) if reqs else 0)
+        if self.sized:
+            if self.step_cost is None:
+                given = getattr(gen, "step_cost", None)
+                self.step_cost = as_step_cost(given) if given is not None else step_cost_for(gen.model)
+            if self._token_s is None:
+                from .cost_model import draft_token_seconds
+
+                self._token_s = draft_token_seconds(self.model)
         if self.share:
             self.cache = gen.cache
             return
@@ -169,6 +217,9 @@ class ModelDrafter(Drafter):
     def propose(self, gen, reqs, lengths):
         model, cache = self.model, self.cache
         drafts = [Draft.root_only(r.tokens[-1]) for r in reqs]
+        if self.sized and self._token_s is not None:
+            k = self.chain_length(len(reqs), max(lengths))
+            lengths = [min(n, k) for n in lengths]
         runs = []
         for b, (r, k) in enumerate(zip(reqs, lengths)):
             if k <= 0:
@@ -183,6 +234,7 @@ class ModelDrafter(Drafter):
         if not runs:
             return drafts
         for step in range(max(run.length for run in runs)):
+            t_step = time.perf_counter()
             rows = [run for run in runs if step < run.length]
             row_positions = [torch.arange(run.pos, run.pos + len(run.feed)) for run in rows]
             indptr = torch.tensor([0] + list(np.cumsum([len(run.feed) for run in rows])), dtype=torch.int32)
@@ -192,20 +244,28 @@ class ModelDrafter(Drafter):
             tokens = torch.tensor([t for run in rows for t in run.feed], dtype=torch.int64)
             h = model.forward(tokens, torch.cat(row_positions), cache, batch)
             logits = model.logits(h[indptr[1:].long() - 1])
+            vocab = model.draft_vocab  # None, or the target ids of a draft-vocabulary head's rows
             for i, run in enumerate(rows):
                 tok, q = _draw(logits[i], run.request, self._gen)
                 if step == 0 and self.tree_width > 1:
                     best = logits[i].topk(self.tree_width).indices.tolist()
                     tok, q = best[0], None
-                    run.alts = best[1:]
+                    run.alts = best[1:] if vocab is None else vocab[best[1:]].tolist()
                 elif self.tree_width > 1:
                     tok, q = int(logits[i].argmax()), None
+                if vocab is not None:
+                    tok = int(vocab[tok])
+                    if q is not None:  # q over the target's vocabulary: zero outside the draft's
+                        q = torch.zeros(self.vocab_size, dtype=q.dtype).index_copy_(0, vocab, q)
                 run.chain.append(tok)
                 run.probs.append(q)
                 run.pos += len(run.feed)
                 run.feed = [tok]
+            if step > 0 and self._token_s is not None:  # step 0 also feeds the catch-up tokens
+                self._token_s = 0.8 * self._token_s + 0.2 * (time.perf_counter() - t_step)
         for run in runs:
             r = run.request
+            self._drafted[r.rid] = len(run.chain)
             if self.tree_width > 1:
                 k = len(run.chain)
                 drafts[run.index] = Draft(list(range(-1, k)) + [0] * len(run.alts), [r.tokens[-1]] + run.chain + run.alts)
@@ -220,6 +280,12 @@ class ModelDrafter(Drafter):
         return drafts
 
     def verified(self, gen, reqs, num_accepted):
+        for r, n in zip(reqs, num_accepted):  # the running acceptance rate (chain_length)
+            k = self._drafted.pop(r.rid, 0)
+            if k > 0:
+                n = max(0, min(int(n), k))  # -1: the step failed (NaN logits)
+                self._accepted += n
+                self._rejected += n < k
         if self.share:
             return
         for r in reqs:
@@ -238,11 +304,18 @@ class ModelDrafter(Drafter):
 
 
 class SelfSpecDrafter(ModelDrafter):
-    """Self-speculation: the target's first ``num_layers`` layers + final norm + LM head,
-    writing into the target's cache (``ModelDrafter`` options in ``kw``)."""
+    """Self-speculation: the target's first layers draft, writing into the target's cache
+    (``ModelDrafter`` options in ``kw``). With ``exit_model`` (``draft_model.exit_model``: the
+    target's first L layers with a trained exit head — norm + low-rank adapter folded into a
+    draft-vocabulary LM head) the exit is trained; else plain early exit after
+    ``num_layers`` layers through the target's own final norm and LM head."""
 
-    def __init__(self, target: Llama, num_layers: int, **kw):
-        super().__init__(target.truncated(num_layers), share_target_cache=True, name=f"self-spec-{num_layers}", **kw)
+    def __init__(self, target: Llama, num_layers: int | None = None, *, exit_model: Llama | None = None, **kw):
+        if exit_model is None and num_layers is None:
+            raise ValueError("SelfSpecDrafter needs num_layers or an exit_model")
+        model = exit_model if exit_model is not None else target.truncated(num_layers)
+        name = f"self-spec-{model.config.num_layers}" + ("-exit" if exit_model is not None else "")
+        super().__init__(model, share_target_cache=True, name=kw.pop("name", name), **kw)
 
 
 def medusa_heads_for(target: Llama, checkpoint=None, *, num_heads: int = 4, num_layers: int = 1) -> MedusaHeads:

@@ -23,13 +23,20 @@ DRAFTER_INFO = {
                                       "tokens, as a chain (length grows while all drafts are accepted)"),
     "ngram-tree": DrafterInfo("max", "prompt lookup over several earlier matches merged into one tree, sized by "
                                      "expected accepted tokens over the measured verify cost"),
-    "self-spec": DrafterInfo("constant", "the target's first --self-spec-layers layers draft a chain"),
+    "self-spec": DrafterInfo("max", "the target's first layers with the exit head shipped for the model (or "
+                                    "--exit-head) draft a chain sized by the measured step cost; without one, plain "
+                                    "early exit after --self-spec-layers layers"),
+    "self-spec-plain": DrafterInfo("max", "plain early exit after --self-spec-layers layers through the target's own "
+                                          "norm and LM head (for comparison)"),
     "medusa": DrafterInfo("constant", "the Medusa heads shipped for the model (or --medusa-checkpoint) draft a tree"),
     "medusa+ngram": DrafterInfo("constant", "the Medusa tree plus the prompt-lookup chain as one more branch"),
     "medusa-untrained": DrafterInfo("constant", "untrained Medusa heads on a static small tree (for comparison)"),
-    "draft": DrafterInfo("constant", "a draft model (--draft-model, default the target's first layers) drafts "
-                                     "a chain"),
-    "draft-tree": DrafterInfo("constant", "a draft model drafts a tree, its top 3 tokens at each step"),
+    "draft": DrafterInfo("max", "the distilled draft model shipped for the model (or --draft-model; without "
+                                "either, the target's first --self-spec-layers layers) drafts a chain sized by the "
+                                "measured step cost"),
+    "draft-tree": DrafterInfo("max", "the draft model's chain plus its next-best first tokens (top 3 at the root)"),
+    "draft-untrained": DrafterInfo("max", "the distilled draft's architecture before distillation: the target's "
+                                          "first layers, norm and LM head (for comparison)"),
     "eagle": DrafterInfo("max", "the EAGLE-style head shipped for the model (or --eagle-checkpoint) drafts a "
                                 "dynamic tree sized by the measured step cost"),
     "eagle+ngram": DrafterInfo("max", "the EAGLE tree plus the prompt-lookup chain as one more branch"),
@@ -48,8 +55,15 @@ def default_schedule(name: str | None) -> str:
 
 def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: str | None = None,
                  medusa_checkpoint: str | None = None, max_k: int = 16,
-                 eagle_checkpoint: str | None = None) -> Drafter | None:
-    """A drafter by name for ``model`` (None for plain autoregressive decoding)."""
+                 eagle_checkpoint: str | None = None, draft_weights: str = "stored",
+                 exit_head: str | None = None) -> Drafter | None:
+    """A drafter by name for ``model`` (None for plain autoregressive decoding).
+
+    ``draft_model``: a draft file of ``specdec train-draft`` (.safetensors) or a model name /
+    checkpoint of the same vocabulary; None = the distilled draft shipped for the model.
+    ``draft_weights``: how a draft file's linears run ("stored", "fp32", "q8_0", "q4_0").
+    ``exit_head``: the self-speculation exit head file; None = the shipped one; "none" =
+    plain early exit."""
     # Imported here: the table above serves --help and argument checks without loading the
     # decode loop's modules.
     from .drafters import (MEDUSA_SMALL_CHOICES, MedusaDrafter, ModelDrafter, NgramDrafter, NgramTreeDrafter,
@@ -61,8 +75,14 @@ def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: st
         return NgramDrafter(max_k=max_k)
     if name == "ngram-tree":
         return NgramTreeDrafter(max_k=max_k)
-    if name == "self-spec":
-        return SelfSpecDrafter(model, self_spec_layers, max_k=max_k)
+    if name in ("self-spec", "self-spec-plain"):
+        from ..draft_model import exit_model_for
+
+        exit_m = None if name == "self-spec-plain" or exit_head == "none" else exit_model_for(model, exit_head)
+        drafter = SelfSpecDrafter(model, self_spec_layers, exit_model=exit_m, max_k=max_k, sized=True)
+        if name == "self-spec-plain":
+            drafter.name = name
+        return drafter
     if name == "medusa":  # the package's trained heads for the model unless a checkpoint is given
         return MedusaDrafter(model, medusa_heads_for(model, medusa_checkpoint))
     if name == "medusa+ngram":  # the trained heads' tree plus the prompt-lookup chain as one more branch
@@ -78,15 +98,24 @@ def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: st
         head = eagle_head_for(model, "untrained" if name == "eagle-untrained" else eagle_checkpoint)
         return EagleDrafter(model, head, ngram=NgramDrafter(max_k=max_k) if name == "eagle+ngram" else None,
                             name=name)
-    if name in ("draft", "draft-tree"):
-        if draft_model:
+    if name in ("draft", "draft-tree", "draft-untrained"):
+        from ..draft_model import default_draft_checkpoint, draft_model_for, truncated_draft
+
+        if name == "draft-untrained":  # the shipped draft's layers and vocabulary, before distillation
+            shipped = default_draft_checkpoint(model.name)
+            if shipped is None:
+                dm = model.truncated(self_spec_layers)
+            else:
+                d = draft_model_for(model, shipped)
+                dm = truncated_draft(model, d.config.num_layers, d.draft_vocab)
+        elif draft_model and not str(draft_model).endswith(".safetensors"):
             from ..models import load_model
 
             dm, _ = load_model(draft_model)
             if dm.config.vocab_size != model.config.vocab_size:
                 raise ValueError(f"draft model vocabulary ({dm.config.vocab_size}) differs from the target's "
                                  f"({model.config.vocab_size})")
-        else:  # no second checkpoint ships with the package: a layer-truncated copy of the target
-            dm = model.truncated(self_spec_layers)
-        return ModelDrafter(dm, tree_width=3 if name == "draft-tree" else 1, max_k=max_k, name=name)
+        else:  # a draft file, or the one the package ships (else the target's first layers)
+            dm = draft_model_for(model, draft_model, weights=draft_weights, fallback_layers=self_spec_layers)
+        return ModelDrafter(dm, tree_width=3 if name == "draft-tree" else 1, max_k=max_k, name=name, sized=True)
     raise ValueError(f"unknown drafter {name!r}; choose from {DRAFTERS}")

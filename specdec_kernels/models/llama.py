@@ -93,6 +93,10 @@ class Llama:
     ``weights`` holds ``embed`` [V, H], ``norm`` [H], ``lm_head`` [V, H] (the embedding when
     tied) and per layer ``layers[i]`` = dict(attn_norm, wqkv [(Hq+2Hkv)*D, H], wo [H, Hq*D],
     mlp_norm, w_gate_up [2I, H], w_down [H, I]).
+
+    Draft models may carry ``draft_vocab`` (int64 [Vd]): their LM head has Vd rows, the
+    target-vocabulary ids of those rows, so ``logits`` are [T, Vd] and index into it (the
+    decode loop maps them back; see ``specdec_kernels.draft_model``).
     """
 
     def __init__(self, config: LlamaConfig, weights: dict, *, name: str = "llama", weight_format: str | None = None):
@@ -102,6 +106,7 @@ class Llama:
         self.norm = weights["norm"]
         self.lm_head = weights["lm_head"]
         self.layers = weights["layers"]
+        self.draft_vocab = weights.get("draft_vocab")
         self.device = self.embed.device
         # Activations (and the KV cache) are fp32 with block weights, else the weights' dtype.
         self.dtype = self.norm.dtype
@@ -165,8 +170,8 @@ class Llama:
         embed = q(self.embed)
         lm_head = embed if self.lm_head is self.embed else q(self.lm_head)
         layers = [{k: (q(v) if k in self.LINEAR_KEYS else v.float()) for k, v in L.items()} for L in self.layers]
-        return Llama(self.config, dict(embed=embed, norm=self.norm.float(), lm_head=lm_head, layers=layers),
-                     name=self.name, weight_format=block_type.lower())
+        return Llama(self.config, dict(embed=embed, norm=self.norm.float(), lm_head=lm_head, layers=layers,
+                                       draft_vocab=self.draft_vocab), name=self.name, weight_format=block_type.lower())
 
     def hf_state_dict(self) -> dict:
         """The weights under Hugging Face names (for comparison with transformers)."""
@@ -188,7 +193,7 @@ class Llama:
     def truncated(self, num_layers: int) -> "Llama":
         """The first ``num_layers`` layers with the same final norm and LM head (shares weights)."""
         cfg = LlamaConfig(**{**self.config.__dict__, "num_layers": num_layers})
-        return Llama(cfg, dict(embed=self.embed, norm=self.norm, lm_head=self.lm_head,
+        return Llama(cfg, dict(embed=self.embed, norm=self.norm, lm_head=self.lm_head, draft_vocab=self.draft_vocab,
                                layers=self.layers[:num_layers]), name=f"{self.name}[:{num_layers}]",
                      weight_format=self.weight_format)
 
@@ -223,7 +228,7 @@ class Llama:
         return h + linear(F.silu(gate) * up, L["w_down"])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head: [T, H] -> fp32 [T, V]."""
+        """Final norm + LM head: [T, H] -> fp32 [T, V] ([T, Vd] with a ``draft_vocab``)."""
         return linear(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head).float()
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -231,7 +236,7 @@ class Llama:
         dequantised)."""
         if is_block_weight(self.embed):
             return self.embed.embedding(tokens).to(self.dtype)
-        return self.embed[tokens]
+        return self.embed[tokens].to(self.dtype)  # a no-op unless a draft shares a target's other-dtype embedding
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, batch: Batch,

@@ -1,0 +1,474 @@
+"""Train a distilled draft model or a self-speculation exit head (no download).
+
+    specdec train-draft --kind draft --out draft.safetensors        (a 2-layer distilled draft model)
+    specdec train-draft --kind exit --out exit.safetensors          (an exit head; L picked by measurement)
+    specdec train-draft --kind draft --out specdec_kernels/data/draft_smollm2_135m.safetensors --overwrite
+    specdec train-draft --kind exit --out specdec_kernels/data/exit_smollm2_135m.safetensors --overwrite
+
+1. **Data**: :mod:`specdec_kernels.training.distill_data` (shared with ``train-eagle``; the
+   same cache): synthetic prompts (never the benchmark's) answered greedily by the target
+   with the package's batched loop, and the target's top-k next-token logits at every
+   position, cached and resumable.
+2. **Loss**: soft cross-entropy to the target's next-token distribution (the cached top-k
+   logits, renormalised over the draft vocabulary) at every position — a KL to the target
+   restricted to what the draft can say. The draft vocabulary is the ``--draft-vocab-size``
+   tokens the target predicts most often in the training sequences.
+3. **Draft model** (``--kind draft``): a Llama of ``--layers`` decoder layers initialised from
+   the target's first layers (so "before distillation" is the truncated target, the package's
+   old draft), with the target's embedding and LM head rows frozen; every layer weight and
+   the final norm are trained (AdamW, cosine schedule, teacher-forced, causal). Stored as
+   Q8_0 blocks (``--store``).
+4. **Exit head** (``--kind exit``): for each L in ``--exit-layers``, the target's features
+   after L layers (computed once from the cached sequences and cached too) train a norm +
+   rank-``--rank`` adapter before the frozen LM head rows. L is then picked by measured
+   speed x acceptance: the expected speedup of a greedy chain, ``max_k E(a, k) / (cost(k+1) +
+   k c_L)``, with ``a`` the held-out top-1 agreement, ``cost`` the target's measured step-cost
+   curve and ``c_L`` the measured time of one draft token (L layers + the folded head)
+   relative to a target step (ties, e.g. when no L pays: the most agreement per unit of
+   draft cost).
+5. **Held-out acceptance** after every epoch: the draft's top-1 agreement with the target's
+   greedy token on held-out answer positions (the per-token acceptance of greedy
+   verification); the best epoch is kept (and written as training goes). Before training it
+   is measured once (``before``). At the end, real greedy decoding of a few validation
+   prompts (never the benchmark's) reports mean accepted length before and after.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import distill_data
+from ..decoding.cost_model import draft_token_seconds
+from ..models.llama import apply_rope, dense, rope_tables
+
+
+def draft_vocabulary(targets: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
+    """int64 [size]: the target's most frequent predictions, then the lowest ids not yet in."""
+    from .medusa_training import draft_vocabulary as _draft_vocabulary
+
+    vocab = _draft_vocabulary(targets, vocab_size, size)
+    return torch.arange(vocab_size) if vocab is None else vocab
+
+
+# ---- the trainable models ---------------------------------------------------------------------
+class DraftLM(nn.Module):
+    """Trainable twin of a Llama draft (the decode loop's plain-tensor class has no autograd):
+    ``layers`` of the Llama layout as parameters, the final norm, and frozen buffers
+    ``embed`` [V, H] (the target's) and ``lm_head`` [Vd, H] (the target's draft-vocabulary rows)."""
+
+    def __init__(self, config, layers: list, norm: torch.Tensor, embed: torch.Tensor, lm_head: torch.Tensor):
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList()
+        for L in layers:
+            m = nn.Module()
+            for k, v in L.items():
+                setattr(m, k, nn.Parameter(dense(v).float().clone()))
+            self.layers.append(m)
+        self.norm = nn.Parameter(norm.float().clone())
+        self.register_buffer("embed", embed.float(), persistent=False)
+        self.register_buffer("lm_head", lm_head.float(), persistent=False)
+        self._rope = rope_tables(config, 4096)
+
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens int64 [B, T] -> final-normed hidden states [B, T, H] (causal)."""
+        c = self.config
+        B, T = tokens.shape
+        D, Hq, Hkv = c.head_dim, c.num_heads, c.num_kv_heads
+        cos, sin = self._rope[0][:T], self._rope[1][:T]
+        x = self.embed[tokens]
+        for L in self.layers:
+            h = F.rms_norm(x, (x.shape[-1],), L.attn_norm, c.rms_norm_eps)
+            q, k, v = F.linear(h, L.wqkv).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+            q = apply_rope(q.reshape(B, T, Hq, D), cos, sin).transpose(1, 2)
+            k = apply_rope(k.reshape(B, T, Hkv, D), cos, sin).transpose(1, 2)
+            v = v.reshape(B, T, Hkv, D).transpose(1, 2)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + F.linear(a.transpose(1, 2).reshape(B, T, Hq * D), L.wo)
+            h = F.rms_norm(x, (x.shape[-1],), L.mlp_norm, c.rms_norm_eps)
+            gate, up = F.linear(h, L.w_gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, L.w_down)
+        return F.rms_norm(x, (x.shape[-1],), self.norm, c.rms_norm_eps)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens int64 [B, T] -> fp32 draft logits [B, T, Vd]."""
+        return F.linear(self.hidden(tokens), self.lm_head)
+
+    def layer_weights(self) -> list:
+        return [{k: getattr(L, k).detach().clone() for k in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")}
+                for L in self.layers]
+
+
+class ExitHead(nn.Module):
+    """norm + low-rank adapter before the frozen LM head rows: features [.., H] -> logits [.., Vd].
+    ``up`` starts at zero, so the untrained head is the target's own norm + LM head (plain
+    early exit); ``norm`` starts from the target's final norm."""
+
+    def __init__(self, norm: torch.Tensor, lm_head: torch.Tensor, rank: int, eps: float, seed: int = 0):
+        super().__init__()
+        H = norm.shape[0]
+        g = torch.Generator().manual_seed(seed)
+        self.norm = nn.Parameter(norm.float().clone())
+        self.down = nn.Parameter(torch.randn(rank, H, generator=g) * H ** -0.5)
+        self.up = nn.Parameter(torch.zeros(H, rank))
+        self.eps = eps
+        self.register_buffer("lm_head", lm_head.float(), persistent=False)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        x = F.rms_norm(features.float(), (features.shape[-1],), self.norm, self.eps)
+        return F.linear(x + F.linear(F.linear(x, self.down), self.up), self.lm_head)
+
+
+# ---- data -------------------------------------------------------------------------------------
+class Sequences:
+    """Training sequences of a distillation data dict: padded token batches with the target's
+    next-token distribution at each position, ids mapped into the draft vocabulary (-1
+    outside), and which positions count for held-out agreement (those that predict an answer
+    token: prompt_len - 1 .. S - 2)."""
+
+    def __init__(self, data: dict, seqs: list, draft_vocab: torch.Tensor, vocab_size: int, features=None):
+        self.data, self.seqs, self.features = data, list(seqs), features
+        remap = torch.full((vocab_size,), -1, dtype=torch.int64)
+        remap[draft_vocab] = torch.arange(draft_vocab.shape[0])
+        self.remap = remap
+        st = data["seq_start"]
+        self.bounds = [(int(st[s]), int(st[s + 1]), int(data["prompt_len"][s])) for s in self.seqs]
+
+    def __len__(self):
+        return len(self.seqs)
+
+    def batch(self, idx: list) -> dict:
+        d = self.data
+        rows = [self.bounds[i] for i in idx]
+        B, T = len(rows), max(e - a for a, e, _ in rows)
+        k = d["topk_ids"].shape[1]
+        toks = torch.zeros(B, T, dtype=torch.int64)
+        tid = torch.full((B, T, k), -1, dtype=torch.int64)
+        tlog = torch.zeros(B, T, k)
+        valid = torch.zeros(B, T, dtype=torch.bool)
+        answer = torch.zeros(B, T, dtype=torch.bool)
+        feats = None if self.features is None else torch.zeros(B, T, self.features.shape[-1])
+        for b, (a, e, p) in enumerate(rows):
+            n = e - a
+            toks[b, :n] = d["tokens"][a:e]
+            tid[b, :n] = self.remap[d["topk_ids"][a:e]]
+            tlog[b, :n] = d["topk_logits"][a:e].float()
+            valid[b, :n] = True
+            answer[b, max(0, p - 1): n - 1] = True
+            if feats is not None:
+                feats[b, :n] = self.features[a:e].float()
+        return {"tokens": toks, "target_ids": tid, "target_logits": tlog, "valid": valid, "answer": answer,
+                "features": feats}
+
+
+def distill_loss(logits: torch.Tensor, batch: dict) -> tuple:
+    """(soft cross-entropy to the target's renormalised top-k over valid positions, top-1 hits
+    on answer positions, answer positions). logits [B, T, Vd]."""
+    tid, tlog = batch["target_ids"], batch["target_logits"]
+    soft = torch.where(tid >= 0, tlog, torch.full_like(tlog, float("-inf"))).softmax(-1)
+    soft = torch.nan_to_num(soft, nan=0.0)  # no top-k token in the draft vocabulary: no signal
+    logp = logits.log_softmax(-1)
+    ce = -(soft * logp.gather(-1, tid.clamp(min=0))).sum(-1)
+    w = batch["valid"].float()
+    loss = (ce * w).sum() / w.sum().clamp(min=1)
+    with torch.no_grad():
+        hit = (logits.argmax(-1) == tid[..., 0]) & batch["answer"]
+    return loss, int(hit.sum()), int(batch["answer"].sum())
+
+
+# ---- training ---------------------------------------------------------------------------------
+@torch.no_grad()
+def agreement(module, seqs: Sequences, batch_seqs: int = 8) -> float:
+    """Held-out top-1 agreement with the target's greedy token on answer positions."""
+    was = module.training
+    module.eval()
+    hits = count = 0
+    for s in range(0, len(seqs), batch_seqs):
+        b = seqs.batch(list(range(s, min(len(seqs), s + batch_seqs))))
+        _, h, c = distill_loss(module(b["features"] if isinstance(module, ExitHead) else b["tokens"]), b)
+        hits, count = hits + h, count + c
+    module.train(was)
+    return hits / max(1, count)
+
+
+def train(module, train_seqs: Sequences, held: Sequences, *, epochs: int, batch_seqs: int, lr: float, seed: int,
+          weight_decay: float = 0.0, max_seconds: float = 0, on_best=None, log=print, progress=True,
+          desc="train draft") -> dict:
+    """AdamW + warm-up + cosine over ``epochs``; held-out agreement after each epoch, the best
+    epoch's weights left in ``module`` (``on_best(module, agreement)`` when one improves)."""
+    from tqdm import tqdm
+
+    torch.manual_seed(seed)
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+    total = math.ceil(len(train_seqs) / batch_seqs) * epochs
+    warmup = min(30, max(1, total // 10))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / warmup if s < warmup else 0.5 * (
+        1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, total - warmup)))))
+    g = torch.Generator().manual_seed(seed)
+    before = agreement(module, held)
+    log(f"{desc}: held-out top-1 agreement before training {before:.3f}")
+    history, best = [], (before, -1, {k: v.detach().clone() for k, v in module.state_dict().items()})
+    bar = tqdm(total=total, desc=desc, unit="step", disable=not progress)
+    t0, done, stopped = time.perf_counter(), 0, False
+    for epoch in range(epochs):
+        perm = torch.randperm(len(train_seqs), generator=g).tolist()
+        for s in range(0, len(perm), batch_seqs):
+            if max_seconds and time.perf_counter() - t0 > max_seconds:
+                stopped = True
+                break
+            b = train_seqs.batch(perm[s: s + batch_seqs])
+            loss, h, c = distill_loss(module(b["features"] if isinstance(module, ExitHead) else b["tokens"]), b)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            done += 1
+            bar.update(1)
+            bar.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}", top1=f"{h / max(1, c):.2f}")
+        acc = agreement(module, held)
+        history.append({"epoch": epoch, "held_out_top1": acc})
+        log(f"{desc}: epoch {epoch}: held-out top-1 agreement {acc:.3f}")
+        if acc > best[0]:
+            best = (acc, epoch, {k: v.detach().clone() for k, v in module.state_dict().items()})
+            if on_best is not None:
+                on_best(module, acc)
+        if stopped:
+            break
+    bar.close()
+    module.load_state_dict(best[2])
+    return {"before": before, "history": history, "best_epoch": best[1], "best": best[0], "updates": done,
+            "stopped_early": stopped, "seconds": time.perf_counter() - t0}
+
+
+# ---- measured speed ---------------------------------------------------------------------------
+def chain_speedup(acceptance: float, draft_cost: float, step_cost, max_k: int = 12) -> tuple:
+    """(best expected speedup over autoregressive, its chain length k) of a greedy chain whose
+    tokens are each accepted with probability ``acceptance`` (given the previous ones were):
+    ``E(k) = (1 - a^(k+1)) / (1 - a)`` tokens per step for ``step_cost(k+1) + k * draft_cost``
+    (relative to a one-row target step)."""
+    best = (1.0, 0)
+    for k in range(1, max_k + 1):
+        tokens = sum(acceptance ** i for i in range(k + 1))
+        speed = tokens / (step_cost(k + 1) + k * draft_cost)
+        if speed > best[0]:
+            best = (speed, k)
+    return best
+
+
+# ---- command line -----------------------------------------------------------------------------
+def layer_features(model, data: dict, layers: tuple, cache_path: Path, progress=True) -> dict:
+    """{L: fp16 [N, H]} the target's hidden states after L layers at every position of the
+    data's sequences (teacher-forced), cached at ``cache_path``."""
+    from tqdm import tqdm
+
+    if cache_path.exists():
+        cached = torch.load(cache_path, weights_only=True)
+        if all(L in cached for L in layers) and all(v.shape[0] == data["tokens"].shape[0] for v in cached.values()):
+            return cached
+    st = data["seq_start"]
+    cache = model.new_cache(1, int((st[1:] - st[:-1]).max()) + 1)
+    out = {L: [] for L in layers}
+    for s in tqdm(range(st.shape[0] - 1), desc=f"features after layers {list(layers)}", unit="seq", disable=not progress):
+        slot = cache.add_request(0)
+        _, states = model.prefill(data["tokens"][int(st[s]): int(st[s + 1])], cache, slot, num_layers=max(layers),
+                                  return_layers=tuple(layers))
+        cache.free(slot)
+        for L, h in zip(layers, states):
+            out[L].append(h.to(torch.float16))
+    out = {L: torch.cat(v) for L, v in out.items()}
+    tmp = cache_path.with_suffix(".tmp")
+    torch.save(out, tmp)
+    tmp.replace(cache_path)
+    return out
+
+
+@torch.no_grad()
+def decode_acceptance(target, tok, drafter, prompts: list, *, max_new_tokens: int = 48, k: int = 4) -> dict:
+    """Mean accepted length of real greedy decoding with ``drafter`` (chain of ``k``, batch 1)
+    and whether every output equals autoregressive decoding's."""
+    from ..decoding import Generator, SpecSchedule
+
+    emitted = steps = 0
+    same = True
+    for text in prompts:
+        ids = tok.chat_prompt(text)
+        (r,) = Generator(target, drafter, SpecSchedule("constant", k)).generate([ids], max_new_tokens)
+        (ar,) = Generator(target, None).generate([ids], max_new_tokens)
+        same &= r.output == ar.output
+        emitted, steps = emitted + r.stats.emitted, steps + r.stats.steps
+    return {"mean_accepted_length": round(emitted / max(1, steps), 3), "identical_to_autoregressive": same}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="specdec train-draft", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--kind", choices=("draft", "exit"), default="draft",
+                   help="draft: a distilled small draft model; exit: a self-speculation exit head")
+    p.add_argument("--model", default="smollm2-135m", help="registered name, .gguf file or HF checkpoint folder")
+    p.add_argument("--out", default=None,
+                   help="output .safetensors (default: draft_model.safetensors / exit_head.safetensors in the working "
+                        "directory; the shipped ones are specdec_kernels/data/{draft,exit}_smollm2_135m.safetensors); "
+                        "an existing file is replaced only with --overwrite")
+    p.add_argument("--overwrite", action="store_true", help="allow --out to replace an existing file")
+    p.add_argument("--cache-dir", default=str(distill_data.DEFAULT_CACHE), help="where the generated data is cached")
+    p.add_argument("--num-prompts", type=int, default=1024, help="synthetic prompts the model answers for the data")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated per training prompt")
+    p.add_argument("--topk", type=int, default=32, help="target logits cached per position")
+    p.add_argument("--shard-size", type=int, default=32, help="prompts per cached data shard (the unit of resuming)")
+    p.add_argument("--draft-vocab-size", type=int, default=8192, help="tokens the draft drafts from")
+    p.add_argument("--layers", type=int, default=2, help="--kind draft: decoder layers of the draft model")
+    p.add_argument("--store", choices=("q8_0", "q4_0", "bf16"), default="q8_0",
+                   help="--kind draft: how the file stores the linear weights")
+    p.add_argument("--exit-layers", default="2,4,6",
+                   help="--kind exit: comma-separated candidate exit layers L; the one with the best measured "
+                        "speed x acceptance is kept")
+    p.add_argument("--rank", type=int, default=128, help="--kind exit: rank of the adapter")
+    p.add_argument("--epochs", type=int, default=6, help="passes over the training sequences")
+    p.add_argument("--batch-seqs", type=int, default=8, help="training sequences per optimiser step")
+    p.add_argument("--lr", type=float, default=None, help="peak AdamW learning rate (default 2e-4 draft, 2e-3 exit)")
+    p.add_argument("--max-minutes", type=float, default=0,
+                   help="wall-clock safety net per trained model (0 = off); reported if it triggers")
+    p.add_argument("--held-out", type=float, default=0.08, help="fraction of sequences held out for validation")
+    p.add_argument("--seed", type=int, default=0, help="seed of prompts, split, initialisation and shuffling")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--eval-prompts", type=int, default=4, help="validation prompts decoded before/after (0: skip)")
+    args = p.parse_args(argv)
+
+    out = args.out or ("draft_model.safetensors" if args.kind == "draft" else "exit_head.safetensors")
+    if os.path.exists(out) and not args.overwrite:
+        p.error(f"{out} exists: pass --overwrite to replace it, or another --out")
+    from ..draft_model import exit_model, save_draft_model, save_exit_head, truncated_draft
+    from ..models import load_model
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model, tok = load_model(args.model)
+    data = distill_data.load_or_generate(model, tok, args.num_prompts, model_name=args.model,
+                                         max_new_tokens=args.max_new_tokens, topk=args.topk,
+                                         shard_size=args.shard_size, seed=args.seed, cache_dir=args.cache_dir)
+    train_ids, held_ids = distill_data.split_sequences(data["seq_start"], args.held_out, args.seed)
+    st = data["seq_start"]
+    rows = torch.cat([torch.arange(int(st[s]), int(st[s + 1])) for s in train_ids])
+    vocab = draft_vocabulary(data["topk_ids"][rows, 0], model.config.vocab_size, args.draft_vocab_size)
+    V = model.config.vocab_size
+    lm_rows = dense(model.lm_head)[vocab].float()
+    meta = {"model": args.model, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
+            "positions": int(data["tokens"].shape[0]), "train_sequences": len(train_ids), "epochs": args.epochs,
+            "seed": args.seed, "draft_vocab_size": int(vocab.shape[0]),
+            "trained_by": f"specdec train-draft --kind {args.kind} (self-distillation on synthetic prompts)"}
+    from ..decoding.cost_model import step_cost_for
+
+    step_cost = step_cost_for(model)
+    step_s = step_cost.seconds(1, 1)
+    from .medusa_training import VALIDATION_PROMPTS
+
+    prompts = VALIDATION_PROMPTS[: args.eval_prompts]
+
+    if args.kind == "draft":
+        from ..decoding.drafters import ModelDrafter
+
+        lr = args.lr or 2e-4
+        n = args.layers
+        train_seqs, held = (Sequences(data, ids, vocab, V) for ids in (train_ids, held_ids))
+        before_model = truncated_draft(model, n, vocab)
+        lm = DraftLM(before_model.config, before_model.layers, model.norm, dense(model.embed), lm_rows)
+        config = {"num_layers": n, "hidden_size": model.config.hidden_size, "vocab_size": V,
+                  "intermediate_size": model.config.intermediate_size, "num_heads": model.config.num_heads,
+                  "num_kv_heads": model.config.num_kv_heads, "head_dim": model.config.head_dim}
+        store = None if args.store == "bf16" else args.store.upper()
+        meta.update(layers=n, lr=lr, store=args.store, init="the target's first layers")
+
+        def save(m, acc, final=None):
+            save_draft_model(m.layer_weights(), m.norm, vocab, config, out, block_type=store,
+                             metadata={**meta, "held_out_top1": round(acc, 4), **(final or {})})
+
+        result = train(lm, train_seqs, held, epochs=args.epochs, batch_seqs=args.batch_seqs, lr=lr, seed=args.seed,
+                       max_seconds=args.max_minutes * 60, on_best=save)
+        print(f"held-out top-1 agreement: {result['before']:.3f} before distillation -> {result['best']:.3f} after "
+              f"({result['updates']} updates, {result['seconds']:.0f}s"
+              f"{', stopped by --max-minutes' if result['stopped_early'] else ''})")
+        final = {"held_out_top1_before": round(result["before"], 4), "updates": result["updates"],
+                 "train_seconds": round(result["seconds"]), "stopped_by_time_limit": result["stopped_early"],
+                 "best_epoch": result["best_epoch"]}
+        from ..draft_model import load_draft_model
+
+        save(lm, result["best"], final)
+        trained = load_draft_model(out, model)
+        c = draft_token_seconds(trained) / step_s
+        speed, k = chain_speedup(result["best"], c, step_cost)
+        final.update(draft_token_cost=round(c, 4), predicted_chain_speedup=round(speed, 3), predicted_chain_k=k)
+        print(f"one draft token costs {c:.3f} of a target step: predicted greedy chain speedup {speed:.2f}x at k={k}")
+        if prompts:
+            b = decode_acceptance(model, tok, ModelDrafter(before_model), prompts)
+            a = decode_acceptance(model, tok, ModelDrafter(trained), prompts)
+            print(f"validation decoding (greedy, batch 1, chain of 4, {len(prompts)} prompts): mean accepted length "
+                  f"{b['mean_accepted_length']:.3f} before -> {a['mean_accepted_length']:.3f} after; identical to "
+                  f"autoregressive: {a['identical_to_autoregressive']}")
+            final.update(validation_mal_before=b["mean_accepted_length"], validation_mal_after=a["mean_accepted_length"])
+        save(lm, result["best"], final)
+    else:
+        from ..decoding.drafters import ModelDrafter
+
+        lr = args.lr or 2e-3
+        Ls = tuple(sorted({int(x) for x in args.exit_layers.split(",")}))
+        if not Ls or Ls[0] < 1 or Ls[-1] >= model.config.num_layers:
+            p.error(f"--exit-layers must be in [1, {model.config.num_layers - 1}]")
+        cache_path = Path(args.cache_dir) / Path(args.model).stem / (
+            f"features_s{args.seed}_n{args.num_prompts}_t{args.max_new_tokens}_l{'-'.join(map(str, Ls))}.pt")
+        feats = layer_features(model, data, Ls, cache_path)
+        results = {}
+        for L in Ls:
+            train_seqs, held = (Sequences(data, ids, vocab, V, features=feats[L]) for ids in (train_ids, held_ids))
+            head = ExitHead(model.norm, lm_rows, args.rank, model.config.rms_norm_eps, seed=args.seed)
+            r = train(head, train_seqs, held, epochs=args.epochs, batch_seqs=args.batch_seqs, lr=lr, seed=args.seed,
+                      max_seconds=args.max_minutes * 60, desc=f"exit head L={L}")
+            tmp = f"{out}.L{L}.tmp"
+            save_exit_head(head.norm, head.down, head.up, vocab, L, tmp)
+            c = draft_token_seconds(exit_model(model, tmp)) / step_s
+            speed, k = chain_speedup(r["best"], c, step_cost)
+            print(f"L={L}: held-out top-1 {r['before']:.3f} untrained -> {r['best']:.3f}; one draft token costs "
+                  f"{c:.3f} of a target step; predicted chain speedup {speed:.2f}x at k={k}")
+            results[L] = {"top1_before": round(r["before"], 4), "top1": round(r["best"], 4), "draft_token_cost": round(c, 4),
+                          "predicted_chain_speedup": round(speed, 3), "predicted_chain_k": k, "tmp": tmp,
+                          "updates": r["updates"], "train_seconds": round(r["seconds"])}
+        # Ties (e.g. no L pays on this machine's cost curve): the most acceptance per unit draft cost.
+        best_L = max(Ls, key=lambda L: (results[L]["predicted_chain_speedup"],
+                                        results[L]["top1"] / max(1e-9, results[L]["draft_token_cost"])))
+        os.replace(results[best_L]["tmp"], out)
+        for L in Ls:
+            tmp = results[L].pop("tmp")
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        print(f"picked L={best_L} (best measured speed x acceptance)")
+        final = {"rank": args.rank, "lr": lr, "sweep": json.dumps(results), **{
+            k: v for k, v in results[best_L].items()}}
+        if prompts:
+            drafter = ModelDrafter(exit_model(model, out), share_target_cache=True, name="self-spec")
+            before = model.truncated(best_L)
+            b = decode_acceptance(model, tok, ModelDrafter(before, share_target_cache=True), prompts)
+            a = decode_acceptance(model, tok, drafter, prompts)
+            print(f"validation decoding (greedy, batch 1, chain of 4): mean accepted length {b['mean_accepted_length']:.3f} "
+                  f"plain early exit -> {a['mean_accepted_length']:.3f} with the exit head; identical to autoregressive: "
+                  f"{a['identical_to_autoregressive']}")
+            final.update(validation_mal_before=b["mean_accepted_length"], validation_mal_after=a["mean_accepted_length"])
+        from safetensors.torch import load_file
+
+        st_ = load_file(out)
+        save_exit_head(st_["norm"], st_["down"], st_["up"], st_["draft_vocab"], best_L, out, metadata={**meta, **final})
+    print(f"wrote {out} ({os.path.getsize(out) / 1e6:.1f} MB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
