@@ -4,7 +4,9 @@
 - ``guarded`` / ``assert_guard_intact``: tensors in poisoned storage, to catch kernels that
   read or write outside their arguments;
 - ``make_chain_inputs`` / ``make_tree_inputs`` (+ ``chain_args`` / ``tree_args``): random
-  rejection-sampling inputs whose drafts are often accepted; ``assert_same``.
+  rejection-sampling inputs whose drafts are often accepted; ``assert_same``;
+- ``exact_pair_probs`` / ``pair_chisquare_pvalue``: the decode loop's sampled output
+  against the target's exact distribution of its first two tokens.
 
 tests/conftest.py sets TRITON_INTERPRET before anything imports triton.
 """
@@ -135,3 +137,40 @@ def tree_args(inp):
 def assert_same(got, expected):
     for g, e in zip(got, expected):
         assert torch.equal(g, e), f"\ngot      {g}\nexpected {e}"
+
+
+# ---------------------------------------------------------------------------------------
+# Decode-loop distribution tests: the target's exact joint distribution of two tokens.
+# ---------------------------------------------------------------------------------------
+
+
+def exact_pair_probs(model, temperature, prompt):
+    """fp64 [V, V]: P(first two sampled tokens = (a, b)) of ``model`` after ``prompt`` at
+    ``temperature`` (exact: one forward per first token)."""
+    def probs(ids):
+        cache = model.new_cache(1, 16, block_size=16)
+        slot = cache.add_request(len(ids))
+        return (model.logits(model.prefill(torch.tensor(ids), cache, slot))[-1] / temperature).softmax(-1)
+
+    p1 = probs(list(prompt))
+    V = p1.shape[0]
+    joint = torch.zeros(V, V, dtype=torch.float64)
+    for a in range(V):
+        joint[a] = p1[a].double() * probs(list(prompt) + [a]).double()
+    return joint
+
+
+def pair_chisquare_pvalue(pairs, joint):
+    """Chi-square p-value of sampled (a, b) pairs against ``joint`` [V, V] (cells expecting
+    fewer than 5 counts pooled into one)."""
+    from scipy.stats import chisquare
+
+    V, n = joint.shape[0], len(pairs)
+    joint = joint.flatten()
+    counts = torch.zeros_like(joint)
+    for a, b in pairs:
+        counts[a * V + b] += 1
+    keep = joint * n >= 5
+    f_obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    f_exp = torch.cat([joint[keep] * n, (joint[~keep] * n).sum()[None]])
+    return chisquare(f_obs.numpy(), f_exp.numpy() * f_obs.sum().item() / f_exp.sum().item())[1]

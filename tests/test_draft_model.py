@@ -8,7 +8,6 @@ import os
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from specdec_kernels.decoding import Generator, SamplingParams, SpecSchedule
 from specdec_kernels.decoding.cost_model import StepCost
@@ -19,6 +18,8 @@ from specdec_kernels.models import Llama, tiny_config
 from specdec_kernels.models.llama import dense
 from specdec_kernels.training.draft_training import (DraftLM, ExitHead, Sequences, agreement, chain_speedup,
                                                      distill_loss, train)
+
+from tests.helpers import exact_pair_probs, pair_chisquare_pvalue
 
 FREE = StepCost({1: {1: 1.0, 64: 1.0}, 4: {4: 1.0, 256: 1.0}})  # extra verified rows cost nothing
 TOL = {None: 1e-4, "Q8_0": 0.05}  # logits: fp32 exact up to summation order; Q8_0 within its rounding
@@ -163,20 +164,6 @@ def test_greedy_equals_autoregressive(model, prompts, tmp_path, variant):
     assert sum(r.stats.drafted for r in reqs) > 0
 
 
-def _exact_pair_probs(model, temperature, prompt):
-    def probs(ids):
-        cache = model.new_cache(1, 16, block_size=16)
-        slot = cache.add_request(len(ids))
-        return (model.logits(model.prefill(torch.tensor(ids), cache, slot))[-1] / temperature).softmax(-1)
-
-    p1 = probs(list(prompt))
-    V = p1.shape[0]
-    joint = torch.zeros(V, V, dtype=torch.float64)
-    for a in range(V):
-        joint[a] = p1[a].double() * probs(list(prompt) + [a]).double()
-    return joint
-
-
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_sampling_distribution_equals_target(tmp_path, temperature):
     """Chi-square of the first two sampled tokens against the target's exact joint
@@ -191,15 +178,7 @@ def test_sampling_distribution_equals_target(tmp_path, temperature):
     sampling = [SamplingParams(seed=s, temperature=temperature) for s in range(n)]
     reqs = Generator(m, drafter, SpecSchedule("constant", 2)).generate([list(prompt)] * n, 2, sampling)
     assert sum(r.stats.drafted for r in reqs) > 0
-    joint = _exact_pair_probs(m, temperature, prompt).flatten()
-    counts = torch.zeros_like(joint)
-    for r in reqs:
-        a, b = r.output
-        counts[a * 8 + b] += 1
-    keep = joint * n >= 5
-    f_obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
-    f_exp = torch.cat([joint[keep] * n, (joint[~keep] * n).sum()[None]])
-    _, pvalue = chisquare(f_obs.numpy(), f_exp.numpy() * f_obs.sum().item() / f_exp.sum().item())
+    pvalue = pair_chisquare_pvalue([tuple(r.output) for r in reqs], exact_pair_probs(m, temperature, prompt))
     assert pvalue > 1e-3, pvalue
 
 

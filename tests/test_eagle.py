@@ -5,12 +5,13 @@ import os
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from specdec_kernels.decoding import Generator, NgramDrafter, SamplingParams, SpecSchedule
 from specdec_kernels.decoding.eagle_drafter import EagleDrafter
 from specdec_kernels.eagle import EagleHead, attention_reference, load_eagle_head, save_eagle_head
 from specdec_kernels.models import Llama, tiny_config
+
+from tests.helpers import exact_pair_probs, pair_chisquare_pvalue
 
 FREE = {r: 1.0 for r in range(1, 129)}  # verification cost table: every row free (keep all nodes)
 SLOW_STEP = 1e6  # seconds of a one-row verification: drafting is free next to it (expand every depth)
@@ -160,20 +161,6 @@ def _sampled_pairs(model, drafter, n, params, prompt):
     return [tuple(r.output) for r in reqs]
 
 
-def _exact_pair_probs(model, temperature, prompt):
-    def probs(ids):
-        cache = model.new_cache(1, 16, block_size=16)
-        slot = cache.add_request(len(ids))
-        return (model.logits(model.prefill(torch.tensor(ids), cache, slot))[-1] / temperature).softmax(-1)
-
-    p1 = probs(list(prompt))
-    V = p1.shape[0]
-    joint = torch.zeros(V, V, dtype=torch.float64)
-    for a in range(V):
-        joint[a] = p1[a].double() * probs(list(prompt) + [a]).double()
-    return joint
-
-
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampling_distribution_equals_target(temperature):
     """Chi-square of the first two sampled tokens against the target's exact joint
@@ -184,14 +171,7 @@ def test_sampling_distribution_equals_target(temperature):
     n, prompt = 1500, (3, 1, 4)
     pairs = _sampled_pairs(m, drafter, n, dict(temperature=temperature), prompt)
     assert drafter.stats["nodes"] > 0
-    joint = _exact_pair_probs(m, temperature, prompt).flatten()
-    counts = torch.zeros_like(joint)
-    for a, b in pairs:
-        counts[a * 8 + b] += 1
-    keep = joint * n >= 5
-    f_obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
-    f_exp = torch.cat([joint[keep] * n, (joint[~keep] * n).sum()[None]])
-    _, pvalue = chisquare(f_obs.numpy(), f_exp.numpy() * f_obs.sum().item() / f_exp.sum().item())
+    pvalue = pair_chisquare_pvalue(pairs, exact_pair_probs(m, temperature, prompt))
     assert pvalue > 1e-3, pvalue
 
 

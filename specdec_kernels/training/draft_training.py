@@ -47,16 +47,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import distill_data
+from .eagle_training import draft_vocabulary  # the same draft vocabulary as the EAGLE head's
 from ..decoding.cost_model import draft_token_seconds
 from ..models.llama import apply_rope, dense, rope_tables
-
-
-def draft_vocabulary(targets: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
-    """int64 [size]: the target's most frequent predictions, then the lowest ids not yet in."""
-    from .medusa_training import draft_vocabulary as _draft_vocabulary
-
-    vocab = _draft_vocabulary(targets, vocab_size, size)
-    return torch.arange(vocab_size) if vocab is None else vocab
 
 
 # ---- the trainable models ---------------------------------------------------------------------
