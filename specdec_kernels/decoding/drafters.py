@@ -151,10 +151,13 @@ class ModelDrafter(Drafter):
         """``sized``: the schedule's length is a cap and each step drafts the chain length
         that maximises expected tokens per unit time (:meth:`chain_length`), from the
         target's measured step-cost curve (``step_cost``, default the Generator's or
-        ``cost_model.step_cost_for``), the draft's measured time per token and its running
-        acceptance rate (starting from ``acceptance``, default the held-out agreement its
-        file records, else 0.5); the drafters by name (``make_drafter``) run this way with
-        the ``max`` schedule. ``sized=False``: exactly the schedule's length."""
+        ``cost_model.step_cost_for``), the draft's measured time per token and the request's
+        running acceptance rate (each request starts from ``acceptance``, default the
+        held-out agreement the draft's file records, else 0.5: how predictable a request is
+        varies a lot — code and arithmetic accept several times more than open writing — so
+        one request's rejections do not switch drafting off for the next); the drafters by
+        name (``make_drafter``) run this way with the ``max`` schedule. ``sized=False``:
+        exactly the schedule's length."""
         self.model, self.tree_width, self.share = model, tree_width, share_target_cache
         self.vocab_size = model.config.vocab_size
         self.max_nodes = max_k + tree_width
@@ -162,25 +165,27 @@ class ModelDrafter(Drafter):
         self._gen = torch.Generator()
         self.sized = sized
         self.step_cost = as_step_cost(step_cost) if step_cost is not None else None
-        prior = acceptance if acceptance is not None else float(getattr(model, "metadata", {}).get("held_out_top1", 0.5))
-        # Accepted draft tokens and rejections seen, seeded with a prior worth 8 tokens.
-        self._accepted, self._rejected = 8 * prior, 8 * (1 - prior)
+        self.prior = acceptance if acceptance is not None else float(
+            getattr(model, "metadata", {}).get("held_out_top1", 0.5))
+        # Per request: [accepted draft tokens, rejections] seen, seeded with the prior worth 4 tokens.
+        self._seen: dict = {}
         self._token_s = None  # measured seconds of one draft depth (batch of this step), EMA
         self._drafted: dict = {}
 
     # ---- sizing ---------------------------------------------------------------------------
-    @property
-    def acceptance(self) -> float:
-        """Running estimate of P(a draft token is accepted | the ones before it were)."""
-        return self._accepted / max(1e-9, self._accepted + self._rejected)
+    def acceptance(self, rid=None) -> float:
+        """Request ``rid``'s running estimate of P(a draft token is accepted | the ones before
+        it were); the prior for an unknown request."""
+        acc, rej = self._seen.get(rid, (4 * self.prior, 4 * (1 - self.prior)))
+        return acc / max(1e-9, acc + rej)
 
-    def chain_length(self, batch: int, cap: int) -> int:
+    def chain_length(self, batch: int, cap: int, acceptance: float | None = None) -> int:
         """The chain length (0..cap) maximising expected tokens per unit time at this batch:
         ``B * sum_{i<=k} a^i / (cost(B (k + w)) + k * t_draft / t_step)`` with ``a`` the running
         acceptance, ``cost`` the target's step-cost curve (relative to a one-row-per-request
         step), ``w`` the tree width and ``t_draft / t_step`` the measured draft-depth time
-        over a target step."""
-        a, w = self.acceptance, self.tree_width
+        over a target step (``acceptance``: default the prior)."""
+        a, w = (self.prior if acceptance is None else acceptance), self.tree_width
         c = self._token_s / self.step_cost.seconds(batch, batch)
         best_k, best = 0, 1.0
         for k in range(1, cap + 1):
@@ -192,6 +197,8 @@ class ModelDrafter(Drafter):
 
     def start(self, gen, reqs):
         self._gen.manual_seed(int(reqs[0].sampling.seed) if reqs else 0)
+        for r in reqs:
+            self._seen[r.rid] = [4 * self.prior, 4 * (1 - self.prior)]
         if self.sized:
             if self.step_cost is None:
                 given = getattr(gen, "step_cost", None)
@@ -218,8 +225,7 @@ class ModelDrafter(Drafter):
         model, cache = self.model, self.cache
         drafts = [Draft.root_only(r.tokens[-1]) for r in reqs]
         if self.sized and self._token_s is not None:
-            k = self.chain_length(len(reqs), max(lengths))
-            lengths = [min(n, k) for n in lengths]
+            lengths = [min(n, self.chain_length(len(reqs), n, self.acceptance(r.rid))) for r, n in zip(reqs, lengths)]
         runs = []
         for b, (r, k) in enumerate(zip(reqs, lengths)):
             if k <= 0:
@@ -282,10 +288,10 @@ class ModelDrafter(Drafter):
     def verified(self, gen, reqs, num_accepted):
         for r, n in zip(reqs, num_accepted):  # the running acceptance rate (chain_length)
             k = self._drafted.pop(r.rid, 0)
-            if k > 0:
+            if k > 0 and r.rid in self._seen:
                 n = max(0, min(int(n), k))  # -1: the step failed (NaN logits)
-                self._accepted += n
-                self._rejected += n < k
+                self._seen[r.rid][0] += n
+                self._seen[r.rid][1] += n < k
         if self.share:
             return
         for r in reqs:
@@ -299,6 +305,7 @@ class ModelDrafter(Drafter):
             self.cache.commit([slot], [n - cache_len])
 
     def finish(self, gen, req):
+        self._seen.pop(req.rid, None)
         if not self.share:
             self.cache.free(self.slot[req.rid])
 
