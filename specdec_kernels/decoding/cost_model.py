@@ -261,23 +261,7 @@ def step_cost_for(model, *, recalibrate: bool = False) -> StepCost:
 
 def draft_token_seconds(model, *, context: int = 64, repeats: int = 9) -> float:
     """Median seconds of one draft token of ``model`` (a Llama used as a drafter): a one-row
-    forward at a ``context``-token prefix plus its LM head and argmax — what each depth of a
-    draft-model chain costs. Measured, never tabled: it depends on the draft's depth, weight
-    format and vocabulary, the thread count and the CPU."""
-    from ..models.llama import Batch
-
-    with torch.inference_mode():
-        cache = model.new_cache(1, context + repeats + 8)
-        slot = cache.add_request(0)
-        model.prefill(torch.arange(context, dtype=torch.int64) % model.config.vocab_size, cache, slot)
-        times = []
-        for _ in range(repeats + 2):
-            t0 = time.perf_counter()
-            new = cache.append_slots([slot], [1])
-            block_table, _ = cache.batch_view([slot])
-            batch = Batch(block_table, torch.tensor([cache.length(slot)], dtype=torch.int32),
-                          torch.tensor([0, 1], dtype=torch.int32), new.slot_mapping)
-            h = model.forward(torch.ones(1, dtype=torch.int64), new.cache_positions.long(), cache, batch)
-            model.logits(h).argmax(-1)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times[2:])
+    forward at a ``context``-token prefix plus its LM head — what each depth of a draft-model
+    chain costs (the calibration's own timing, at one row). Measured, never tabled: it depends
+    on the draft's depth, weight format and vocabulary, the thread count and the CPU."""
+    return _time_step(model, 1, 1, context, repeats)

@@ -31,6 +31,13 @@ from ..models.llama import Batch, Llama, dense, rms_norm
 from .cost_model import as_step_cost, step_cost_for
 
 
+def generator_step_cost(gen):
+    """The step cost a drafter weighs drafts against: the Generator's ``step_cost`` if it has
+    one, else the target's measured curve (``cost_model.step_cost_for``)."""
+    given = getattr(gen, "step_cost", None)
+    return as_step_cost(given) if given is not None else step_cost_for(gen.model)
+
+
 @dataclass
 class Draft:
     """A draft tree: node 0 is the root (the last verified token)."""
@@ -201,8 +208,7 @@ class ModelDrafter(Drafter):
             self._seen[r.rid] = [4 * self.prior, 4 * (1 - self.prior)]
         if self.sized:
             if self.step_cost is None:
-                given = getattr(gen, "step_cost", None)
-                self.step_cost = as_step_cost(given) if given is not None else step_cost_for(gen.model)
+                self.step_cost = generator_step_cost(gen)
             if self._token_s is None:
                 from .cost_model import draft_token_seconds
 
@@ -514,8 +520,7 @@ class NgramTreeDrafter(Drafter):
 
     def start(self, gen, reqs):
         if self.step_cost is None:
-            given = getattr(gen, "step_cost", None)
-            self._measured = as_step_cost(given) if given is not None else step_cost_for(gen.model)
+            self._measured = generator_step_cost(gen)
 
     def cost(self, rows: int, batch: int = 1) -> float:
         """Step cost over ``rows`` verified rows in all at batch ``batch``, relative to a step of

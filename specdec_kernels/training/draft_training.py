@@ -47,7 +47,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import distill_data
-from .eagle_training import draft_vocabulary  # the same draft vocabulary as the EAGLE head's
+from .eagle_training import draft_vocabulary, warmup_cosine  # the EAGLE trainer's vocabulary and schedule
 from ..decoding.cost_model import draft_token_seconds
 from ..models.llama import apply_rope, dense, rope_tables
 
@@ -204,9 +204,7 @@ def train(module, train_seqs: Sequences, held: Sequences, *, epochs: int, batch_
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
     total = math.ceil(len(train_seqs) / batch_seqs) * epochs
-    warmup = min(30, max(1, total // 10))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / warmup if s < warmup else 0.5 * (
-        1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, total - warmup)))))
+    sched = warmup_cosine(opt, total)
     g = torch.Generator().manual_seed(seed)
     before = agreement(module, held)
     log(f"{desc}: held-out top-1 agreement before training {before:.3f}")

@@ -101,6 +101,13 @@ class Examples:
                 "target_logits": tlog, "lens": lens}
 
 
+def warmup_cosine(opt, total: int):
+    """Linear warm-up over min(30, total / 10) updates, then a cosine decay to 0 at ``total``."""
+    warmup = min(30, max(1, total // 10))
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / warmup if s < warmup else 0.5 * (
+        1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, total - warmup)))))
+
+
 def unrolled(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, steps: int, fuse=None) -> list:
     """The training-time-test forward (module docstring, 3): feats [B, T, H] (or [B, T, 3, H]
     with ``fuse`` [H, 3H]), tokens int64 [B, T] -> [g^(1), ..., g^(steps)], each [B, T, H]."""
@@ -208,9 +215,7 @@ def train(head: EagleHead, train_ex: Examples, held_ex: Examples, *, steps: int,
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     per_epoch = math.ceil(len(train_ex) / batch_seqs)
     total = per_epoch * epochs if not max_updates else min(max_updates, per_epoch * epochs)
-    warmup = min(30, max(1, total // 10))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, total - warmup)))))
+    sched = warmup_cosine(opt, total)
     g = torch.Generator().manual_seed(seed)
     history, best = [], None
     bar = tqdm(total=total, desc="train eagle", unit="step", disable=not progress)
