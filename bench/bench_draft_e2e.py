@@ -1,14 +1,19 @@
-"""End-to-end benchmark of the trained drafts: the distilled draft model (stored Q8_0, and run
-as fp32 / Q4_0), before and after distillation, and self-speculation with the trained exit
-head against plain early exit — against our autoregressive loop, same weights, same run.
+"""End-to-end benchmark of the trained drafters: the distilled draft model (stored Q8_0, and
+run as fp32 / Q4_0), before and after distillation, self-speculation with the trained exit
+head against plain early exit, and the EAGLE head's dynamic trees — against our
+autoregressive loop, same weights, same run.
 
     python bench/bench_draft_e2e.py --prompts SPEC_BENCH.jsonl --max-prompts 26 \\
         --out bench/results/e2e_spec_bench_draft.json
     python bench/bench_draft_e2e.py --out bench/results/e2e_draft.json     (the package's prompts)
+    python bench/bench_draft_e2e.py --prompts SPEC_BENCH.jsonl --methods ar,eagle@fp32,eagle,eagle+ngram \\
+        --out bench/results/e2e_spec_bench_eagle.json
 
 Methods (``--methods``, comma-separated): ``ar``; a drafter name of ``specdec generate
---drafter`` (its chain sized by the measured step cost); ``NAME@WEIGHTS`` runs a draft model's
-linears as fp32 / q8_0 / q4_0; ``NAME:fixed`` drafts a fixed chain of 4 instead (how the
+--drafter`` (its chain or tree sized by the measured step cost); ``NAME@WEIGHTS`` runs a
+draft model's or an EAGLE head's linears as fp32 / q8_0 / q4_0 (``--draft-weights``);
+``NAME~FILE`` uses that EAGLE head / draft-model file instead of the shipped one (two heads
+compared in one run); ``NAME:fixed`` drafts a fixed chain of 4 instead (how the
 acceptance rate before and after distillation is compared: the same chains, so the rate does
 not depend on how many tokens the sizing chose to draft). ``self-spec-plain`` exits after the
 same layer as the shipped exit head.
@@ -42,10 +47,13 @@ def make(method, model, exit_layers):
     from specdec_kernels.decoding.registry import make_drafter
 
     name, _, mode = method.partition(":")
+    name, _, checkpoint = name.partition("~")
     name, _, weights = name.partition("@")
     if name == "ar":
         return None, SpecSchedule("constant", 1)
-    drafter = make_drafter(name, model, max_k=16, draft_weights=weights or "stored", self_spec_layers=exit_layers)
+    drafter = make_drafter(name, model, max_k=16, draft_weights=weights or "stored", self_spec_layers=exit_layers,
+                           eagle_checkpoint=checkpoint or None,
+                           draft_model=checkpoint if checkpoint and name.startswith("draft") else None)
     if mode == "fixed":
         drafter.sized = False
         return drafter, SpecSchedule("constant", 4)

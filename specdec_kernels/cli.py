@@ -286,7 +286,8 @@ def build_parser() -> Parser:
                    help="draft for draft / draft-tree: a file of specdec train-draft, or a model name / checkpoint "
                         "of the same vocabulary; None: the distilled draft the package ships for the model")
     g.add_argument("--draft-weights", choices=("stored", "fp32", "q8_0", "q4_0"), default="stored",
-                   help="how a draft file's linear weights run (the shipped draft is stored as Q8_0 blocks)")
+                   help="how a draft file's or an EAGLE head's linear weights run (the shipped draft is stored "
+                        "as Q8_0 blocks; an EAGLE head runs as Q8_0 blocks on a native target, dense otherwise)")
     g.add_argument("--exit-head", default=None,
                    help="self-spec exit head file of specdec train-draft --kind exit; None: the one the package "
                         "ships for the model; 'none': plain early exit")

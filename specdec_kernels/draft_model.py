@@ -32,6 +32,7 @@ import os
 import torch
 
 from .models.llama import Llama, dense, is_block_weight
+from .models.registry import read_metadata
 
 SHIPPED_DRAFTS = {"smollm2-135m": "draft_smollm2_135m.safetensors"}
 SHIPPED_EXITS = {"smollm2-135m": "exit_smollm2_135m.safetensors"}
@@ -51,13 +52,6 @@ def default_exit_checkpoint(model_name: str) -> str | None:
     from .models.registry import shipped_file
 
     return shipped_file(model_name, SHIPPED_EXITS)
-
-
-def read_metadata(path) -> dict:
-    from safetensors import safe_open
-
-    with safe_open(os.fspath(path), framework="pt") as f:
-        return dict(f.metadata() or {})
 
 
 def _lm_head_rows(target: Llama, vocab: torch.Tensor, block: bool):

@@ -39,7 +39,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import ops
-from .models.llama import apply_rope, dense, rms_norm, rope_tables
+from .models.llama import apply_rope, dense, is_block_weight, rms_norm, rope_tables
+from .models.registry import read_metadata
+
+DECODE_FORMATS = (None, "Q8_0", "Q4_0")  # how the decode fast paths run the head's products
+EAGLE_WEIGHTS = ("stored", "fp32", "q8_0", "q4_0")  # --draft-weights for an EAGLE head
 
 
 class EagleHead(nn.Module):
@@ -70,7 +74,9 @@ class EagleHead(nn.Module):
             self.fc[:, :H] = torch.eye(H)  # start as "the feature, plus what the token adds"
             self.fc[:, H:] = torch.randn(H, H) * 0.02
         self.register_buffer("draft_vocab", torch.as_tensor(draft_vocab, dtype=torch.int64).clone(), persistent=True)
-        self.embed = self.norm = self.lm_head_draft = None
+        self.embed = self.norm = self.lm_head_draft = self._lm_head_blocks = None
+        self.decode_format: str | None = None  # see set_decode_format
+        self._decode_weights, self._decode_key = None, None
         self._rope_len = 0
         self.metadata: dict = {}
 
@@ -97,6 +103,7 @@ class EagleHead(nn.Module):
         self.embed = target.embed_tokens  # rows looked up (and dequantised for block weights) on demand
         self.norm = target.norm
         self.lm_head_draft = dense(target.lm_head)[self.draft_vocab].contiguous()
+        self._lm_head_blocks = target.lm_head.rows(self.draft_vocab) if is_block_weight(target.lm_head) else None
         self._decode_weights = None
         return self
 
@@ -138,18 +145,49 @@ class EagleHead(nn.Module):
 
     # ---- fast paths for decoding (no autograd, the target's dtype, ops.linear) ---------------
     def decode_weights(self, dtype) -> dict:
-        """The parameters as contiguous ``dtype`` tensors (cached): ops.linear picks the
-        skinny kernel for the few rows a draft step has."""
-        if self._decode_weights is None or self._decode_weights["fc"].dtype != dtype:
-            self._decode_weights = {n: p.detach().to(dtype).contiguous() for n, p in self.named_parameters()}
-            self._decode_weights["lm_head_draft"] = self.lm_head_draft.to(dtype).contiguous()
-            self._decode_weights["norm"] = self.norm.to(dtype)
+        """The parameters for decoding (cached): contiguous ``dtype`` tensors, for which
+        ops.linear picks the skinny kernel for the few rows a draft step has; with
+        ``decode_format`` "Q8_0" / "Q4_0" the six products' weights (fc, wqkv, wo, w_gate_up,
+        w_down and the draft LM head) are GGUF blocks for ``quantized_linear`` instead.
+
+        Why blocks: each draft depth streams all of them (~9M weights for SmolLM2, the draft
+        LM head half of it): 36 MB in fp32, 10 MB as Q8_0, so on a native (GGUF) target the
+        head drafts in the target's own weight format and a depth costs a fraction of the
+        fp32 time. The draft LM head rows are then the target's own blocks (no requantisation)."""
+        key = (dtype, self.decode_format)
+        if self._decode_weights is None or self._decode_key != key:
+            w = {n: p.detach().to(dtype).contiguous() for n, p in self.named_parameters()}
+            w["lm_head_draft"] = self.lm_head_draft.to(dtype).contiguous()
+            w["norm"] = self.norm.to(dtype)
+            if self.decode_format is not None:
+                from .gguf_blocks import quantize
+
+                for n in ("fc", "wqkv", "wo", "w_gate_up", "w_down"):
+                    w[n] = quantize(w[n].float().contiguous(), self.decode_format)
+                same = self._lm_head_blocks is not None and self._lm_head_blocks.type_name == self.decode_format
+                w["lm_head_draft"] = (self._lm_head_blocks if same
+                                      else quantize(self.lm_head_draft.float().contiguous(), self.decode_format))
+            self._decode_weights, self._decode_key = w, key
         return self._decode_weights
+
+    def set_decode_format(self, fmt: str | None) -> "EagleHead":
+        """How the decode fast paths run the products: None (dense, the target's dtype) or a
+        GGUF block type "Q8_0" / "Q4_0" (see :meth:`decode_weights`)."""
+        fmt = None if fmt is None else str(fmt).upper()
+        if fmt not in DECODE_FORMATS:
+            raise ValueError(f"decode format must be one of {DECODE_FORMATS}, got {fmt!r}")
+        self.decode_format, self._decode_weights = fmt, None
+        return self
+
+    @staticmethod
+    def _linear(x: torch.Tensor, w) -> torch.Tensor:
+        """x @ w^T in x's dtype (quantized_linear returns fp32)."""
+        return ops.linear(x, w).to(x.dtype)
 
     @torch.inference_mode()
     def decode_inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         w = self.decode_weights(features.dtype)
-        return ops.linear(torch.cat([features, self.embed(tokens).to(features.dtype)], dim=-1), w["fc"])
+        return self._linear(torch.cat([features, self.embed(tokens).to(features.dtype)], dim=-1), w["fc"])
 
     @torch.inference_mode()
     def decode_qkv(self, x: torch.Tensor, positions: torch.Tensor):
@@ -157,7 +195,7 @@ class EagleHead(nn.Module):
         D = self.head_dim
         cos, sin = self._rope(int(positions.max()) + 1)
         cos, sin = cos[positions].to(x.dtype), sin[positions].to(x.dtype)
-        q, k, v = ops.linear(rms_norm(x, w["attn_norm"], self.eps), w["wqkv"]).split(
+        q, k, v = self._linear(rms_norm(x, w["attn_norm"], self.eps), w["wqkv"]).split(
             [self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
         q = apply_rope(q.reshape(-1, self.num_heads, D), cos, sin)
         k = apply_rope(k.reshape(-1, self.num_kv_heads, D), cos, sin)
@@ -167,9 +205,9 @@ class EagleHead(nn.Module):
     def decode_output(self, x: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (g [T, H], fp32 draft log-probs [T, Vd])."""
         w = self.decode_weights(x.dtype)
-        h = x + ops.linear(attn, w["wo"])
-        gate, up = ops.linear(rms_norm(h, w["mlp_norm"], self.eps), w["w_gate_up"]).chunk(2, -1)
-        g = h + ops.linear(F.silu(gate) * up, w["w_down"])
+        h = x + self._linear(attn, w["wo"])
+        gate, up = self._linear(rms_norm(h, w["mlp_norm"], self.eps), w["w_gate_up"]).chunk(2, -1)
+        g = h + self._linear(F.silu(gate) * up, w["w_down"])
         logits = ops.linear(rms_norm(g, w["norm"], self.eps), w["lm_head_draft"]).float()
         return g, logits.log_softmax(-1)
 
@@ -212,12 +250,10 @@ def save_eagle_head(head: EagleHead, path, *, dtype=torch.bfloat16, metadata: di
 def load_eagle_head(path, target) -> EagleHead:
     """An :class:`EagleHead` from a file of :func:`save_eagle_head`, attached to ``target``
     (parameters in the target's dtype, eval mode, no gradients)."""
-    from safetensors import safe_open
     from safetensors.torch import load_file
 
     state = load_file(os.fspath(path))
-    with safe_open(os.fspath(path), framework="pt") as f:
-        meta = dict(f.metadata() or {})
+    meta = read_metadata(path)
     missing = {"fc", "wqkv", "wo", "w_gate_up", "w_down", "draft_vocab"} - set(state)
     if missing:
         raise ValueError(f"{path}: not an EAGLE head file (missing {sorted(missing)})")
@@ -231,26 +267,35 @@ def load_eagle_head(path, target) -> EagleHead:
     return head.attach(target).eval().requires_grad_(False)
 
 
-def read_metadata(path) -> dict:
-    from safetensors import safe_open
+def decode_format_for(target, weights: str = "stored") -> str | None:
+    """The head's decode format for ``weights`` (``--draft-weights``): "stored" follows the
+    target — GGUF Q8_0 blocks when the target runs GGUF blocks (``weight_format`` "native",
+    "q8_0", "q4_0"), dense in the target's dtype otherwise; "fp32" dense; "q8_0" / "q4_0"
+    those blocks."""
+    if weights not in EAGLE_WEIGHTS:
+        raise ValueError(f"EAGLE head weights must be one of {EAGLE_WEIGHTS}, got {weights!r}")
+    if weights == "stored":
+        return "Q8_0" if is_block_weight(target.lm_head) else None
+    return None if weights == "fp32" else weights.upper()
 
-    with safe_open(os.fspath(path), framework="pt") as f:
-        return dict(f.metadata() or {})
 
-
-def eagle_head_for(target, checkpoint=None, *, draft_vocab_size: int = 4096) -> EagleHead:
+def eagle_head_for(target, checkpoint=None, *, draft_vocab_size: int = 4096, weights: str = "stored") -> EagleHead:
     """The head for ``target``: ``checkpoint`` (a file), None = the package's trained head
     for the model if it ships one, else an untrained head (``"untrained"``: the decoder layer
     copied from the target's last layer, the lowest ``draft_vocab_size`` ids as the draft
-    vocabulary — for tests and comparisons, expect low acceptance)."""
+    vocabulary — for tests and comparisons, expect low acceptance). ``weights``: how its
+    products run while decoding (:func:`decode_format_for`)."""
+    fmt = decode_format_for(target, weights)
     if checkpoint is None:
         checkpoint = default_eagle_checkpoint(target.name) or "untrained"
     if checkpoint == "untrained":
         V = target.config.vocab_size
         head = EagleHead.for_target(target, torch.arange(min(V, draft_vocab_size)))
-        return head.to(target.dtype).attach(target).eval().requires_grad_(False)
-    return load_eagle_head(checkpoint, target)
+        head = head.to(target.dtype).attach(target).eval().requires_grad_(False)
+    else:
+        head = load_eagle_head(checkpoint, target)
+    return head.set_decode_format(fmt)
 
 
-__all__ = ["EagleHead", "attention_reference", "default_eagle_checkpoint", "eagle_head_for", "load_eagle_head",
-           "save_eagle_head", "read_metadata"]
+__all__ = ["DECODE_FORMATS", "EAGLE_WEIGHTS", "EagleHead", "attention_reference", "decode_format_for",
+           "default_eagle_checkpoint", "eagle_head_for", "load_eagle_head", "save_eagle_head", "read_metadata"]

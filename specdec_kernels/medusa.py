@@ -254,10 +254,9 @@ def read_medusa_metadata(source) -> dict:
     """The string metadata of a ``.safetensors`` file ({} for anything else)."""
     if isinstance(source, dict) or not os.fspath(source).endswith(".safetensors"):
         return {}
-    from safetensors import safe_open
+    from .models.registry import read_metadata
 
-    with safe_open(os.fspath(source), framework="pt") as f:
-        return dict(f.metadata() or {})
+    return read_metadata(source)
 
 
 def save_medusa_heads(heads: MedusaHeads, path, *, dtype=None, metadata: dict | None = None) -> None:

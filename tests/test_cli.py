@@ -319,11 +319,13 @@ def test_train_draft_end_to_end(tiny_dir, env, tmp_path, kind):
     out = tmp_path / f"{kind}.safetensors"
     args = ["train-draft", "--kind", kind, "--model", str(tiny_dir), "--num-prompts", "6", "--max-new-tokens", "8",
             "--shard-size", "3", "--draft-vocab-size", "64", "--epochs", "1", "--batch-seqs", "2", "--eval-prompts", "1",
-            "--layers", "1", "--exit-layers", "1", "--rank", "4", "--cache-dir", str(tmp_path / "data"), "--out", str(out)]
+            "--layers", "1", "--exit-layers", "1", "--rank", "4", "--cache-dir", str(tmp_path / "data"), "--out", str(out),
+            "--sampled-prompts", "3"]
     r = specdec(args, env)
     assert r.returncode == 0, r.stderr.decode()[-2000:]
     assert out.exists() and f"wrote {out}" in r.stdout.decode()
-    assert len(list((tmp_path / "data").rglob("shard_*.pt"))) == 2
+    assert len(list((tmp_path / "data").rglob("shard_*.pt"))) == 3  # 2 greedy + 1 sampled
+    assert len(list((tmp_path / "data").rglob("*_T0.8_*/shard_*.pt"))) == 1
     flag = ["--drafter", "draft", "--draft-model", str(out)] if kind == "draft" else ["--drafter", "self-spec",
                                                                                        "--exit-head", str(out)]
     g = specdec(["generate", "--model", str(tiny_dir), "--prompt", "hi", "--max-new-tokens", "6", "--no-ar-check", *flag],

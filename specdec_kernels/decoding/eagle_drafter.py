@@ -20,9 +20,15 @@ entry t holds the head's K/V for (target feature f_t, token t+1). Each step:
    parents). How many: the number of verified rows ``R`` (B roots + kept nodes over the
    batch) that maximises expected tokens per unit time, ``(B + sum p) / (cost(R) +
    draft time)``, with p = exp(cumulative log-prob) and ``cost`` the *measured* verification
-   cost curve (``verify_cost``; by default measured once per model at first use,
-   :func:`measure_verify_cost`) and the draft time measured while drafting.
+   cost curve at the batch's size (``verify_cost``; by default the target's step-cost curve,
+   ``cost_model.step_cost_for``, measured once per machine) and the draft time measured while
+   drafting.
 4. **Verify** — the generator's one ``tree_attention`` forward and ``tree_rejection_sample``.
+
+When a step's trees all come out empty (no node pays: typical at batch 4, where the batch
+already fills the step), the catch-up pass and expansions were spent for nothing, so the
+drafter backs off: after m empty steps in a row it skips the next 2^m - 1 steps (m <= 5),
+and their entries wait for the next catch-up pass (one batched forward).
 
 The draft cache needs no ``compact_kv``: only entries built from the *target's* features
 are committed (step 1); the tree's entries were built from the head's own estimates g and
@@ -46,72 +52,21 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .cost_model import StepCost, as_step_cost, step_cost_for
 from ..eagle import EagleHead, eagle_head_for
 from ..kv_cache import PagedKVCache
-from ..models.llama import Batch
 from ..tree import eagle_tree_from_expansions
 from .drafters import Draft, Drafter, MedusaDrafter
-
-_COST_CACHE: dict = {}
-
-
-@torch.inference_mode()
-def measure_verify_cost(model, rows=(1, 2, 4, 8, 12, 16, 24, 32, 48), *, context: int = 128,
-                        repeats: int = 2) -> tuple[float, dict]:
-    """(seconds of a one-row verification forward, {rows: cost relative to one row}) of
-    ``model`` at batch 1 with ``context`` cached tokens, medians of ``repeats`` — measured on
-    this machine, with this thread count, at first use (cached per model and thread count)."""
-    key = (id(model), torch.get_num_threads())
-    if key in _COST_CACHE and _COST_CACHE[key][0] is model:
-        return _COST_CACHE[key][1]
-    cache = model.new_cache(1, context + max(rows) + 1, block_size=64)
-    slot = cache.add_request(0)
-    model.prefill(torch.randint(0, model.config.vocab_size, (context,)), cache, slot)
-    seconds = {}
-    for r in rows:
-        new = cache.append_slots([slot], [r])
-        block_table, prefix = cache.batch_view([slot])
-        parents = torch.arange(-1, r - 1)  # a chain: the mask does not change the cost much
-        batch = Batch(block_table, prefix, new.qo_indptr, new.slot_mapping, None)
-        toks = torch.randint(0, model.config.vocab_size, (r,))
-        pos = torch.arange(context, context + r)
-        times = []
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            model.logits(model.forward(toks, pos, cache, batch))
-            times.append(time.perf_counter() - t0)
-        seconds[r] = sorted(times[1:])[len(times[1:]) // 2]
-        del parents
-    base = seconds[rows[0]]
-    table = {r: max(1.0, s / base) for r, s in seconds.items()}
-    # The curve is non-decreasing in truth; medians on a busy machine are not.
-    run = 1.0
-    for r in sorted(table):
-        run = max(run, table[r])
-        table[r] = run
-    _COST_CACHE[key] = (model, (base, table))
-    return base, table
-
-
-def interpolate(table: dict, rows: int) -> float:
-    """Piecewise-linear cost at ``rows`` from {rows: cost}; linear extrapolation past the end."""
-    ks = sorted(table)
-    if rows <= ks[0]:
-        return table[ks[0]]
-    for a, b in zip(ks, ks[1:]):
-        if rows <= b:
-            return table[a] + (table[b] - table[a]) * (rows - a) / (b - a)
-    a, b = ks[-2], ks[-1]
-    return table[b] + (table[b] - table[a]) / (b - a) * (rows - b)
-
 
 class EagleDrafter(Drafter):
     """EAGLE-2 dynamic trees from an :class:`~specdec_kernels.eagle.EagleHead` (module
     docstring). ``head``: default ``eagle_head_for(target)`` (the trained head the package
     ships for the model). ``top_k``: children per expanded node and beam width.
-    ``max_tree_nodes``: most draft nodes per request (root excluded). ``verify_cost``:
-    {rows: cost relative to a one-row step} or a callable rows -> that, plus ``step_seconds``
-    (a one-row step in seconds, to weigh the draft time); default measured at first use.
+    ``max_tree_nodes``: most draft nodes per request (root excluded). ``verify_cost``: a
+    ``cost_model.StepCost``, {rows: cost relative to a one-row step}, a callable rows -> that,
+    or a sequence of relative costs at 1, 2, ... rows; ``step_seconds``: a one-row step in
+    seconds (to weigh the measured draft time); by default both come from the target's
+    step-cost curve (``cost_model.step_cost_for``: measured once per machine, batch-aware).
     ``sample_width``: children drawn per expanded node (and beam width) for sampled requests.
     """
 
@@ -128,35 +83,45 @@ class EagleDrafter(Drafter):
         sampled_nodes = sample_width + sample_width * sample_width * (max_depth - 1)
         self.max_nodes = max(max_tree_nodes, sampled_nodes) + 1 + (ngram.max_nodes - 1 if ngram is not None else 0)
         self.name = name or ("eagle+ngram" if ngram is not None else "eagle")
-        self._verify_cost, self._step_seconds = verify_cost, step_seconds
+        # A StepCost holds seconds (measured or given); a dict holds relative costs, made a
+        # one-batch table (the scale cancels in relative costs, not in seconds).
+        self._cost_in_seconds = verify_cost is None or isinstance(verify_cost, StepCost)
+        if isinstance(verify_cost, dict):
+            verify_cost = StepCost({1: verify_cost})
+        self._given_cost, self._step_seconds = verify_cost, step_seconds
+        self._verify_cost = None  # (rows, batch) -> relative cost, resolved at first use
         self._depth_seconds = None  # measured: moving average of one expansion depth
         self._gen = torch.Generator()
         # Drafting statistics: tree sizes and depths, accepted lengths (see ``summary``).
-        self.stats = {"steps": 0, "nodes": 0, "depth_hist": {}, "accepted_hist": {}}
-        self.cost(1)  # measure the verification cost curve now (once per model), not inside a timed run
+        self.stats = {"steps": 0, "nodes": 0, "depth_hist": {}, "accepted_hist": {}, "skipped_steps": 0}
+        self._empty_run, self._skip = 0, 0  # back-off after empty trees (propose)
+        self.cost(1)  # resolve (and if need be measure) the step-cost curve now, not inside a timed run
 
     # ---- costs ------------------------------------------------------------------------
-    def cost(self, rows: int) -> float:
-        """Verification cost of ``rows`` rows relative to a one-row step."""
+    def cost(self, rows: int, batch: int = 1) -> float:
+        """Verification cost of ``rows`` rows in all for ``batch`` requests, relative to a
+        step of one row per request."""
         if self._verify_cost is None:
-            self._step_seconds, self._verify_cost = measure_verify_cost(self.target)
-        vc = self._verify_cost
-        if callable(vc):
-            return float(vc(rows))
-        if not isinstance(vc, dict):
-            vc = {i + 1: float(c) for i, c in enumerate(vc)}
-            self._verify_cost = vc
-        return interpolate(vc, rows)
+            curve = step_cost_for(self.target) if self._given_cost is None else self._given_cost
+            self._verify_cost = as_step_cost(curve)
+            if self._step_seconds is None:
+                self._step_seconds = (curve if self._cost_in_seconds else step_cost_for(self.target)).seconds(1)
+        return float(self._verify_cost(rows, batch))
 
-    def _draft_cost(self, depths: int) -> float:
-        """Relative cost of ``depths`` expansion depths (measured; 0 until measured)."""
+    def _draft_cost(self, depths: int, batch: int = 1) -> float:
+        """Relative cost of ``depths`` expansion depths (measured; 0 until measured) against a
+        one-row-per-request step of ``batch`` requests."""
         if self._depth_seconds is None:
             return 0.0
-        if self._step_seconds is None:
-            self.cost(1)
-            if self._step_seconds is None:
-                self._step_seconds, _ = measure_verify_cost(self.target)
-        return depths * self._depth_seconds / self._step_seconds
+        return depths * self._depth_seconds / self._batch_step_seconds(batch)
+
+    def _batch_step_seconds(self, batch: int) -> float:
+        """Seconds of a one-row-per-request step of ``batch`` requests: the curve's own when it
+        holds seconds, else the one-row step scaled by the given relative curve."""
+        self.cost(1)
+        if self._cost_in_seconds:
+            return self._verify_cost.seconds(batch, batch)
+        return self._step_seconds * float(self._verify_cost(batch, 1))
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self, gen, reqs):
@@ -168,6 +133,7 @@ class EagleDrafter(Drafter):
                                   max_batch=len(reqs), max_blocks_per_seq=blocks, dtype=self.target.dtype,
                                   device=self.target.device)
         self.slot, self.pending = {}, {}
+        self._empty_run, self._skip = 0, 0
         for r in reqs:
             self.slot[r.rid] = self.cache.add_request(0)
             # Entry t = (f_t, token t+1) for t < P-1: the prefill computed f_0..f_{P-2}.
@@ -178,8 +144,13 @@ class EagleDrafter(Drafter):
             self.stats["accepted_hist"][n] = self.stats["accepted_hist"].get(n, 0) + 1
             if r.done:
                 continue
-            # Entries (f of the root and of each accepted node, the token it produced).
-            self.pending[r.rid] = (r.path_hidden, r.tokens[len(r.tokens) - (n + 1):])
+            # Entries (f of the root and of each accepted node, the token it produced),
+            # after any a skipped step left (see ``propose``).
+            feats, toks = r.path_hidden.clone(), r.tokens[len(r.tokens) - (n + 1):]
+            left_f, left_t = self.pending.get(r.rid, (None, []))
+            if left_f is not None and len(left_t):
+                feats, toks = torch.cat([left_f, feats]), list(left_t) + list(toks)
+            self.pending[r.rid] = (feats, toks)
 
     def finish(self, gen, req):
         self.cache.free(self.slot.pop(req.rid))
@@ -187,7 +158,7 @@ class EagleDrafter(Drafter):
 
     def summary(self) -> dict:
         s = self.stats
-        return {"steps": s["steps"], "mean_tree_nodes": s["nodes"] / max(1, s["steps"]),
+        return {"steps": s["steps"], "skipped_steps": s["skipped_steps"], "mean_tree_nodes": s["nodes"] / max(1, s["steps"]),
                 "tree_depth_hist": dict(sorted(s["depth_hist"].items())),
                 "accepted_length_hist": dict(sorted(s["accepted_hist"].items()))}
 
@@ -264,6 +235,10 @@ class EagleDrafter(Drafter):
         t_start = time.perf_counter()
         head = self.head
         drafts = [Draft.root_only(r.tokens[-1]) for r in reqs]
+        if self._skip > 0:  # back-off after empty trees: no head forward this step
+            self._skip -= 1
+            self.stats["skipped_steps"] += 1
+            return self._with_ngram(reqs, lengths, drafts)
         roots_g = self.catch_up(reqs)
         active = [b for b, k in enumerate(lengths) if k > 0 and b in roots_g]
         if not active:
@@ -301,10 +276,16 @@ class EagleDrafter(Drafter):
         d = 1
         while d < int(depth_cap.max()):
             s_prev = scores[-1].masked_fill((depth_cap < d)[:, None], float("-inf"))
-            if not self._worth_another_depth(scores, d):
+            threshold = self._expansion_threshold(scores, d)
+            if threshold is None:
                 break
-            G = min(width, s_prev.shape[1])
-            beam = s_prev.topk(G, dim=-1).indices  # [B, G], indices into step d-1's candidates
+            top = s_prev.topk(min(width, s_prev.shape[1]), dim=-1)
+            # The beam: the best candidates whose children can still pay (see
+            # _expansion_threshold), as many as the request that has most of them needs.
+            G = int((top.values.exp() > threshold).sum(1).max()) if not any_sampled else top.values.shape[1]
+            if G == 0:
+                break
+            beam = top.indices[:, :G]  # [B, G], indices into step d-1's candidates
             bsel = beam[..., None]
             feat = torch.gather(cand_g, 1, bsel.expand(B, G, cand_g.shape[-1]))
             tok = torch.gather(tokens[-1], 1, beam)
@@ -338,7 +319,7 @@ class EagleDrafter(Drafter):
         # Beyond a request's own cap the candidates are not eligible.
         for j in range(len(scores)):
             scores[j] = scores[j].masked_fill((depth_cap < j + 1)[:, None], float("-inf"))
-        draft_rel = (time.perf_counter() - t_start) / self._step_seconds if self._step_seconds else 0.0
+        draft_rel = (time.perf_counter() - t_start) / self._batch_step_seconds(B)
         keep = self._select(scores, B, draft_rel)
         for i, b in enumerate(active):
             r = sub[i]
@@ -352,6 +333,16 @@ class EagleDrafter(Drafter):
                                                   torch.tensor([r.tokens[-1]]))
                 drafts[b] = Draft(tree.parents[0].tolist(), tree.token_ids[0].tolist())
         self.stats["steps"] += 1
+        # Back-off: a step whose trees were all empty cost a catch-up pass and the expansions
+        # for nothing (at batch 4 the batch already fills the step and extra rows rarely
+        # pay); after m such steps in a row the next 2^m - 1 steps draft nothing (m <= 5) and
+        # their entries wait for the next catch-up pass, one batched forward. Any kept node
+        # resets it.
+        if any(len(drafts[b].tokens) > 1 for b in active):
+            self._empty_run = 0
+        else:
+            self._empty_run = min(self._empty_run + 1, 5)
+            self._skip = 2 ** self._empty_run - 1
         for b in active:
             dd = drafts[b]
             self.stats["nodes"] += len(dd.tokens) - 1
@@ -359,14 +350,22 @@ class EagleDrafter(Drafter):
             self.stats["depth_hist"][depth] = self.stats["depth_hist"].get(depth, 0) + 1
         return self._with_ngram(reqs, lengths, drafts)
 
-    def _worth_another_depth(self, scores: list, d: int) -> bool:
-        """Whether one more expansion depth is expected to pay for its measured cost: the
-        best nodes it can add are the beam's best children, estimated as the beam's
-        probability times the last depth's best-child/parent probability ratio."""
+    def _expansion_threshold(self, scores: list, d: int) -> float | None:
+        """None when one more expansion depth is not expected to pay for its measured cost,
+        else the least cumulative probability a beam node needs to be expanded.
+
+        Whether a depth pays: the best nodes it can add are the beam's best children,
+        estimated as the beam's probability times the last depth's best-child/parent
+        probability ratio. The threshold (a change from EAGLE-2's fixed top-k beam): a node
+        with probability p raises expected tokens per unit cost, e / c, only if p > (e / c) *
+        (cost of one more verified row); a child's probability is at most its parent's, so a
+        parent below that bound cannot have a child worth verifying and expanding it would
+        only add draft rows (each depth's head forward costs about in proportion to its rows
+        on GGUF-block weights). With free verification rows the bound is 0: the full beam."""
         if d >= self.max_depth:
-            return False
+            return None
         if self._depth_seconds is None:
-            return True  # not measured yet: expand (the first steps measure it)
+            return 0.0  # not measured yet: expand (the first steps measure it)
         p_all = torch.cat([s.exp() for s in scores], 1)  # [B, C]
         B = p_all.shape[0]
         top = p_all.sort(dim=1, descending=True).values[:, : self.max_tree_nodes]
@@ -374,16 +373,18 @@ class EagleDrafter(Drafter):
         best = None
         for n in range(0, top.shape[1] + 1, max(1, top.shape[1] // 16)):
             e = B + float(top[:, :n].sum())
-            c = self.cost(B * (n + 1)) + self._draft_cost(d)
+            c = self.cost(B * (n + 1), B) + self._draft_cost(d, B)
             if best is None or e / c > best[0]:
-                best = (e / c, e, c)
+                best = (e / c, e, c, B * (n + 1))
         last = scores[-1].exp()
         prev = scores[-2].exp() if len(scores) > 1 else torch.ones(B, 1)
         ratio = float(last.max(1).values.sum() / prev.max(1).values.sum().clamp(min=1e-9))
         G = min(self.top_k, last.shape[1])
         gain = ratio * float(last.topk(G, dim=1).values.sum())
-        _, e, c = best
-        return (e + gain) / (c + self._draft_cost(1)) > e / c
+        value, e, c, rows = best
+        if (e + gain) / (c + self._draft_cost(1, B)) <= value:
+            return None
+        return value * max(0.0, self.cost(rows + 1, B) - self.cost(rows, B))
 
     def _select(self, scores: list, B: int, draft_rel: float) -> list:
         """Nodes to keep per request: the batch's most probable candidates, as many as
@@ -391,10 +392,10 @@ class EagleDrafter(Drafter):
         p_all = torch.cat([s.exp() for s in scores], 1)
         top = p_all.sort(dim=1, descending=True).values[:, : self.max_tree_nodes]
         pool = sorted(((-float(p), b) for b in range(B) for p in top[b] if p > 0), key=lambda t: t[0])
-        best_n, best, total = 0, B / (self.cost(B) + draft_rel), float(B)
+        best_n, best, total = 0, B / (self.cost(B, B) + draft_rel), float(B)
         for n, (neg_p, _) in enumerate(pool, 1):
             total -= neg_p
-            value = total / (self.cost(B + n) + draft_rel)
+            value = total / (self.cost(B + n, B) + draft_rel)
             if value > best:
                 best_n, best = n, value
         keep = [0] * B

@@ -61,7 +61,8 @@ def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: st
 
     ``draft_model``: a draft file of ``specdec train-draft`` (.safetensors) or a model name /
     checkpoint of the same vocabulary; None = the distilled draft shipped for the model.
-    ``draft_weights``: how a draft file's linears run ("stored", "fp32", "q8_0", "q4_0").
+    ``draft_weights``: how a draft file's linears run ("stored", "fp32", "q8_0", "q4_0"); for
+    an EAGLE head "stored" means Q8_0 blocks on a GGUF-block target, dense otherwise.
     ``exit_head``: the self-speculation exit head file; None = the shipped one; "none" =
     plain early exit."""
     # Imported here: the table above serves --help and argument checks without loading the
@@ -95,7 +96,8 @@ def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: st
         from ..eagle import eagle_head_for
         from .eagle_drafter import EagleDrafter
 
-        head = eagle_head_for(model, "untrained" if name == "eagle-untrained" else eagle_checkpoint)
+        head = eagle_head_for(model, "untrained" if name == "eagle-untrained" else eagle_checkpoint,
+                              weights=draft_weights)
         return EagleDrafter(model, head, ngram=NgramDrafter(max_k=max_k) if name == "eagle+ngram" else None,
                             name=name)
     if name in ("draft", "draft-tree", "draft-untrained"):

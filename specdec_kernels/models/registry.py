@@ -70,3 +70,12 @@ def load_model(name_or_path: str, weights: str = "native"):
     from .gguf_loader import load_gguf
 
     return load_gguf(path, weights)
+
+
+def read_metadata(path) -> dict:
+    """The string metadata of a ``.safetensors`` file (the trained drafters' files record
+    their training command, scores and settings there)."""
+    from safetensors import safe_open
+
+    with safe_open(os.fspath(path), framework="pt") as f:
+        return dict(f.metadata() or {})

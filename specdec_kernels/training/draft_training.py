@@ -312,11 +312,7 @@ def main(argv=None) -> int:
                         "directory; the shipped ones are specdec_kernels/data/{draft,exit}_smollm2_135m.safetensors); "
                         "an existing file is replaced only with --overwrite")
     p.add_argument("--overwrite", action="store_true", help="allow --out to replace an existing file")
-    p.add_argument("--cache-dir", default=str(distill_data.DEFAULT_CACHE), help="where the generated data is cached")
-    p.add_argument("--num-prompts", type=int, default=1024, help="synthetic prompts the model answers for the data")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated per training prompt")
-    p.add_argument("--topk", type=int, default=32, help="target logits cached per position")
-    p.add_argument("--shard-size", type=int, default=32, help="prompts per cached data shard (the unit of resuming)")
+    distill_data.add_data_arguments(p, num_prompts=1024)
     p.add_argument("--draft-vocab-size", type=int, default=8192, help="tokens the draft drafts from")
     p.add_argument("--layers", type=int, default=2, help="--kind draft: decoder layers of the draft model")
     p.add_argument("--store", choices=("q8_0", "q4_0", "bf16"), default="q8_0",
@@ -345,16 +341,15 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     model, tok = load_model(args.model)
-    data = distill_data.load_or_generate(model, tok, args.num_prompts, model_name=args.model,
-                                         max_new_tokens=args.max_new_tokens, topk=args.topk,
-                                         shard_size=args.shard_size, seed=args.seed, cache_dir=args.cache_dir)
+    data = distill_data.load_training_data(model, tok, args)
     train_ids, held_ids = distill_data.split_sequences(data["seq_start"], args.held_out, args.seed)
     st = data["seq_start"]
     rows = torch.cat([torch.arange(int(st[s]), int(st[s + 1])) for s in train_ids])
     vocab = draft_vocabulary(data["topk_ids"][rows, 0], model.config.vocab_size, args.draft_vocab_size)
     V = model.config.vocab_size
     lm_rows = dense(model.lm_head)[vocab].float()
-    meta = {"model": args.model, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
+    meta = {"model": args.model, "num_prompts": args.num_prompts, "sampled_prompts": args.sampled_prompts,
+                 "answer_temperature": args.answer_temperature, "max_new_tokens": args.max_new_tokens,
             "positions": int(data["tokens"].shape[0]), "train_sequences": len(train_ids), "epochs": args.epochs,
             "seed": args.seed, "draft_vocab_size": int(vocab.shape[0]),
             "trained_by": f"specdec train-draft --kind {args.kind} (self-distillation on synthetic prompts)"}
@@ -416,7 +411,9 @@ def main(argv=None) -> int:
         if not Ls or Ls[0] < 1 or Ls[-1] >= model.config.num_layers:
             p.error(f"--exit-layers must be in [1, {model.config.num_layers - 1}]")
         cache_path = Path(args.cache_dir) / Path(args.model).stem / (
-            f"features_s{args.seed}_n{args.num_prompts}_t{args.max_new_tokens}_l{'-'.join(map(str, Ls))}.pt")
+            f"features_s{args.seed}_n{args.num_prompts}"
+            f"{f'+{args.sampled_prompts}T{args.answer_temperature:g}' if args.sampled_prompts else ''}"
+            f"_t{args.max_new_tokens}_l{'-'.join(map(str, Ls))}.pt")
         feats = layer_features(model, data, Ls, cache_path)
         results = {}
         for L in Ls:

@@ -37,7 +37,6 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -287,12 +286,7 @@ def main(argv=None) -> int:
                         "specdec_kernels/data/eagle_smollm2_135m.safetensors); an existing file is replaced only "
                         "with --overwrite")
     p.add_argument("--overwrite", action="store_true", help="allow --out to replace an existing file")
-    p.add_argument("--cache-dir", default=str(distill_data.DEFAULT_CACHE), help="where the generated data is cached")
-    p.add_argument("--num-prompts", type=int, default=320,
-                   help="synthetic prompts the model answers for the training data")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated per training prompt")
-    p.add_argument("--shard-size", type=int, default=32, help="prompts per cached data shard (the unit of resuming)")
-    p.add_argument("--topk", type=int, default=32, help="target logits cached per position")
+    distill_data.add_data_arguments(p, num_prompts=320)
     p.add_argument("--draft-vocab-size", type=int, default=8192,
                    help="tokens the head drafts from (8192 covered 0.93 of held-out greedy tokens, 4096 0.89)")
     p.add_argument("--features", choices=("top", "fused"), default="top",
@@ -321,9 +315,7 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     model, tok = load_model(args.model)
     t0 = time.perf_counter()
-    data = distill_data.load_or_generate(model, tok, args.num_prompts, model_name=args.model,
-                                         max_new_tokens=args.max_new_tokens, topk=args.topk,
-                                         shard_size=args.shard_size, seed=args.seed, cache_dir=args.cache_dir)
+    data = distill_data.load_training_data(model, tok, args)
     S = data["seq_start"].shape[0] - 1
     print(f"data: {data['tokens'].shape[0]} positions in {S} sequences, layers {data['layers'].tolist()} "
           f"({time.perf_counter() - t0:.0f}s)")
@@ -349,7 +341,8 @@ def main(argv=None) -> int:
     if args.features == "fused":
         fuse = torch.nn.Parameter(torch.cat([torch.zeros(H, (len(layer_index) - 1) * H), torch.eye(H)], 1))
     t1 = time.perf_counter()
-    base_meta = {"model": args.model, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
+    base_meta = {"model": args.model, "num_prompts": args.num_prompts, "sampled_prompts": args.sampled_prompts,
+                 "answer_temperature": args.answer_temperature, "max_new_tokens": args.max_new_tokens,
                  "positions": int(data["tokens"].shape[0]), "train_sequences": len(train_seqs),
                  "epochs": args.epochs, "max_updates": args.max_updates, "unroll": args.unroll, "lr": args.lr,
                  "seed": args.seed, "draft_vocab_size": args.draft_vocab_size, "features": args.features,

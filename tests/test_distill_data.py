@@ -1,0 +1,69 @@
+"""Self-distillation data (``training/distill_data.py``): greedy and sampled answers, the
+cache key that keeps them apart, determinism of sampled data, and the combined data set the
+trainers load."""
+import argparse
+
+import pytest
+import torch
+
+from specdec_kernels.models import Llama, tiny_config
+from specdec_kernels.training import distill_data
+
+
+class _Tok:
+    """The one tokenizer method the data pipeline calls: a prompt string -> token ids."""
+
+    def chat_prompt(self, text):
+        return [1 + (ord(c) % 60) for c in text[:12]]
+
+
+PROMPTS = [{"prompt": f"prompt number {i} about {w}", "category": "qa"} for i, w in enumerate(["cats", "rain", "maps", "tea"])]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Llama.random(tiny_config(num_layers=2), seed=0)
+
+
+def _data(model, tmp_path, temperature, regenerate=False):
+    return distill_data.load_or_generate(model, _Tok(), len(PROMPTS), model_name="tiny", max_new_tokens=10,
+                                         layers=(1, 2), topk=4, shard_size=2, cache_dir=tmp_path,
+                                         prompts=PROMPTS, temperature=temperature, regenerate=regenerate,
+                                         progress=False)
+
+
+def _answers(data):
+    st, pl = data["seq_start"], data["prompt_len"]
+    return [data["tokens"][int(st[s]) + int(pl[s]): int(st[s + 1])].tolist() for s in range(len(pl))]
+
+
+def test_sampled_answers_are_cached_apart_and_reproducible(model, tmp_path):
+    greedy = _data(model, tmp_path, 0.0)
+    sampled = _data(model, tmp_path, 1.0)
+    dirs = sorted(p.name for p in tmp_path.joinpath("tiny").iterdir())
+    assert len(dirs) == 2 and any("_T1_" in d for d in dirs)
+    assert _answers(greedy) != _answers(sampled)  # a random model's argmax chains vs draws at T = 1
+    again = _data(model, tmp_path, 1.0, regenerate=True)  # generated anew: the same seeded draws
+    assert torch.equal(again["tokens"], sampled["tokens"])
+    for d in (greedy, sampled):  # features and top-k rows for every position
+        n = d["tokens"].shape[0]
+        assert d["features"].shape == (2, n, model.config.hidden_size) and d["topk_ids"].shape == (n, 4)
+    # The top-k labels are the target's own distribution at every position, sampled or not.
+    st = sampled["seq_start"]
+    seq = sampled["tokens"][int(st[0]): int(st[1])]
+    ref = distill_data.teacher_forced(model, [seq.tolist()], (2,), 4)
+    assert torch.equal(ref["topk_ids"], sampled["topk_ids"][int(st[0]): int(st[1])])
+
+
+def test_training_data_joins_greedy_and_sampled_sets(model, tmp_path, monkeypatch):
+    from specdec_kernels.training import medusa_prompts
+
+    monkeypatch.setattr(medusa_prompts, "synthetic_prompts", lambda n, seed=0: PROMPTS[seed: seed + n])
+    args = argparse.Namespace(model="tiny", max_new_tokens=6, topk=4, shard_size=2, cache_dir=str(tmp_path),
+                              num_prompts=3, sampled_prompts=2, answer_temperature=0.8, seed=0)
+    data = distill_data.load_training_data(model, _Tok(), args)
+    assert data["seq_start"].shape[0] - 1 == 5 and data["prompt_len"].shape[0] == 5
+    assert data["features"].shape[1] == data["tokens"].shape[0] == int(data["seq_start"][-1])
+    args.answer_temperature = 0.0
+    with pytest.raises(ValueError, match="answer-temperature"):
+        distill_data.load_training_data(model, _Tok(), args)
