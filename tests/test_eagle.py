@@ -227,6 +227,36 @@ def test_back_off_after_empty_trees_keeps_the_head_cache_whole(model, prompts):
     assert all(ok for oks in seen.values() for ok in oks) and len(seen[r.rid]) >= 3
 
 
+def test_prompt_lookup_chain_is_cut_to_what_pays(model):
+    """eagle+ngram: chain token j (hit probability ~ rate^j) is kept while rate^j exceeds the
+    cost of one more verified row (0.3 steps here); the rate follows how the looked-up
+    chain matched the tokens the target emitted, whether the chain was kept or not."""
+    from specdec_kernels.decoding.drafters import Draft
+
+    drafter = EagleDrafter(model, make_head(model), ngram=NgramDrafter(), verify_cost={1: 1.0, 2: 1.3, 128: 39.1},
+                           step_seconds=1.0)
+    drafter._chains, drafter._chain_rate = {}, {}
+
+    class Req:
+        rid, tokens = 7, [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+
+    def chain_nodes(rate):
+        drafter._chain_rate[7] = rate
+        return len(drafter._with_ngram([Req], [4], [Draft.root_only(2)])[0].tokens) - 1
+
+    assert drafter._chain_rate.get(7, drafter.CHAIN_PRIOR) == 0.5
+    assert chain_nodes(0.5) == 1  # 0.5 > 0.3 > 0.25
+    assert chain_nodes(0.9) == 4  # 0.9^4 = 0.66 > 0.3
+    assert chain_nodes(0.2) == 0  # dropped, but still looked up and scored:
+    assert drafter._chains[7] == [3, 4, 1, 2]
+    Req.tokens = Req.tokens + [3, 4]  # the target emitted 3 (accepted or bonus), then 4
+    drafter._score_chain(Req, 1)
+    assert abs(drafter._chain_rate[7] - (0.9 * (0.9 * 0.2 + 0.1) + 0.1)) < 1e-9
+    free = EagleDrafter(model, make_head(model), ngram=NgramDrafter(), verify_cost=FREE, step_seconds=SLOW_STEP)
+    free._chains, free._chain_rate = {}, {7: 0.01}
+    assert len(free._with_ngram([Req], [4], [Draft.root_only(4)])[0].tokens) > 1  # free rows: the whole chain
+
+
 def test_beam_keeps_only_nodes_whose_children_can_pay(model):
     """A parent whose cumulative probability is below (tokens per unit cost) x (cost of one
     more row) has no child worth verifying, so it is not expanded; free rows keep the beam."""

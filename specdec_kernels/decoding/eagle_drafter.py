@@ -43,7 +43,8 @@ draft's q rows go to ``tree_rejection_sample``. Greedy requests use deterministi
 children (exact: greedy verification follows the target's argmax).
 
 ``ngram``: a prompt-lookup chain merged into the tree as one more branch (``eagle+ngram``,
-as ``MedusaDrafter`` does).
+as ``MedusaDrafter`` does), cut to the tokens whose estimated hit probability pays for a
+verified row (``_with_ngram``).
 """
 from __future__ import annotations
 
@@ -71,6 +72,7 @@ class EagleDrafter(Drafter):
     """
 
     name = "eagle"
+    CHAIN_PRIOR = 0.5  # a request's prompt-lookup hit rate before any observation (_with_ngram)
 
     def __init__(self, target, head: EagleHead | None = None, *, top_k: int = 8, max_depth: int = 8,
                  max_tree_nodes: int = 48, ngram=None, verify_cost=None, step_seconds: float | None = None,
@@ -134,6 +136,7 @@ class EagleDrafter(Drafter):
                                   device=self.target.device)
         self.slot, self.pending = {}, {}
         self._empty_run, self._skip = 0, 0
+        self._chains, self._chain_rate = {}, {}  # prompt-lookup chains and their hit rates (_with_ngram)
         for r in reqs:
             self.slot[r.rid] = self.cache.add_request(0)
             # Entry t = (f_t, token t+1) for t < P-1: the prefill computed f_0..f_{P-2}.
@@ -142,6 +145,7 @@ class EagleDrafter(Drafter):
     def verified(self, gen, reqs, num_accepted):
         for r, n in zip(reqs, num_accepted):
             self.stats["accepted_hist"][n] = self.stats["accepted_hist"].get(n, 0) + 1
+            self._score_chain(r, n)
             if r.done:
                 continue
             # Entries (f of the root and of each accepted node, the token it produced),
@@ -155,6 +159,8 @@ class EagleDrafter(Drafter):
     def finish(self, gen, req):
         self.cache.free(self.slot.pop(req.rid))
         self.pending.pop(req.rid, None)
+        self._chains.pop(req.rid, None)
+        self._chain_rate.pop(req.rid, None)
 
     def summary(self) -> dict:
         s = self.stats
@@ -437,14 +443,41 @@ class EagleDrafter(Drafter):
         return Draft(par, tok, probs)
 
     def _with_ngram(self, reqs, lengths, drafts):
+        """Merge each request's prompt-lookup chain into its tree, cut to the tokens that
+        pay: chain token j is right with probability ~ a^j (a: the request's running rate
+        at which looked-up tokens matched what the target emitted), and it is kept while
+        a^j exceeds the cost of one more verified row at the batch's size (relative to a
+        one-row-per-request step, whose worth is about one token). With free rows the whole
+        chain is kept. Every looked-up chain is scored against the emitted tokens in
+        ``verified``, kept or not, so the rate recovers when copying starts to pay."""
         if self.ngram is None:
             return drafts
-        out = []
+        out, B = [], len(reqs)
+        rows = sum(len(d.tokens) for d in drafts)
         for r, k, d in zip(reqs, lengths, drafts):
             if k > 0 and d.probs is None:
                 chain = self.ngram.lookup(r.tokens, min(k, self.ngram.max_nodes - 1))
-                if chain:
-                    par, tok = MedusaDrafter.merge_chain(d.parents, d.tokens, chain)
+                self._chains[r.rid] = chain
+                rate, keep = self._chain_rate.get(r.rid, self.CHAIN_PRIOR), 0
+                while keep < len(chain) and rate ** (keep + 1) > self.cost(rows + 1, B) - self.cost(rows, B):
+                    keep, rows = keep + 1, rows + 1
+                if keep:
+                    par, tok = MedusaDrafter.merge_chain(d.parents, d.tokens, chain[:keep])
                     d = Draft(par, tok)
             out.append(d)
         return out
+
+    def _score_chain(self, r, n: int) -> None:
+        """Update the request's chain rate from this step's looked-up chain against the
+        n + 1 tokens the target emitted: each chain token up to the first mismatch is one
+        observation (a moving average)."""
+        chain = self._chains.pop(r.rid, None)
+        if not chain:
+            return
+        emitted = r.tokens[len(r.tokens) - (n + 1):]
+        rate = self._chain_rate.get(r.rid, self.CHAIN_PRIOR)
+        for want, got in zip(chain, emitted):
+            rate = 0.9 * rate + 0.1 * float(want == got)
+            if want != got:
+                break
+        self._chain_rate[r.rid] = rate
