@@ -40,10 +40,10 @@ import torch.nn.functional as F
 
 from . import ops
 from .models.llama import apply_rope, dense, is_block_weight, rms_norm, rope_tables
+from .draft_model import DRAFT_WEIGHTS  # --draft-weights: the same choices for an EAGLE head
 from .models.registry import read_metadata
 
 DECODE_FORMATS = (None, "Q8_0", "Q4_0")  # how the decode fast paths run the head's products
-EAGLE_WEIGHTS = ("stored", "fp32", "q8_0", "q4_0")  # --draft-weights for an EAGLE head
 
 
 class EagleHead(nn.Module):
@@ -157,9 +157,10 @@ class EagleHead(nn.Module):
         key = (dtype, self.decode_format)
         if self._decode_weights is None or self._decode_key != key:
             w = {n: p.detach().to(dtype).contiguous() for n, p in self.named_parameters()}
-            w["lm_head_draft"] = self.lm_head_draft.to(dtype).contiguous()
             w["norm"] = self.norm.to(dtype)
-            if self.decode_format is not None:
+            if self.decode_format is None:
+                w["lm_head_draft"] = self.lm_head_draft.to(dtype).contiguous()
+            else:
                 from .gguf_blocks import quantize
 
                 for n in ("fc", "wqkv", "wo", "w_gate_up", "w_down"):
@@ -272,8 +273,8 @@ def decode_format_for(target, weights: str = "stored") -> str | None:
     target — GGUF Q8_0 blocks when the target runs GGUF blocks (``weight_format`` "native",
     "q8_0", "q4_0"), dense in the target's dtype otherwise; "fp32" dense; "q8_0" / "q4_0"
     those blocks."""
-    if weights not in EAGLE_WEIGHTS:
-        raise ValueError(f"EAGLE head weights must be one of {EAGLE_WEIGHTS}, got {weights!r}")
+    if weights not in DRAFT_WEIGHTS:
+        raise ValueError(f"EAGLE head weights must be one of {DRAFT_WEIGHTS}, got {weights!r}")
     if weights == "stored":
         return "Q8_0" if is_block_weight(target.lm_head) else None
     return None if weights == "fp32" else weights.upper()
@@ -297,5 +298,5 @@ def eagle_head_for(target, checkpoint=None, *, draft_vocab_size: int = 4096, wei
     return head.set_decode_format(fmt)
 
 
-__all__ = ["DECODE_FORMATS", "EAGLE_WEIGHTS", "EagleHead", "attention_reference", "decode_format_for",
+__all__ = ["DECODE_FORMATS", "EagleHead", "attention_reference", "decode_format_for",
            "default_eagle_checkpoint", "eagle_head_for", "load_eagle_head", "save_eagle_head", "read_metadata"]
