@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ._platform import user_cache_dir
 from .decoding.registry import DEFAULT_DRAFTER, DRAFTER_INFO, DRAFTERS, default_schedule, make_drafter
+from .draft_model import DRAFT_WEIGHTS
 
 SCHEDULES = ("constant", "heuristic", "adaptive", "max")  # SpecSchedule.KINDS
 EXIT_USAGE = 2
@@ -285,7 +286,7 @@ def build_parser() -> Parser:
     g.add_argument("--draft-model", default=None,
                    help="draft for draft / draft-tree: a file of specdec train-draft, or a model name / checkpoint "
                         "of the same vocabulary; None: the distilled draft the package ships for the model")
-    g.add_argument("--draft-weights", choices=("stored", "fp32", "q8_0", "q4_0"), default="stored",
+    g.add_argument("--draft-weights", choices=DRAFT_WEIGHTS, default="stored",
                    help="how a draft file's or an EAGLE head's linear weights run (the shipped draft is stored "
                         "as Q8_0 blocks; an EAGLE head runs as Q8_0 blocks on a native target, dense otherwise)")
     g.add_argument("--exit-head", default=None,

@@ -29,3 +29,24 @@ def _cost_cache_in_temp_dir(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _seed_torch():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module (modules opt in with ``pytestmark``): on a shared 2-core
+    machine two OpenMP threads on tiny matrices wait for each other (a draft step took 100x
+    longer)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """Four token prompts of 1, 6, 25 (one repeated span, for prompt lookup) and 40 tokens
+    for the tiny random models."""
+    g = torch.Generator().manual_seed(1)
+    ps = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (1, 6, 17, 40)]
+    ps[2] = ps[2] + ps[2][:8]  # something for prompt lookup to find
+    return ps

@@ -16,14 +16,6 @@ def model():
     return Llama.random(tiny_config(num_layers=3), seed=0)
 
 
-@pytest.fixture(scope="module")
-def prompts():
-    g = torch.Generator().manual_seed(1)
-    ps = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (1, 6, 17, 40)]
-    ps[2] = ps[2] + ps[2][:8]  # something for prompt lookup to find
-    return ps
-
-
 # An injected step cost (relative cost of 1, 2, ... verified rows), so that tree sizes do not
 # depend on timings; tests/test_cost_model.py covers the measured curve.
 STEP_COST = (1.0, 1.08, 1.14, 1.17, 1.24, 1.31, 1.36, 1.41, 1.46, 1.52, 1.56, 1.61)

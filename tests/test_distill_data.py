@@ -11,10 +11,17 @@ from specdec_kernels.training import distill_data
 
 
 class _Tok:
-    """The one tokenizer method the data pipeline calls: a prompt string -> token ids."""
+    """The tokenizer methods the data pipeline calls: a prompt string -> token ids, the start
+    of a user turn (for prompts the model writes) and ids -> text."""
 
     def chat_prompt(self, text):
         return [1 + (ord(c) % 60) for c in text[:12]]
+
+    def user_turn_prefix(self, opener=""):
+        return [61, 62] + [1 + (ord(c) % 60) for c in opener[:8]]
+
+    def decode(self, ids):
+        return "".join(chr(ord("a") + t % 26) for t in ids)
 
 
 PROMPTS = [{"prompt": f"prompt number {i} about {w}", "category": "qa"} for i, w in enumerate(["cats", "rain", "maps", "tea"])]
@@ -60,10 +67,34 @@ def test_training_data_joins_greedy_and_sampled_sets(model, tmp_path, monkeypatc
 
     monkeypatch.setattr(medusa_prompts, "synthetic_prompts", lambda n, seed=0: PROMPTS[seed: seed + n])
     args = argparse.Namespace(model="tiny", max_new_tokens=6, topk=4, shard_size=2, cache_dir=str(tmp_path),
-                              num_prompts=3, sampled_prompts=2, answer_temperature=0.8, seed=0)
+                              num_prompts=3, sampled_prompts=2, answer_temperature=0.8, written_prompts=3, seed=0)
     data = distill_data.load_training_data(model, _Tok(), args)
-    assert data["seq_start"].shape[0] - 1 == 5 and data["prompt_len"].shape[0] == 5
+    assert data["seq_start"].shape[0] - 1 == 8 and data["prompt_len"].shape[0] == 8
+    assert sum(c.startswith("written:") for c in data["category"]) == 3
     assert data["features"].shape[1] == data["tokens"].shape[0] == int(data["seq_start"][-1])
     args.answer_temperature = 0.0
     with pytest.raises(ValueError, match="answer-temperature"):
         distill_data.load_training_data(model, _Tok(), args)
+
+
+def test_written_prompts_are_seeded_cached_and_answered(model, tmp_path):
+    kw = dict(model_name="tiny", max_new_tokens=5, layers=(2,), topk=4, shard_size=2, cache_dir=tmp_path,
+              seed=2, written=True, progress=False)
+    data = distill_data.load_or_generate(model, _Tok(), 3, **kw)
+    assert [p.name for p in tmp_path.joinpath("tiny").iterdir()][0].startswith("written_s2_")
+    assert len(data["category"]) == 3 and all(c.startswith("written:") for c in data["category"])
+    # Prompt i is its own seed's draw: written again (in other shards) it is the same text.
+    again = distill_data.written_prompts(model, _Tok(), range(3), seed=2)
+    direct = distill_data.written_prompts(model, _Tok(), [2], seed=2)
+    assert again[2] == direct[0]
+    for p in again:
+        opener = p["category"].split(":", 1)[1]
+        assert opener == "free" or p["prompt"].startswith(opener)
+    # The cached sequences are those prompts (as chat prompts), then the model's greedy answers.
+    st, pl = data["seq_start"], data["prompt_len"]
+    for s, p in enumerate(again):
+        assert data["tokens"][int(st[s]): int(st[s]) + int(pl[s])].tolist() == _Tok().chat_prompt(p["prompt"])
+    regenerated = distill_data.load_or_generate(model, _Tok(), 3, regenerate=True, **kw)
+    assert torch.equal(regenerated["tokens"], data["tokens"])
+    with pytest.raises(ValueError, match="not both"):
+        distill_data.load_or_generate(model, _Tok(), 3, prompts=PROMPTS, **kw)

@@ -25,25 +25,12 @@ FREE = StepCost({1: {1: 1.0, 64: 1.0}, 4: {4: 1.0, 256: 1.0}})  # extra verified
 TOL = {None: 1e-4, "Q8_0": 0.05}  # logits: fp32 exact up to summation order; Q8_0 within its rounding
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def model():
     return Llama.random(tiny_config(num_layers=3), seed=0)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    g = torch.Generator().manual_seed(1)
-    ps = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (1, 6, 17, 40)]
-    ps[2] = ps[2] + ps[2][:8]
-    return ps
 
 
 def draft_config(model, n):

@@ -320,6 +320,25 @@ def test_quantized_weight_rows_cat_embedding():
         QuantizedWeight(q.blocks[:, :20].contiguous(), 3, (10, 64))
 
 
+def test_ops_linear_on_block_weights_is_quantized_linear():
+    """ops.linear's block-weight path (the model's hot path) calls the kernel without the
+    wrapper's Python checks: same bits as ops.quantized_linear, bad x still refused."""
+    g = torch.Generator().manual_seed(6)
+    q = gguf_blocks.quantize(torch.randn(10, 64, generator=g), "Q4_1")
+    b = torch.randn(10, generator=g)
+    x = torch.randn(2, 3, 64, generator=g)
+    ref = ops.quantized_linear(x.reshape(6, 64), q.blocks, q.block_type, b).reshape(2, 3, 10)
+    assert torch.equal(ops.linear(x, q, b), ref)
+    assert torch.equal(ops.linear(x.transpose(0, 1), q, b), ref.transpose(0, 1))  # non-contiguous rows
+    assert ops.linear(torch.randn(0, 64), q).shape == (0, 10)
+    with pytest.raises(ValueError, match=r"x must have shape \[\.\.\., 64\]"):
+        ops.linear(torch.randn(2, 32), q)
+    with pytest.raises(RuntimeError, match="x must be float32, bfloat16 or float16"):
+        ops.linear(torch.ones(2, 64, dtype=torch.int32), q)
+    with pytest.raises(RuntimeError, match="bias must have shape"):
+        ops.linear(x, q, torch.randn(9))
+
+
 # ---------------------------------------------------------------------------------------
 # The op on every backend against the reference.
 # ---------------------------------------------------------------------------------------

@@ -185,6 +185,11 @@ def test_smollm2_tokenizer_round_trip(smollm2):
     assert tok.encode("<|im_start|>user")[0] == tok.tok.token_to_id("<|im_start|>")
     prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert prompt.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nHi<|im_end|>" in prompt
+    # The start of a user turn (prompts the model writes for training data): the chat prompt
+    # of any message starting with the opener begins with these ids.
+    prefix = tok.user_turn_prefix("Write")
+    assert tok.decode(prefix).endswith("<|im_start|>user\nWrite")
+    assert tok.chat_prompt("Write a poem.")[: len(prefix)] == prefix
 
 
 @needs_smollm2

@@ -25,10 +25,12 @@ entry t holds the head's K/V for (target feature f_t, token t+1). Each step:
    drafting.
 4. **Verify** — the generator's one ``tree_attention`` forward and ``tree_rejection_sample``.
 
-When a step's trees all come out empty (no node pays: typical at batch 4, where the batch
-already fills the step), the catch-up pass and expansions were spent for nothing, so the
-drafter backs off: after m empty steps in a row it skips the next 2^m - 1 steps (m <= 5),
-and their entries wait for the next catch-up pass (one batched forward).
+When a step's trees are not expected to pay for the drafting itself (their expected tokens
+per unit time, drafting included, no better than a step that drafts nothing: typical at
+batch 4, where the batch already fills the step), the catch-up pass and expansions were
+spent for nothing, so the drafter backs off: after m such steps in a row it skips the next
+2^m - 1 steps (m <= 5), and their entries wait for the next catch-up pass (one batched
+forward).
 
 The draft cache needs no ``compact_kv``: only entries built from the *target's* features
 are committed (step 1); the tree's entries were built from the head's own estimates g and
@@ -326,7 +328,7 @@ class EagleDrafter(Drafter):
         for j in range(len(scores)):
             scores[j] = scores[j].masked_fill((depth_cap < j + 1)[:, None], float("-inf"))
         draft_rel = (time.perf_counter() - t_start) / self._batch_step_seconds(B)
-        keep = self._select(scores, B, draft_rel)
+        keep, gain = self._select(scores, B, draft_rel)
         for i, b in enumerate(active):
             r = sub[i]
             if bool(sampled[i]):
@@ -339,12 +341,19 @@ class EagleDrafter(Drafter):
                                                   torch.tensor([r.tokens[-1]]))
                 drafts[b] = Draft(tree.parents[0].tolist(), tree.token_ids[0].tolist())
         self.stats["steps"] += 1
-        # Back-off: a step whose trees were all empty cost a catch-up pass and the expansions
-        # for nothing (at batch 4 the batch already fills the step and extra rows rarely
-        # pay); after m such steps in a row the next 2^m - 1 steps draft nothing (m <= 5) and
-        # their entries wait for the next catch-up pass, one batched forward. Any kept node
-        # resets it.
-        if any(len(drafts[b].tokens) > 1 for b in active):
+        # Back-off: a step that is not expected to have paid for its drafting — its expected
+        # tokens per unit time, (B + sum p of the kept nodes) / (cost(B + kept) + draft
+        # time), no better than a step that drafts nothing, B / cost(B) — cost a catch-up
+        # pass and the expansions for nothing (typical at batch 4, where the batch already
+        # fills the step and extra rows rarely pay). After m such steps in a row the next
+        # 2^m - 1 steps draft nothing (m <= 5) and their entries wait for the next catch-up
+        # pass, one batched forward. A step that paid resets it. (Sampled requests keep every
+        # drawn child: there, any node counts as paying.)
+        if any_sampled:
+            paid = any(len(drafts[b].tokens) > 1 for b in active)
+        else:
+            paid = (B + gain) / (self.cost(B + sum(keep), B) + draft_rel) > B / self.cost(B, B)
+        if paid:
             self._empty_run = 0
         else:
             self._empty_run = min(self._empty_run + 1, 5)
@@ -392,9 +401,9 @@ class EagleDrafter(Drafter):
             return None
         return value * max(0.0, self.cost(rows + 1, B) - self.cost(rows, B))
 
-    def _select(self, scores: list, B: int, draft_rel: float) -> list:
-        """Nodes to keep per request: the batch's most probable candidates, as many as
-        maximise (B + sum p) / (cost(B + kept) + draft cost)."""
+    def _select(self, scores: list, B: int, draft_rel: float) -> tuple[list, float]:
+        """(nodes to keep per request, the sum of their probabilities): the batch's most
+        probable candidates, as many as maximise (B + sum p) / (cost(B + kept) + draft cost)."""
         p_all = torch.cat([s.exp() for s in scores], 1)
         top = p_all.sort(dim=1, descending=True).values[:, : self.max_tree_nodes]
         pool = sorted(((-float(p), b) for b in range(B) for p in top[b] if p > 0), key=lambda t: t[0])
@@ -407,7 +416,7 @@ class EagleDrafter(Drafter):
         keep = [0] * B
         for _, b in pool[:best_n]:
             keep[b] += 1
-        return keep
+        return keep, -sum(neg_p for neg_p, _ in pool[:best_n])
 
     def _sampled_draft(self, r, i: int, scores, parents, tokens, qs, beam_q) -> Draft:
         """The tree of a sampled request: every drawn child of every expanded node (i.i.d.

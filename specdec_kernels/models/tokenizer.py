@@ -114,3 +114,10 @@ class Tokenizer:
     def chat_prompt(self, user_text: str) -> list[int]:
         """Token ids of a one-turn chat (the template applied, generation prompt added)."""
         return self.encode(self.apply_chat_template([{"role": "user", "content": user_text}]))
+
+    def user_turn_prefix(self, opener: str = "") -> list[int]:
+        """Token ids of a one-turn chat cut inside the user's turn, right after ``opener``: a
+        chat model continuing them writes a user's message (ended by its end-of-turn token)."""
+        cut = "\x00"
+        text = self.apply_chat_template([{"role": "user", "content": cut}], add_generation_prompt=False)
+        return self.encode(text.split(cut)[0] + opener)

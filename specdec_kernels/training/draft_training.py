@@ -47,7 +47,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import distill_data
-from .eagle_training import draft_vocabulary, warmup_cosine  # the EAGLE trainer's vocabulary and schedule
+from .eagle_training import draft_vocabulary  # the EAGLE trainer's draft vocabulary
+from .medusa_training import warmup_cosine
 from ..decoding.cost_model import draft_token_seconds
 from ..models.llama import apply_rope, dense, rope_tables
 
@@ -349,7 +350,8 @@ def main(argv=None) -> int:
     V = model.config.vocab_size
     lm_rows = dense(model.lm_head)[vocab].float()
     meta = {"model": args.model, "num_prompts": args.num_prompts, "sampled_prompts": args.sampled_prompts,
-                 "answer_temperature": args.answer_temperature, "max_new_tokens": args.max_new_tokens,
+            "answer_temperature": args.answer_temperature, "written_prompts": args.written_prompts,
+            "max_new_tokens": args.max_new_tokens,
             "positions": int(data["tokens"].shape[0]), "train_sequences": len(train_ids), "epochs": args.epochs,
             "seed": args.seed, "draft_vocab_size": int(vocab.shape[0]),
             "trained_by": f"specdec train-draft --kind {args.kind} (self-distillation on synthetic prompts)"}
@@ -413,6 +415,7 @@ def main(argv=None) -> int:
         cache_path = Path(args.cache_dir) / Path(args.model).stem / (
             f"features_s{args.seed}_n{args.num_prompts}"
             f"{f'+{args.sampled_prompts}T{args.answer_temperature:g}' if args.sampled_prompts else ''}"
+            f"{f'+{args.written_prompts}W' if args.written_prompts else ''}"
             f"_t{args.max_new_tokens}_l{'-'.join(map(str, Ls))}.pt")
         feats = layer_features(model, data, Ls, cache_path)
         results = {}

@@ -17,10 +17,10 @@
    (g^{(j-1)}_{t-1}, token t+1), attending to the step-1 (true feature) keys up to t-j+1 and
    to the step-i keys at t-(j-i) for 1 < i <= j — the attention pattern of a depth-j draft
    node. Losses of step j are weighted ``decay^(j-1)``.
-4. **Held-out acceptance** after every epoch on held-out sequences: the top-1 agreement of
-   each unrolled step with the target (the acceptance rate at that draft depth, given the
-   shallower ones were right) and the chain's expected accepted length 1 + sum_j prod_i acc_i;
-   the epoch with the best one is kept. AdamW, cosine learning rate, fixed seeds.
+4. **Held-out acceptance** after every epoch on the answers of held-out sequences: the
+   top-1 agreement of each unrolled step with the target (the acceptance rate at that draft
+   depth, given the shallower ones were right) and the chain's expected accepted length
+   1 + sum_j prod_i acc_i; the epoch with the best one is kept. AdamW, cosine learning rate, fixed seeds.
 5. The head (decoder layer + fc, bf16) and its draft vocabulary (the most frequent target
    predictions of the training data) are saved; ``--out`` never overwrites an existing file
    unless ``--overwrite`` is given.
@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from ..eagle import EagleHead, save_eagle_head
 from . import distill_data
+from .medusa_training import warmup_cosine
 
 
 def draft_vocabulary(targets: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
@@ -86,25 +87,20 @@ class Examples:
         tid = torch.full((B, T, k), -1, dtype=torch.int64)
         tlog = torch.zeros(B, T, k)
         lens = torch.zeros(B, dtype=torch.int64)
+        answer_from = torch.zeros(B, dtype=torch.int64)
         top = d["layers"].shape[0] - 1  # the last requested layer: the regression target
         li = [self.layer_index] if isinstance(self.layer_index, int) else list(self.layer_index)
         for b, (a, e) in enumerate(rows):
             n = e - a - 1
             lens[b] = n
+            answer_from[b] = max(0, int(d["prompt_len"][self.seqs[idx[b]]]) - 2)  # predicts the first answer token
             feats[b, :n] = d["features"][li, a: e - 1].float().transpose(0, 1)
             nxt[b, :n] = d["features"][top, a + 1: e].float()
             toks[b, :n] = d["tokens"][a + 1: e]
             tid[b, :n] = self.remap[d["topk_ids"][a + 1: e]]
             tlog[b, :n] = d["topk_logits"][a + 1: e].float()
         return {"feats": feats if nf > 1 else feats[:, :, 0], "next": nxt, "tokens": toks, "target_ids": tid,
-                "target_logits": tlog, "lens": lens}
-
-
-def warmup_cosine(opt, total: int):
-    """Linear warm-up over min(30, total / 10) updates, then a cosine decay to 0 at ``total``."""
-    warmup = min(30, max(1, total // 10))
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / warmup if s < warmup else 0.5 * (
-        1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, total - warmup)))))
+                "target_logits": tlog, "lens": lens, "answer_from": answer_from}
 
 
 def unrolled(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, steps: int, fuse=None) -> list:
@@ -152,7 +148,9 @@ def unrolled(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, steps: 
 
 
 def losses(head, batch, steps: int, *, feat_scale: float, decay: float = 0.7, reg_weight: float = 0.3, fuse=None):
-    """(total loss, per-step top-1 hits [steps], per-step valid counts [steps])."""
+    """(total loss, per-step top-1 hits [steps], per-step valid counts [steps]). The loss
+    covers every position; hits and counts only the answer's (where decoding drafts: the
+    template's predictable prompt tokens would flatter the score)."""
     g_all = unrolled(head, batch["feats"], batch["tokens"], steps, fuse)
     T = batch["tokens"].shape[1]
     t = torch.arange(T)
@@ -172,8 +170,9 @@ def losses(head, batch, steps: int, *, feat_scale: float, decay: float = 0.7, re
         step_loss = ((ce + reg_weight * reg) * w).sum() / w.sum().clamp(min=1)
         total = total + decay ** (j - 1) * step_loss
         with torch.no_grad():
-            hits.append(((logp.argmax(-1) == argmax) & valid).sum().item())
-            counts.append(valid.sum().item())
+            scored = valid & (t[None, :] >= batch["answer_from"][:, None])
+            hits.append(((logp.argmax(-1) == argmax) & scored).sum().item())
+            counts.append(scored.sum().item())
     return total, hits, counts
 
 
@@ -342,7 +341,8 @@ def main(argv=None) -> int:
         fuse = torch.nn.Parameter(torch.cat([torch.zeros(H, (len(layer_index) - 1) * H), torch.eye(H)], 1))
     t1 = time.perf_counter()
     base_meta = {"model": args.model, "num_prompts": args.num_prompts, "sampled_prompts": args.sampled_prompts,
-                 "answer_temperature": args.answer_temperature, "max_new_tokens": args.max_new_tokens,
+                 "answer_temperature": args.answer_temperature, "written_prompts": args.written_prompts,
+                 "max_new_tokens": args.max_new_tokens,
                  "positions": int(data["tokens"].shape[0]), "train_sequences": len(train_seqs),
                  "epochs": args.epochs, "max_updates": args.max_updates, "unroll": args.unroll, "lr": args.lr,
                  "seed": args.seed, "draft_vocab_size": args.draft_vocab_size, "features": args.features,

@@ -93,14 +93,14 @@ def _reasoning(r: random.Random) -> str:
         f"There are {n + 3} birds on a tree. A hunter shoots {n}. How many birds are left on the tree? Think carefully.",
         f"{a}, {b} and {c} each have a different pet: a dog, a cat and a fish. {a} does not have the dog. {b} has "
         f"the cat. Who has the fish?",
-        f"If all bloops are razzies and all razzies are lazzies, are all bloops definitely lazzies? Explain.",
+        "If all bloops are razzies and all razzies are lazzies, are all bloops definitely lazzies? Explain.",
         f"A clock shows 3:{15 + n:02d}. What is the angle between the hour and the minute hands?",
         f"{a} is the father of {b}. {b} is the mother of {c}. What is the relationship between {a} and {c}?",
         f"Four friends, {a}, {b}, {c} and {d}, sit in a row. {a} sits next to {b}, and {c} sits at the left end. "
         f"{d} is not next to {c}. Give one possible seating order.",
         f"If it takes {n} machines {n} minutes to make {n} widgets, how long would it take {n * 10} machines to "
         f"make {n * 10} widgets?",
-        f"Which word does not belong: apple, banana, carrot, grape? Explain why.",
+        "Which word does not belong: apple, banana, carrot, grape? Explain why.",
         f"A farmer has {n * 5} sheep and all but {n} run away. How many are left?",
     ]
     return r.choice(forms)
@@ -286,13 +286,13 @@ def _news_passage(r: random.Random, sentences: int) -> str:
         f"Critics, including local business owner {b}, argued that the money should be spent on roads and schools.",
         f"According to a survey published in {year}, {n} percent of residents support the idea.",
         f"The first phase is expected to be completed within {r.randint(2, 24)} months.",
-        f"Similar projects in other cities have had mixed results, with some reporting higher costs than expected.",
+        "Similar projects in other cities have had mixed results, with some reporting higher costs than expected.",
         f"{b} told reporters that the town had been waiting for a decision like this for years.",
         f"Volunteers will hold information meetings every {r.choice(['week', 'month'])} at the town hall.",
         f"The announcement comes after a difficult year in which {org} lost {n} employees.",
         f"Experts say that {topic} will become more important in the coming decade.",
         f"{a} added that the results will be reviewed by an independent committee in {year + 2}.",
-        f"Some residents worry about noise and traffic during the construction period.",
+        "Some residents worry about noise and traffic during the construction period.",
         f"Local newspapers reported that the mayor of {place} will visit the site next month.",
         f"In a statement, {org} thanked the community for its patience and support.",
     ]

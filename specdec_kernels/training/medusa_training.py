@@ -246,9 +246,7 @@ def train_heads(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.Tens
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     steps_per_epoch = math.ceil(N / batch_size)
     total = steps_per_epoch * epochs
-    warmup = min(50, total // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, total - warmup))))
+    sched = warmup_cosine(opt, total, max_warmup=50)
     g = torch.Generator().manual_seed(seed)
     bar = tqdm(total=total, desc="train heads", unit="step", disable=not progress)
     heads.train()
@@ -351,6 +349,14 @@ def pick_tree_size(scored: list, *, cost_per_node: float, draft_cost: float) -> 
 # ---------------------------------------------------------------------------------------
 # Command line.
 # ---------------------------------------------------------------------------------------
+
+
+def warmup_cosine(opt, total: int, *, max_warmup: int = 30):
+    """The learning-rate schedule of every trainer here: linear warm-up over min(max_warmup,
+    total / 10) updates, then a cosine decay to 0 at ``total``."""
+    warmup = min(max_warmup, max(1, total // 10))
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / warmup if s < warmup else 0.5 * (
+        1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, total - warmup)))))
 
 
 def draft_vocabulary(targets: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor | None:
