@@ -328,7 +328,7 @@ class EagleDrafter(Drafter):
         for j in range(len(scores)):
             scores[j] = scores[j].masked_fill((depth_cap < j + 1)[:, None], float("-inf"))
         draft_rel = (time.perf_counter() - t_start) / self._batch_step_seconds(B)
-        keep, gain = self._select(scores, B, draft_rel)
+        keep, value = self._select(scores, B, draft_rel)
         for i, b in enumerate(active):
             r = sub[i]
             if bool(sampled[i]):
@@ -342,8 +342,8 @@ class EagleDrafter(Drafter):
                 drafts[b] = Draft(tree.parents[0].tolist(), tree.token_ids[0].tolist())
         self.stats["steps"] += 1
         # Back-off: a step that is not expected to have paid for its drafting — its expected
-        # tokens per unit time, (B + sum p of the kept nodes) / (cost(B + kept) + draft
-        # time), no better than a step that drafts nothing, B / cost(B) — cost a catch-up
+        # tokens per unit time (``_select``'s value: drafting time included) no better than
+        # a step that drafts nothing, B / cost(B) — cost a catch-up
         # pass and the expansions for nothing (typical at batch 4, where the batch already
         # fills the step and extra rows rarely pay). After m such steps in a row the next
         # 2^m - 1 steps draft nothing (m <= 5) and their entries wait for the next catch-up
@@ -352,7 +352,7 @@ class EagleDrafter(Drafter):
         if any_sampled:
             paid = any(len(drafts[b].tokens) > 1 for b in active)
         else:
-            paid = (B + gain) / (self.cost(B + sum(keep), B) + draft_rel) > B / self.cost(B, B)
+            paid = value > B / self.cost(B, B)
         if paid:
             self._empty_run = 0
         else:
@@ -402,8 +402,9 @@ class EagleDrafter(Drafter):
         return value * max(0.0, self.cost(rows + 1, B) - self.cost(rows, B))
 
     def _select(self, scores: list, B: int, draft_rel: float) -> tuple[list, float]:
-        """(nodes to keep per request, the sum of their probabilities): the batch's most
-        probable candidates, as many as maximise (B + sum p) / (cost(B + kept) + draft cost)."""
+        """(nodes to keep per request, the expected tokens per unit time they give): the
+        batch's most probable candidates, as many as maximise (B + sum p) / (cost(B + kept)
+        + draft cost)."""
         p_all = torch.cat([s.exp() for s in scores], 1)
         top = p_all.sort(dim=1, descending=True).values[:, : self.max_tree_nodes]
         pool = sorted(((-float(p), b) for b in range(B) for p in top[b] if p > 0), key=lambda t: t[0])
@@ -416,7 +417,7 @@ class EagleDrafter(Drafter):
         keep = [0] * B
         for _, b in pool[:best_n]:
             keep[b] += 1
-        return keep, -sum(neg_p for neg_p, _ in pool[:best_n])
+        return keep, best
 
     def _sampled_draft(self, r, i: int, scores, parents, tokens, qs, beam_q) -> Draft:
         """The tree of a sampled request: every drawn child of every expanded node (i.i.d.

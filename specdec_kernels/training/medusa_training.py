@@ -211,6 +211,14 @@ def head_accuracy(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tenso
     return {"top1": (hit1 / c).tolist(), f"top{top}": (hitk / c).tolist(), "count": count.long().tolist()}
 
 
+def warmup_cosine(opt, total: int, *, max_warmup: int = 30):
+    """The learning-rate schedule of every trainer here: linear warm-up over min(max_warmup,
+    total / 10) updates, then a cosine decay to 0 at ``total``."""
+    warmup = min(max_warmup, max(1, total // 10))
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / warmup if s < warmup else 0.5 * (
+        1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, total - warmup)))))
+
+
 def train_heads(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.Tensor, *, num_layers: int = 1,
                 root_ids: torch.Tensor | None = None, embed: torch.Tensor | None = None,
                 epochs: int = 3, batch_size: int = 256, lr: float = 1e-3, weight_decay: float = 0.0,
@@ -349,14 +357,6 @@ def pick_tree_size(scored: list, *, cost_per_node: float, draft_cost: float) -> 
 # ---------------------------------------------------------------------------------------
 # Command line.
 # ---------------------------------------------------------------------------------------
-
-
-def warmup_cosine(opt, total: int, *, max_warmup: int = 30):
-    """The learning-rate schedule of every trainer here: linear warm-up over min(max_warmup,
-    total / 10) updates, then a cosine decay to 0 at ``total``."""
-    warmup = min(max_warmup, max(1, total // 10))
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / warmup if s < warmup else 0.5 * (
-        1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, total - warmup)))))
 
 
 def draft_vocabulary(targets: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor | None:
