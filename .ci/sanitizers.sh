@@ -62,6 +62,7 @@ TESTS=(
   tests/test_kv_cache.py
   tests/test_medusa.py
   tests/test_linear.py
+  tests/test_int8_activation_linear.py
   tests/test_registration.py
   tests/test_min_temperature.py
 )

@@ -37,6 +37,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from specdec_kernels.models.registry import WEIGHT_FORMATS  # noqa: E402
+
 DEFAULT_METHODS = ("ar,draft-untrained:fixed,draft:fixed,draft,draft@fp32,draft@q4_0,draft-tree,"
                    "self-spec-plain:fixed,self-spec:fixed,self-spec")
 
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per prompt")
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated methods (module docstring)")
     p.add_argument("--model", default="smollm2-135m", help="target model")
-    p.add_argument("--weights", default="native", help="target weight format")
+    p.add_argument("--weights", default="native", choices=WEIGHT_FORMATS, help="target weight format")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "e2e_draft.json"), help="JSON output")
     p.add_argument("--recalibrate", action="store_true",

@@ -44,6 +44,7 @@ from specdec_kernels.cli import Parser  # noqa: E402
 from specdec_kernels.decoding import Generator, SpecSchedule, make_drafter  # noqa: E402
 from specdec_kernels.decoding.registry import DRAFTER_INFO, default_schedule  # noqa: E402
 from specdec_kernels.models import load_model  # noqa: E402
+from specdec_kernels.models.registry import WEIGHT_FORMATS  # noqa: E402
 
 DEFAULT_DRAFTERS = ["ngram:constant", "ngram:heuristic", "ngram-tree:max", "self-spec", "medusa", "medusa+ngram", "draft-tree"]
 
@@ -188,7 +189,7 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
     p.add_argument("--self-spec-layers", type=int, default=8, help="layers of the target that self-spec / draft run")
     p.add_argument("--prompt-lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
-    p.add_argument("--weights", default="native", choices=("native", "fp32", "bf16", "q8_0", "q4_0"),
+    p.add_argument("--weights", default="native", choices=WEIGHT_FORMATS,
                    help="our model's weights (native: the GGUF file's own block formats)")
     p.add_argument("--no-fp32-ar", action="store_true", help="skip our autoregressive loop on fp32 weights")
     p.add_argument("--llama-python", default=sys.executable,

@@ -1,4 +1,5 @@
-"""Benchmark of the linear area on CPU: specdec::skinny_linear and specdec::quantized_linear.
+"""Benchmark of the linear area on CPU: specdec::skinny_linear, specdec::quantized_linear and
+specdec::int8_activation_linear.
 
   python bench/bench_linear.py            # full run (a few minutes)
   python bench/bench_linear.py --quick    # ~30 s smoke run
@@ -7,7 +8,10 @@ quantized_linear (weights as GGUF blocks: Q4_1 and Q8_0 as the SmolLM2 file hold
 Q4_0) against F.linear and skinny_linear on the same weights dequantised to fp32, for the
 SmolLM2 shapes and one 7B-class shape (11008 x 4096) at M = 1..32, the weights cold (a pool
 of copies larger than the L3, as in a decode step). Effective bandwidth = quantised bytes per
-second as a fraction of the copy bandwidth; vs_M1 = time at M / time at M = 1.
+second as a fraction of the copy bandwidth; vs_M1 = time at M / time at M = 1. In the same
+rows, int8_activation_linear on the same blocks repacked (activations quantised to int8,
+integer dot products): its time, x_quantized = quantized_linear's time / its time, its
+fraction of the copy bandwidth and its vs_M1.
 
 skinny_linear against F.linear for the SmolLM2 layer shapes [N, H] at M = 1..64, with the
 weight hot in the caches and cold (a different weight copy per call); the largest M at
@@ -83,9 +87,10 @@ def bench_skinny(shapes, ms, copy_bw, reps, pbar, dtype=torch.float32, cold_byte
 
 
 def bench_quantized(shapes, block_types, ms, copy_bw, reps, pbar, cold_bytes=384 * 2**20):
-    """quantized_linear vs F.linear / skinny_linear on the dequantised fp32 weight, all three
-    cold: each call takes the least recently used of a pool of copies (> L3 in all, per kind)."""
-    from specdec_kernels.gguf_blocks import quantize
+    """quantized_linear vs F.linear / skinny_linear on the dequantised fp32 weight, and
+    int8_activation_linear on the repacked blocks, all cold: each call takes the least
+    recently used of a pool of copies (> L3 in all, per kind)."""
+    from specdec_kernels.gguf_blocks import pack_int8_activation, quantize
 
     rows = []
     for (N, H), block_type in itertools.product(shapes, block_types):
@@ -94,6 +99,9 @@ def bench_quantized(shapes, block_types, ms, copy_bw, reps, pbar, cold_bytes=384
         dense = qw.dequantize()
         qbytes, fbytes = qw.nbytes, dense.numel() * 4
         q_pool = [qw.blocks.clone() for _ in range(max(2, -(-cold_bytes // qbytes)))]
+        packed = pack_int8_activation(qw.blocks, qw.block_type)
+        pbytes = packed.numel()
+        p_pool = [packed.clone() for _ in range(max(2, -(-cold_bytes // pbytes)))]
         f_pool = [dense.clone() for _ in range(max(2, -(-cold_bytes // fbytes)))]
         del dense
         turn = itertools.count()
@@ -107,13 +115,22 @@ def bench_quantized(shapes, block_types, ms, copy_bw, reps, pbar, cold_bytes=384
                 torch.ops.specdec.quantized_linear(x, q_pool[next(turn) % len(q_pool)], qw.block_type, None, out)
 
             t_ours = time_fn(ours, warmup=2, reps=r)
+            out8 = torch.empty(M, N)
+
+            def int8act():
+                torch.ops.specdec.int8_activation_linear(x, p_pool[next(turn) % len(p_pool)], qw.block_type, None,
+                                                         out8)
+
+            t_i8 = time_fn(int8act, warmup=2, reps=r)
             t_ref = time_fn(lambda: F.linear(x, f_pool[next(turn) % len(f_pool)]), warmup=2, reps=r)
             t_skinny = time_fn(lambda: torch.ops.specdec.skinny_linear(x, f_pool[next(turn) % len(f_pool)], None, out),
                                warmup=2, reps=r) if M <= 64 else None
             torch.ops.specdec.quantized_linear(x, qw.blocks, qw.block_type, None, out)
             assert torch.allclose(out, F.linear(x, f_pool[0]), atol=1e-3 * H**0.5, rtol=1e-3)
             base.setdefault("us", t_ours["median_us"])
+            base.setdefault("i8_us", t_i8["median_us"])
             gbs = qbytes / (t_ours["median_us"] * 1e-6) / 1e9
+            i8_gbs = pbytes / (t_i8["median_us"] * 1e-6) / 1e9
             rows.append({
                 "N": N, "H": H, "block_type": qw.type_name, "M": M, "weight_MB": qbytes / 1e6,
                 "ours_us": t_ours["median_us"], "F.linear_fp32_us": t_ref["median_us"],
@@ -122,9 +139,12 @@ def bench_quantized(shapes, block_types, ms, copy_bw, reps, pbar, cold_bytes=384
                 "x_skinny": t_skinny["median_us"] / t_ours["median_us"],
                 "vs_M1": t_ours["median_us"] / base["us"], "GB/s": gbs, "frac_copy": gbs / copy_bw,
                 "ours": t_ours, "F.linear_fp32": t_ref, "skinny_fp32": t_skinny,
+                "int8act_us": t_i8["median_us"], "x_quantized": t_ours["median_us"] / t_i8["median_us"],
+                "int8act_frac_copy": i8_gbs / copy_bw, "int8act_vs_M1": t_i8["median_us"] / base["i8_us"],
+                "int8act": t_i8,
             })
             pbar.update(1)
-        del q_pool, f_pool
+        del q_pool, f_pool, p_pool
     return rows
 
 
@@ -165,9 +185,11 @@ def main():
     print_table(skinny_rows, ["N", "H", "dtype", "M", "ours_us", "F.linear_us", "x_F.linear", "vs_M1", "frac_copy",
                               "cold_ours_us", "cold_F.linear_us", "cold_x_F.linear", "cold_vs_M1", "cold_frac_copy"])
 
-    print("\nquantized_linear (cold GGUF blocks) vs F.linear / skinny_linear on the dequantised fp32 weight (cold)")
+    print("\nquantized_linear (cold GGUF blocks) vs F.linear / skinny_linear on the dequantised fp32 weight (cold); "
+          "int8_activation_linear (cold repacked blocks)")
     print_table(quant_rows, ["N", "H", "block_type", "M", "weight_MB", "ours_us", "F.linear_fp32_us", "skinny_fp32_us",
-                             "x_F.linear", "x_skinny", "vs_M1", "GB/s", "frac_copy"])
+                             "x_F.linear", "x_skinny", "vs_M1", "GB/s", "frac_copy", "int8act_us", "x_quantized",
+                             "int8act_vs_M1", "int8act_frac_copy"])
 
     # Threshold for ops.linear: largest M such that skinny_linear beats F.linear on every
     # fp32 shape for every M' <= M (hot and cold weights separately).
@@ -197,6 +219,12 @@ def main():
                                for r in quant_rows if r["M"] == 8},
         "quantized_M16_vs_M1": {f"{r['N']}x{r['H']}:{r['block_type']}": round(r["vs_M1"], 3)
                                 for r in quant_rows if r["M"] == 16},
+        "int8act_M1_x_quantized": {f"{r['N']}x{r['H']}:{r['block_type']}": round(r["x_quantized"], 3)
+                                   for r in quant_rows if r["M"] == 1},
+        "int8act_M8_x_quantized": {f"{r['N']}x{r['H']}:{r['block_type']}": round(r["x_quantized"], 3)
+                                   for r in quant_rows if r["M"] == 8},
+        "int8act_M1_frac_copy": {f"{r['N']}x{r['H']}:{r['block_type']}": round(r["int8act_frac_copy"], 3)
+                                 for r in quant_rows if r["M"] == 1},
         "linear_threshold_hot": threshold("x_F.linear"),
         "linear_threshold_cold": threshold("cold_x_F.linear"),
     }

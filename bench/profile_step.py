@@ -23,9 +23,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import RESULTS_DIR, copy_bandwidth_gbs, machine_info  # noqa: E402
+from specdec_kernels.models.registry import WEIGHT_FORMATS  # noqa: E402
 
 CATEGORIES = {  # profiler event name (substring) -> category; first match wins
-    "quantized_linear": "weight products", "skinny_linear": "weight products", "aten::addmm": "weight products",
+    "quantized_linear": "weight products", "int8_activation_linear": "weight products", "skinny_linear": "weight products", "aten::addmm": "weight products",
     "aten::mm": "weight products", "aten::linear": None, "aten::matmul": None,
     "tree_attention": "attention", "scaled_dot_product": "attention",
     "tree_rejection_sample": "sampling", "aten::argmax": "sampling",
@@ -48,7 +49,7 @@ def weight_bytes(model) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--weights", default="native", choices=("native", "fp32", "bf16", "q8_0", "q4_0"))
+    p.add_argument("--weights", default="native", choices=WEIGHT_FORMATS)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--tokens", type=int, default=32, help="decode steps profiled")
     p.add_argument("--prompt", default="Explain how a hash map works, with an example.")

@@ -17,8 +17,15 @@ inline bool cpu_has_avx512() {
                           !(std::getenv("SPECDEC_DISABLE_AVX512") && std::getenv("SPECDEC_DISABLE_AVX512")[0] == '1');
   return has;
 }
+// AVX-512 VNNI (Ice Lake / Cascade Lake and later Intel, AMD Zen 4 and later) on top of the
+// above; off too when SPECDEC_DISABLE_AVX512=1.
+inline bool cpu_has_avx512_vnni() {
+  static const bool has = cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
+  return has;
+}
 #else
 inline bool cpu_has_avx512() { return false; }
+inline bool cpu_has_avx512_vnni() { return false; }
 #endif
 
 }  // namespace specdec

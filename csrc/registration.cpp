@@ -60,6 +60,9 @@ TORCH_LIBRARY(specdec, m) {
   // The same on a weight stored as raw GGUF blocks (uint8 [N, H / block_size * block_bytes]);
   // block_type is the GGML type id (gguf.GGMLQuantizationType: Q4_0 = 2, Q4_1 = 3, ...).
   m.def("quantized_linear(Tensor x, Tensor weight, int block_type, Tensor? bias, Tensor(a!) out) -> ()");
+  // The same with x quantised to int8 per block of 32 and integer dot products, on Q4_0 / Q4_1 /
+  // Q8_0 blocks repacked 16 rows at a time (uint8 [ceil(N / 16), H / 32, group block bytes]).
+  m.def("int8_activation_linear(Tensor x, Tensor packed_weight, int block_type, Tensor? bias, Tensor(a!) out) -> ()");
 
   // The counter-based generator, exposed so that tests can compare backends bit for bit (rng.cpp).
   m.def("philox_uniform(Tensor seed, Tensor offset, int position, int purpose, int num) -> Tensor");

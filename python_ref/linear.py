@@ -1,4 +1,5 @@
-"""References of specdec::skinny_linear and specdec::quantized_linear (tests only).
+"""References of specdec::skinny_linear, specdec::quantized_linear and
+specdec::int8_activation_linear (tests only).
 
 Computed in float64 from the inputs widened to float64, one dot product at a time. The
 kernels compute in fp32, so tests compare with tolerances. The GGUF blocks are decoded
@@ -85,3 +86,59 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, block_type: int,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, H] @ W^T + bias in float64, W [N, H] the dequantised GGUF blocks ``weight``."""
     return skinny_linear(x, dequantize(weight, block_type, x.shape[1]), bias)
+
+
+def _block_integers(block: bytes, block_type: int) -> tuple[float, float, list[int]]:
+    """(d, m, the 32 integers) of a Q4_0 / Q4_1 / Q8_0 block: weight j = d * q[j] + m
+    (Q4_0: q = nibble - 8, m = 0; Q4_1: q = nibble; Q8_0: q = the int8, m = 0)."""
+    if block_type == 8:
+        return _fp16(block[0:2]), 0.0, list(struct.unpack("<32b", block[2:34]))
+    start = 4 if block_type == 3 else 2
+    qs = block[start:start + 16]
+    nibbles = [b & 15 for b in qs] + [b >> 4 for b in qs]
+    if block_type == 2:
+        return _fp16(block[0:2]), 0.0, [q - 8 for q in nibbles]
+    return _fp16(block[0:2]), _fp16(block[2:4]), nibbles
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, H] (H a multiple of 32) -> (q int64 [M, H / 32, 32], d fp32 [M, H / 32]): per
+    block of 32, d = max|x| / 127 and q = round_half_even(x * (1 / d)) clamped to +-127, all in
+    fp32 (a block with max|x| < 2^-96 is zero: d = 0, q = 0; a block holding NaN or inf has
+    q = 0, d = NaN)."""
+    M, H = x.shape
+    xb = x.float().reshape(M, H // 32, 32)
+    finite = torch.isfinite(xb).all(-1)
+    amax = xb.abs().amax(-1).where(finite, torch.zeros(()))
+    d = torch.where(amax < 2.0 ** -96, torch.zeros(()), amax / 127)
+    inv = torch.where(d == 0, torch.zeros(()), 1 / d)
+    q = torch.round(xb * inv[..., None]).clamp(-127, 127).to(torch.int64)
+    q = q.where(finite[..., None], torch.zeros((), dtype=torch.int64))
+    return q, d.where(finite, torch.full((), float("nan")))
+
+
+def int8_activation_linear(x: torch.Tensor, weight: torch.Tensor, block_type: int,
+                           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The result of specdec::int8_activation_linear from the weight's plain GGUF blocks
+    (uint8 [N, H / 32 * block bytes], not the packed form), in float64: per block, the exact
+    integer dot product i of weight and activation integers, times fp32(d_w * d_x), plus for
+    Q4_1 m_w * fp32(d_x * sum q_x); summed over blocks, plus bias."""
+    M, H = x.shape
+    _, _, nbytes = BLOCK_FORMATS[block_type]
+    nb = H // 32
+    q, d = quantize_activations(x)
+    sq = q.sum(-1)
+    s = (d * sq.float()).double()  # fp32 product, as the kernel rounds it
+    data = weight.contiguous().numpy().tobytes()
+    N = weight.shape[0]
+    out = torch.zeros(M, N, dtype=torch.float64)
+    for n in range(N):
+        for b in range(nb):
+            off = (n * nb + b) * nbytes
+            dw, mw, ints = _block_integers(data[off:off + nbytes], block_type)
+            i = q[:, b] @ torch.tensor(ints, dtype=torch.int64)  # [M], exact
+            scale = (torch.tensor(dw, dtype=torch.float32) * d[:, b]).double()  # fp32 product
+            out[:, n] += i.double() * scale + mw * s[:, b]
+    if bias is not None:
+        out += bias.double()[None]
+    return out

@@ -481,3 +481,33 @@ def check_quantized_linear(x, weight, block_type, bias, out) -> None:
         check_tensor(bias, "bias", dtype=FLOAT_DTYPES, shape=(N,), device=x.device)
     check_tensor(out, "out", dtype=torch.float32, shape=(M, N), device=x.device)
     check_contiguous(out, "out")
+
+
+# int8_activation_linear: bytes of one block of a group of 16 repacked rows, per GGML type id
+# (fp16 scales of the 16 rows, Q4_1's fp16 mins, then the weight bytes; csrc/cpu/int8_activation_linear.h).
+INT8_ACTIVATION_GROUP_BYTES = {2: 32 + 256, 3: 64 + 256, 8: 32 + 512}
+INT8_ACTIVATION_GROUP_ROWS = 16
+
+
+def check_int8_activation_linear(x, packed_weight, block_type, bias, out) -> None:
+    if isinstance(block_type, bool) or not isinstance(block_type, int) or block_type not in INT8_ACTIVATION_GROUP_BYTES:
+        raise ValueError(f"block_type must be Q4_0 = 2, Q4_1 = 3 or Q8_0 = 8, got {block_type!r}")
+    check_tensor(x, "x", dtype=FLOAT_DTYPES, dims=2)
+    M, H = x.shape
+    bb = INT8_ACTIVATION_GROUP_BYTES[block_type]
+    check_tensor(packed_weight, "packed_weight", dtype=torch.uint8, dims=3, device=x.device)
+    G = packed_weight.shape[0]
+    if H % 32 != 0 or tuple(packed_weight.shape[1:]) != (H // 32, bb):
+        raise ValueError(f"packed_weight must have shape [ceil(N / 16), {H // 32}, {bb}] (x is [{M}, {H}], H a "
+                         f"multiple of 32), got {list(packed_weight.shape)}")
+    if not packed_weight.is_contiguous():
+        raise ValueError("packed_weight must be contiguous")
+    check_tensor(out, "out", dtype=torch.float32, dims=2, device=x.device)
+    N = out.shape[1]
+    rows = INT8_ACTIVATION_GROUP_ROWS
+    if out.shape[0] != M or not (G - 1) * rows < N <= G * rows:
+        raise ValueError(f"out must have shape [{M}, N] with ceil(N / 16) = {G} (packed_weight is "
+                         f"{list(packed_weight.shape)}), got {list(out.shape)}")
+    check_contiguous(out, "out")
+    if bias is not None:
+        check_tensor(bias, "bias", dtype=FLOAT_DTYPES, shape=(N,), device=x.device)

@@ -26,6 +26,7 @@ from pathlib import Path
 from ._platform import user_cache_dir
 from .decoding.registry import DEFAULT_DRAFTER, DRAFTER_INFO, DRAFTERS, default_schedule, make_drafter
 from .draft_model import DRAFT_WEIGHTS
+from .models.registry import WEIGHT_FORMATS
 
 SCHEDULES = ("constant", "heuristic", "adaptive", "max")  # SpecSchedule.KINDS
 EXIT_USAGE = 2
@@ -262,8 +263,10 @@ def build_parser() -> Parser:
     prompt.add_argument("--prompt", help="the prompt text (UTF-8)")
     prompt.add_argument("--prompt-file", metavar="FILE", help="read the prompt from a UTF-8 file ('-': stdin)")
     g.add_argument("--raw", action="store_true", help="use the prompt as it is, without the chat template")
-    g.add_argument("--weights", default="native", choices=("native", "fp32", "bf16", "q8_0", "q4_0"),
-                   help="native: a GGUF file's own block formats; fp32/bf16: dequantised; q8_0/q4_0: quantised on load")
+    g.add_argument("--weights", default="native", choices=WEIGHT_FORMATS,
+                   help="native: a GGUF file's own block formats; native-int8act: those blocks with activations "
+                        "quantised to int8 per block of 32 (llama.cpp's arithmetic: faster, outputs differ slightly "
+                        "from native's); fp32/bf16: dequantised; q8_0/q4_0: quantised on load")
     g.add_argument("--drafter", default=DEFAULT_DRAFTER, choices=DRAFTERS, metavar="{" + ",".join(DRAFTERS) + "}",
                    help="who drafts the tokens the model verifies (see the list below); none = autoregressive")
     g.add_argument("--schedule", default=None, choices=SCHEDULES,

@@ -96,7 +96,8 @@ def save_draft_model(layers: list, norm: torch.Tensor, draft_vocab: torch.Tensor
 def load_draft_model(path, target: Llama, weights: str = "stored") -> Llama:
     """The draft model in ``path`` for ``target`` (whose embedding and LM head rows it
     shares). ``weights``: "stored" (as the file holds them: the shipped draft is Q8_0
-    blocks), "fp32" (dequantised), "q8_0" / "q4_0" (GGUF blocks via ``quantized_linear``)."""
+    blocks), "fp32" (dequantised), "q8_0" / "q4_0" (GGUF blocks via ``quantized_linear``;
+    with int8 activations when the target's products use them)."""
     from safetensors.torch import load_file
 
     from .gguf_blocks import QuantizedWeight, quantize
@@ -140,6 +141,8 @@ def load_draft_model(path, target: Llama, weights: str = "stored") -> Llama:
     model = Llama(config, dict(embed=target.embed, norm=state["norm"].float(), layers=layers, draft_vocab=vocab,
                                lm_head=_lm_head_rows(target, vocab, block)),
                   name=f"draft-{config.num_layers}L[{os.path.basename(str(path))}]", weight_format=fmt)
+    if block and target.int8_activations:  # its speed is what matters; exactness is the target's
+        model = model.with_int8_activations()
     model.metadata = meta
     return model
 
@@ -162,7 +165,7 @@ def draft_model_for(target: Llama, checkpoint: str | None = None, *, weights: st
     if checkpoint is None:
         checkpoint = default_draft_checkpoint(target.name)
     if checkpoint is None:
-        d = target.truncated(fallback_layers)
+        d = target.truncated(fallback_layers)  # shares the target's weights, packing included
         return d if weights in ("stored", target.weight_format) else _requantize(d, weights)
     return load_draft_model(checkpoint, target, weights)
 

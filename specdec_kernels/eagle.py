@@ -76,6 +76,7 @@ class EagleHead(nn.Module):
         self.register_buffer("draft_vocab", torch.as_tensor(draft_vocab, dtype=torch.int64).clone(), persistent=True)
         self.embed = self.norm = self.lm_head_draft = self._lm_head_blocks = None
         self.decode_format: str | None = None  # see set_decode_format
+        self.int8_activations = False  # see set_decode_format
         self._decode_weights, self._decode_key = None, None
         self._rope_len = 0
         self.metadata: dict = {}
@@ -153,8 +154,10 @@ class EagleHead(nn.Module):
         Why blocks: each draft depth streams all of them (~9M weights for SmolLM2, the draft
         LM head half of it): 36 MB in fp32, 10 MB as Q8_0, so on a native (GGUF) target the
         head drafts in the target's own weight format and a depth costs a fraction of the
-        fp32 time. The draft LM head rows are then the target's own blocks (no requantisation)."""
-        key = (dtype, self.decode_format)
+        fp32 time. The draft LM head rows are then the target's own blocks (no requantisation).
+        With ``int8_activations`` the blocks carry their int8 packing (``int8_activation_linear``,
+        as on a "native-int8act" target)."""
+        key = (dtype, self.decode_format, self.int8_activations)
         if self._decode_weights is None or self._decode_key != key:
             w = {n: p.detach().to(dtype).contiguous() for n, p in self.named_parameters()}
             w["norm"] = self.norm.to(dtype)
@@ -168,16 +171,22 @@ class EagleHead(nn.Module):
                 same = self._lm_head_blocks is not None and self._lm_head_blocks.type_name == self.decode_format
                 w["lm_head_draft"] = (self._lm_head_blocks if same
                                       else quantize(self.lm_head_draft.float().contiguous(), self.decode_format))
+                if self.int8_activations:
+                    for n in ("fc", "wqkv", "wo", "w_gate_up", "w_down", "lm_head_draft"):
+                        w[n] = w[n].with_int8_activations()
             self._decode_weights, self._decode_key = w, key
         return self._decode_weights
 
-    def set_decode_format(self, fmt: str | None) -> "EagleHead":
+    def set_decode_format(self, fmt: str | None, *, int8_activations: bool = False) -> "EagleHead":
         """How the decode fast paths run the products: None (dense, the target's dtype) or a
-        GGUF block type "Q8_0" / "Q4_0" (see :meth:`decode_weights`)."""
+        GGUF block type "Q8_0" / "Q4_0" (see :meth:`decode_weights`); ``int8_activations``
+        (block formats only): multiply the blocks with int8 activations."""
         fmt = None if fmt is None else str(fmt).upper()
         if fmt not in DECODE_FORMATS:
             raise ValueError(f"decode format must be one of {DECODE_FORMATS}, got {fmt!r}")
-        self.decode_format, self._decode_weights = fmt, None
+        if int8_activations and fmt is None:
+            raise ValueError("int8 activations need a block decode format (Q8_0 or Q4_0)")
+        self.decode_format, self.int8_activations, self._decode_weights = fmt, bool(int8_activations), None
         return self
 
     @staticmethod
@@ -285,7 +294,8 @@ def eagle_head_for(target, checkpoint=None, *, draft_vocab_size: int = 4096, wei
     for the model if it ships one, else an untrained head (``"untrained"``: the decoder layer
     copied from the target's last layer, the lowest ``draft_vocab_size`` ids as the draft
     vocabulary — for tests and comparisons, expect low acceptance). ``weights``: how its
-    products run while decoding (:func:`decode_format_for`)."""
+    products run while decoding (:func:`decode_format_for`); block products use int8
+    activations when the target's do (``Llama.int8_activations``)."""
     fmt = decode_format_for(target, weights)
     if checkpoint is None:
         checkpoint = default_eagle_checkpoint(target.name) or "untrained"
@@ -295,7 +305,7 @@ def eagle_head_for(target, checkpoint=None, *, draft_vocab_size: int = 4096, wei
         head = head.to(target.dtype).attach(target).eval().requires_grad_(False)
     else:
         head = load_eagle_head(checkpoint, target)
-    return head.set_decode_format(fmt)
+    return head.set_decode_format(fmt, int8_activations=fmt is not None and getattr(target, "int8_activations", False))
 
 
 __all__ = ["DECODE_FORMATS", "EagleHead", "attention_reference", "decode_format_for",

@@ -18,6 +18,11 @@ Formats (``TYPES``): name -> (type id, weights per block, bytes per block)
     Q4_1 (3): 32, 20   fp16 d, fp16 m; 16 bytes of nibbles; w = d * q + m
     Q8_0 (8): 32, 34   fp16 d; 32 int8 q; w = q * d
 (byte j of the nibbles holds weight j in its low and weight j + 16 in its high 4 bits).
+
+``pack_int8_activation`` repacks Q4_0 / Q4_1 / Q8_0 blocks 16 rows at a time for
+``ops.int8_activation_linear`` (activations quantised to int8, integer dot products);
+``QuantizedWeight.with_int8_activations`` attaches that packing to a weight, and ``ops.linear``
+then uses it.
 """
 from __future__ import annotations
 
@@ -30,7 +35,8 @@ import torch
 from . import checks, ops
 
 __all__ = ["TYPES", "F32", "F16", "Q4_0", "Q4_1", "Q8_0", "BF16", "type_id", "type_name", "block_size",
-           "block_bytes", "row_bytes", "quantize", "dequantize", "QuantizedWeight"]
+           "block_bytes", "row_bytes", "quantize", "dequantize", "pack_int8_activation", "INT8_ACTIVATION_TYPES",
+           "QuantizedWeight"]
 
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
 TYPES = {name: (tid, size, nbytes) for tid, (name, size, nbytes) in ops.GGUF_BLOCK_FORMATS.items()}
@@ -167,19 +173,61 @@ def quantize(weight: torch.Tensor, block_type) -> "QuantizedWeight":
     return QuantizedWeight(raw.reshape(N, -1).contiguous(), tid, (N, H))
 
 
+INT8_ACTIVATION_TYPES = (Q4_0, Q4_1, Q8_0)  # the block types int8_activation_linear reads
+
+
+def pack_int8_activation(blocks: torch.Tensor, block_type) -> torch.Tensor:
+    """GGUF blocks uint8 [N, row_bytes] of a Q4_0 / Q4_1 / Q8_0 weight [N, H] repacked for
+    ``ops.int8_activation_linear``: uint8 [ceil(N / 16), H / 32, group block bytes].
+
+    Group g, block b holds block b of rows 16g .. 16g + 15 (rows past N are zeros): their 16
+    fp16 scales d (32 bytes), for Q4_1 their 16 fp16 mins m (32 bytes), then the weights
+    word-interleaved, one 4-byte word per row in each 64 bytes (one int32 lane per row of a
+    vector dot product): Q4 blocks as 4 chunks, chunk k holding each row's qs[4k .. 4k + 4)
+    (weights 4k + t in the low, 16 + 4k + t in the high nibbles); Q8_0 as 8 steps, step k
+    holding each row's q[4k .. 4k + 4) plus 128 (unsigned bytes for vpdpbusd)."""
+    tid = type_id(block_type)
+    if tid not in INT8_ACTIVATION_TYPES:
+        raise ValueError(f"int8-activation packing reads Q4_0, Q4_1 and Q8_0 blocks, got {type_name(tid)}")
+    nbytes = block_bytes(tid)
+    checks.check_tensor(blocks, "blocks", dtype=torch.uint8, dims=2)
+    N, rb = blocks.shape
+    if rb % nbytes != 0:
+        raise ValueError(f"blocks.shape[1] must be a multiple of the {type_name(tid)} block bytes {nbytes}, "
+                         f"got {list(blocks.shape)}")
+    nb, G = rb // nbytes, -(-N // 16)
+    b = torch.zeros(G * 16, nb, nbytes, dtype=torch.uint8, device=blocks.device)
+    b[:N] = blocks.reshape(N, nb, nbytes)
+    b = b.view(G, 16, nb, nbytes).transpose(1, 2)  # [G, nb, 16 rows, block bytes]
+    fields = [b[..., 0:2].reshape(G, nb, 32)]  # d of the 16 rows
+    if tid == Q4_1:
+        fields.append(b[..., 2:4].reshape(G, nb, 32))  # m
+    start = 4 if tid == Q4_1 else 2
+    if tid == Q8_0:
+        words = b[..., start:start + 32].reshape(G, nb, 16, 8, 4) ^ 128  # q + 128 as uint8
+    else:
+        words = b[..., start:start + 16].reshape(G, nb, 16, 4, 4)
+    fields.append(words.transpose(2, 3).reshape(G, nb, -1))  # [chunk/step, row, byte]
+    return torch.cat(fields, dim=-1).contiguous()
+
+
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
     """A linear weight [N, H] held as GGUF blocks.
 
     blocks: uint8 [N, row_bytes(block_type, H)], contiguous; block_type: GGML type id;
-    shape: (N, H), the logical shape (GGUF files list it reversed, as [H, N]).
+    shape: (N, H), the logical shape (GGUF files list it reversed, as [H, N]);
+    int8_packed: None, or ``pack_int8_activation(blocks)``: then ``ops.linear`` multiplies
+    with ``int8_activation_linear`` (activations quantised to int8) instead of
+    ``quantized_linear`` (see ``with_int8_activations``).
     Row operations (``rows``, ``cat``) move whole rows of blocks: a row gather of the
-    uint8 matrix is a row gather of the weight.
+    uint8 matrix is a row gather of the weight (they drop the int8 packing).
     """
 
     blocks: torch.Tensor
     block_type: int
     shape: tuple[int, int]
+    int8_packed: torch.Tensor | None = None
 
     def __post_init__(self):
         tid = type_id(self.block_type)
@@ -217,7 +265,17 @@ class QuantizedWeight:
         return self.blocks.device
 
     def to(self, device) -> "QuantizedWeight":
-        return QuantizedWeight(self.blocks.to(device), self.block_type, self.shape)
+        packed = None if self.int8_packed is None else self.int8_packed.to(device)
+        return QuantizedWeight(self.blocks.to(device), self.block_type, self.shape, packed)
+
+    def with_int8_activations(self) -> "QuantizedWeight":
+        """This weight with its int8-activation packing attached (``ops.linear`` then uses
+        ``int8_activation_linear``); the weight itself when its type has no such kernel
+        (only Q4_0, Q4_1 and Q8_0 have one)."""
+        if self.block_type not in INT8_ACTIVATION_TYPES or self.int8_packed is not None:
+            return self
+        return QuantizedWeight(self.blocks, self.block_type, self.shape,
+                               pack_int8_activation(self.blocks, self.block_type))
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [N, H], the values gguf.dequantize gives."""

@@ -657,9 +657,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     This is the one place the choice is made: the model and the Medusa heads call it.
 
     ``weight`` may also be a ``gguf_blocks.QuantizedWeight`` (GGUF blocks): then every row
-    count goes to ``quantized_linear`` (fp32 result) — it is batch-invariant (a row's result
-    does not depend on the other rows), which keeps speculative greedy output bit-identical
-    to autoregressive output. (The blocks were validated when the ``QuantizedWeight`` was
+    count goes to ``quantized_linear`` (fp32 result), or to ``int8_activation_linear`` when
+    the weight carries its int8 packing (``with_int8_activations``) — both are
+    batch-invariant (a row's result does not depend on the other rows), which keeps
+    speculative greedy output bit-identical to autoregressive output. (The blocks were validated when the ``QuantizedWeight`` was
     built and the kernel checks x, so this hot path — ~200 calls per decode step — skips
     ``quantized_linear``'s Python argument checks: under cProfile they took ~5% of a step,
     a few percent without it.)
@@ -670,9 +671,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             raise ValueError(f"x must have shape [..., {H}] for a weight of shape {list(weight.shape)}, "
                              f"got {list(x.shape)}")
         flat = x.reshape(-1, H)
+        flat = flat if flat.is_contiguous() else flat.contiguous()
         out = torch.empty((flat.shape[0], N), dtype=torch.float32, device=x.device)
-        torch.ops.specdec.quantized_linear(flat if flat.is_contiguous() else flat.contiguous(), weight.blocks,
-                                           weight.block_type, bias, out)
+        if weight.int8_packed is not None:
+            torch.ops.specdec.int8_activation_linear(flat, weight.int8_packed, weight.block_type, bias, out)
+        else:
+            torch.ops.specdec.quantized_linear(flat, weight.blocks, weight.block_type, bias, out)
         return out.reshape(*x.shape[:-1], N)
     rows = x.numel() // x.shape[-1] if x.dim() > 0 and x.shape[-1] > 0 else 0
     use_skinny = (
@@ -788,4 +792,48 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, block_type: int, bia
 @torch.library.register_fake("specdec::quantized_linear")
 def _quantized_linear_fake(x, weight, block_type, bias, out):
     checks.check_one_device("quantized_linear", locals())
+    return None
+
+
+__all__ += ["int8_activation_linear"]
+
+
+def int8_activation_linear(x: torch.Tensor, packed_weight: torch.Tensor, block_type: int, N: int,
+                           bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` with x quantised to int8 per block of 32 and integer dot products
+    (llama.cpp's way), W [N, H] Q4_0 / Q4_1 / Q8_0 GGUF blocks repacked 16 rows at a time.
+
+    Args:
+        x: [M, H] fp32/bf16/fp16, H a multiple of 32.
+        packed_weight: uint8 [ceil(N / 16), H / 32, group block bytes] (288 for Q4_0, 320 for
+            Q4_1, 544 for Q8_0), contiguous: ``gguf_blocks.pack_int8_activation(blocks,
+            block_type)`` of the weight's GGUF blocks.
+        block_type: GGML type id of the blocks: Q4_0 = 2, Q4_1 = 3, Q8_0 = 8.
+        N: output features (the packing pads N to a multiple of 16).
+        bias: [N] fp32/bf16/fp16 or None.
+        out: optional fp32 [M, N] destination, contiguous.
+
+    Returns fp32 [M, N]. Each activation block of 32 is quantised as d = max|x| / 127, q =
+    round_half_even(x / d) (x times fp32 1 / d), s = d * sum(q); a block with max|x| < 2^-96
+    counts as zero; a block holding NaN or inf makes its row's outputs NaN. Per output, in block order: acc = fma(float(i), d_w * d_x,
+    acc) with i the exact integer dot product of the block's weight and activation integers
+    (Q4_0: nibble - 8, Q4_1: nibble, Q8_0: q), then for Q4_1 acc = fma(m_w, s_x, acc);
+    then + bias. So a row's result is bit-identical whatever M and the other rows are, on
+    every CPU path (AVX-512 VNNI, AVX2, portable); the Triton kernel (CUDA) computes the same
+    integers and combines them in the same order (its FMAs may be contracted differently:
+    equal within rounding). The result differs from ``quantized_linear`` by the activation
+    rounding (relative error ~1e-3 of a typical output), as llama.cpp's does.
+    """
+    checks.check_tensor(x, "x", dims=2)
+    if out is None:
+        out = torch.empty((x.shape[0], N), dtype=torch.float32, device=x.device)
+    if not checks.launcher_checks(x.device):
+        checks.check_int8_activation_linear(x, packed_weight, block_type, bias, out)
+    torch.ops.specdec.int8_activation_linear(x, packed_weight, int(block_type), bias, out)
+    return out
+
+
+@torch.library.register_fake("specdec::int8_activation_linear")
+def _int8_activation_linear_fake(x, packed_weight, block_type, bias, out):
+    checks.check_one_device("int8_activation_linear", locals())
     return None

@@ -6,10 +6,17 @@
 - ``make_chain_inputs`` / ``make_tree_inputs`` (+ ``chain_args`` / ``tree_args``): random
   rejection-sampling inputs whose drafts are often accepted; ``assert_same``;
 - ``exact_pair_probs`` / ``pair_chisquare_pvalue``: the decode loop's sampled output
-  against the target's exact distribution of its first two tokens.
+  against the target's exact distribution of its first two tokens;
+- ``assert_cpu_paths_agree``: a script's results on the default, AVX2 and portable CPU
+  kernel paths (one process each) are bit-identical.
 
 tests/conftest.py sets TRITON_INTERPRET before anything imports triton.
 """
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -174,3 +181,41 @@ def pair_chisquare_pvalue(pairs, joint):
     f_obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
     f_exp = torch.cat([joint[keep] * n, (joint[~keep] * n).sum()[None]])
     return chisquare(f_obs.numpy(), f_exp.numpy() * f_obs.sum().item() / f_exp.sum().item())[1]
+
+
+# ---------------------------------------------------------------------------------------
+# The CPU kernels' ISA paths give the same bits.
+# ---------------------------------------------------------------------------------------
+
+def cpu_flags() -> set | None:
+    """The CPU flags /proc/cpuinfo lists, or None when it cannot be read."""
+    if not os.path.exists("/proc/cpuinfo"):
+        return None
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return None
+
+
+def assert_cpu_paths_agree(script: str, tmp_path) -> None:
+    """Runs ``script`` (Python source: ``{root}`` is replaced by the repository root; it saves a
+    dict of tensors to sys.argv[1]) in three processes — the default path, AVX2 forced
+    (SPECDEC_DISABLE_AVX512=1) and the portable loops (SPECDEC_QUANTIZED_LINEAR_PORTABLE=1) —
+    and asserts that every tensor is bit-identical across them."""
+    root = str(Path(__file__).resolve().parent.parent)
+    path = tmp_path / "paths.py"
+    path.write_text(script.format(root=root))
+    results = {}
+    for label, env in [("default", {}), ("avx2", {"SPECDEC_DISABLE_AVX512": "1"}),
+                       ("portable", {"SPECDEC_QUANTIZED_LINEAR_PORTABLE": "1"})]:
+        out = tmp_path / f"{label}.pt"
+        full_env = {k: v for k, v in os.environ.items()
+                    if k not in ("SPECDEC_DISABLE_AVX512", "SPECDEC_QUANTIZED_LINEAR_PORTABLE")}
+        proc = subprocess.run([sys.executable, str(path), str(out)], env={**full_env, **env}, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        results[label] = torch.load(out)
+    for label in ("avx2", "portable"):
+        for key, want in results["default"].items():
+            assert torch.equal(results[label][key], want), (label, key)

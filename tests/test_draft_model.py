@@ -89,6 +89,22 @@ def test_save_load_round_trip(model, tmp_path, block_type):
         assert load_draft_model(path, model, weights).weight_format == weights
 
 
+def test_block_draft_follows_an_int8_activation_target(model, tmp_path):
+    """A draft stored as blocks, loaded for a target on int8 activations, runs its block
+    products on int8 activations too (its LM head rows included); a dense draft stays dense."""
+    from specdec_kernels.models.llama import Llama
+
+    vocab = vocab_of(model, 48)
+    lm = twin(model, 2, vocab)
+    path = tmp_path / "d.safetensors"
+    save_draft_model(lm.layer_weights(), lm.norm, vocab, draft_config(model, 2), path, block_type="Q8_0")
+    target = model.quantized("Q8_0").with_int8_activations()
+    d = load_draft_model(path, target)
+    assert d.int8_activations and d.weight_format == "q8_0-int8act"
+    assert all(L[k].int8_packed is not None for L in d.layers for k in Llama.LINEAR_KEYS)
+    assert not load_draft_model(path, target, "fp32").int8_activations
+
+
 def test_load_rejects_bad_files(model, tmp_path):
     vocab = vocab_of(model, 8)
     lm = twin(model, 1, vocab)

@@ -167,6 +167,32 @@ def test_quantized_decode_weights(model, prompts, fmt):
     assert eagle_head_for(target, "untrained").decode_format == "Q8_0"
 
 
+def test_int8_activation_decode_weights(model, prompts):
+    """On a target with int8 activations the head's block products use them too: its decode
+    weights carry the int8 packing, its draft log-probs stay close to the Q8_0 head's, and
+    greedy output still equals the target's own autoregressive output."""
+    from specdec_kernels.eagle import eagle_head_for
+
+    target = model.quantized("Q8_0").with_int8_activations()
+    head = make_head(target).attach(target)
+    x, attn = torch.randn(5, 128), torch.randn(5, 4 * 64)
+    _, q8_logp = head.set_decode_format("Q8_0").decode_output(x, attn)
+    _, i8_logp = head.set_decode_format("Q8_0", int8_activations=True).decode_output(x, attn)
+    assert all(w.int8_packed is not None for n, w in head.decode_weights(torch.float32).items()
+               if n in ("fc", "wqkv", "wo", "w_gate_up", "w_down", "lm_head_draft"))
+    assert (i8_logp.exp() - q8_logp.exp()).abs().max() < 0.05 and not torch.equal(i8_logp, q8_logp)
+    with pytest.raises(ValueError, match="int8 activations need a block decode format"):
+        head.set_decode_format(None, int8_activations=True)
+    assert eagle_head_for(target, "untrained").int8_activations
+    assert not eagle_head_for(model.quantized("Q8_0"), "untrained").int8_activations
+    drafter = EagleDrafter(target, head, verify_cost=FREE, step_seconds=SLOW_STEP, top_k=3, max_depth=4,
+                           max_tree_nodes=12)
+    reqs = Generator(target, drafter, SpecSchedule("max", 4, max_k=5)).generate(prompts, 16)
+    for p, r in zip(prompts, reqs):
+        assert r.output == Generator(target, None).generate([p], 16)[0].output
+    assert drafter.stats["nodes"] > 0
+
+
 def test_tree_size_follows_verification_cost(model, prompts):
     head = make_head(model)
     expensive = {1: 1.0, 2: 100.0}  # any extra row costs 100 steps: nothing pays

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from python_ref import linear as ref
 from specdec_kernels import ops
-from tests.helpers import requires_triton
+from tests.helpers import assert_cpu_paths_agree, cpu_flags, requires_triton
 
 # fp32 accumulation of H products: compare with a tolerance that grows with H.
 def tol(H, out_dtype=torch.float32):
@@ -190,11 +190,7 @@ def test_triton_launcher_checks_shapes_it_indexes_with(w, b, out, message):
 # quantized_linear: the weight as raw GGUF blocks (specdec_kernels.gguf_blocks).
 # =======================================================================================
 
-import os  # noqa: E402
 import platform  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import gguf  # noqa: E402
 import numpy as np  # noqa: E402
@@ -567,39 +563,12 @@ torch.save(outs, sys.argv[1])
 """
 
 
-def _cpu_has_avx512():
-    """Whether /proc/cpuinfo lists what cpu_has_avx512() (csrc/cpu_features.h) requires; None
-    when it cannot be told."""
-    if platform.machine() != "x86_64" or not os.path.exists("/proc/cpuinfo"):
-        return None
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                return all(feat in flags for feat in ("avx512f", "avx512vl", "avx512dq", "avx512bw"))
-    return None
-
-
 def test_quantized_cpu_paths_give_identical_bits(tmp_path):
     """The same cases in three processes: the default path (AVX-512 here), AVX2 forced
     (SPECDEC_DISABLE_AVX512=1) and the portable loops (SPECDEC_QUANTIZED_LINEAR_PORTABLE=1)."""
-    root = str(Path(__file__).resolve().parent.parent)
-    script = tmp_path / "paths.py"
-    script.write_text(_PATHS_SCRIPT.format(root=root))
-    results = {}
-    for label, env in [("default", {}), ("avx2", {"SPECDEC_DISABLE_AVX512": "1"}),
-                       ("portable", {"SPECDEC_QUANTIZED_LINEAR_PORTABLE": "1"})]:
-        path = tmp_path / f"{label}.pt"
-        full_env = {k: v for k, v in os.environ.items()
-                    if k not in ("SPECDEC_DISABLE_AVX512", "SPECDEC_QUANTIZED_LINEAR_PORTABLE")}
-        proc = subprocess.run([sys.executable, str(script), str(path)], env={**full_env, **env}, capture_output=True,
-                              text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr
-        results[label] = torch.load(path)
-    for label in ("avx2", "portable"):
-        for key, want in results["default"].items():
-            assert torch.equal(results[label][key], want), (label, key)
-    if not _cpu_has_avx512():
+    assert_cpu_paths_agree(_PATHS_SCRIPT, tmp_path)
+    flags = cpu_flags() if platform.machine() == "x86_64" else None
+    if not flags or not {"avx512f", "avx512vl", "avx512dq", "avx512bw"} <= flags:
         pytest.skip("this CPU has no AVX-512 (or it cannot be told): the AVX2 and portable paths were compared, "
                     "the AVX-512 one did not run")
 

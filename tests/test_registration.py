@@ -17,6 +17,7 @@ OPS = [
     "medusa_topk",
     "skinny_linear",
     "quantized_linear",
+    "int8_activation_linear",
 ]
 
 

@@ -220,7 +220,7 @@ def test_sm_scale_and_out_argument():
     assert_close(out, ref_out, torch.float32, "sm_scale")
 
 
-@pytest.mark.parametrize("nodes", [5, 12])  # 5 * 2 rows: at::vec path; 12 * 2: GEMM path
+@pytest.mark.parametrize("nodes", [5, 12])  # 5 * 2 rows per KV head: heads share a work item; 12 * 2: one each
 def test_opcheck(nodes):
     case = make_case([star(nodes), chain(3)], [6, 0], Hq=4, Hkv=2, D=64, block_size=4)
     q = case["q"]
@@ -408,18 +408,57 @@ def test_triton_kernel_is_registered_for_cuda():
 @pytest.mark.parametrize(
     "dtype,nodes,Hkv", [(torch.float32, 20, 1), (torch.bfloat16, 20, 1), (torch.float32, 1, 2), (torch.float16, 3, 2)]
 )
-def test_long_prefix_split_kv(dtype, nodes, Hkv):
-    # Few work items and a long prefix: the CPU kernel splits the key range over work items
-    # and merges the partials (any thread count >= 1 takes this path). With 1 or 3 nodes
-    # (decoding) one work item covers all KV heads of a request.
+def test_long_prefix(dtype, nodes, Hkv):
+    # Few work items and a long prefix (the Triton kernel splits the key range; the CPU
+    # kernel never does, see test_rows_are_batch_invariant). With 1 or 3 nodes (decoding)
+    # one CPU work item covers all KV heads of a request.
     gen = torch.Generator().manual_seed(11)
     trees = [random_tree(nodes, gen), chain(2)]
     case = make_case(trees, [1300, 1037], Hq=4 * Hkv, Hkv=Hkv, D=64, block_size=16, dtype=dtype)
     out, lse = ops.tree_attention(*op_args(case), return_lse=True)
     ref_out, ref_lse = ref.tree_attention(*op_args(case))
-    assert_close(out, ref_out, dtype, "split-KV vs python_ref")
-    assert_close(out, root_path_sdpa(case), dtype, "split-KV vs root-path SDPA")
+    assert_close(out, ref_out, dtype, "long prefix vs python_ref")
+    assert_close(out, root_path_sdpa(case), dtype, "long prefix vs root-path SDPA")
     torch.testing.assert_close(lse.double(), ref_lse, atol=LSE_TOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("prefix", [0, 5, 30, 64, 95])
+def test_rows_are_batch_invariant(prefix, threads):
+    """CPU: a tree node's output is bit-identical to the same query decoded alone (one row, no
+    mask) after its root path compacted to the positions after the prefix — what the decode
+    loop computes for that token once the path is accepted — and to the same tree verified
+    with another request in the batch. Prefixes put the tree before, across and after tile
+    boundaries (kTile = 32); with 2 threads the work is split differently."""
+    gen = torch.Generator().manual_seed(prefix)
+    parents = random_tree(40, gen)
+    Hq, Hkv, D = 9, 3, 64
+    case = make_case([parents, chain(3)], [prefix, 7], Hq=Hq, Hkv=Hkv, D=D, block_size=16, seed=prefix)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        tree_out = ops.tree_attention(*op_args(case))
+        n = len(parents)
+        alone = dict(case, q=case["q"][:n].clone(), block_table=case["block_table"][:1].clone(),
+                     prefix_lens=case["prefix_lens"][:1].clone(), qo_indptr=case["qo_indptr"][:2].clone(),
+                     tree_mask=case["tree_mask"][:n].clone())
+        alone_out = ops.tree_attention(*op_args(alone))
+        assert torch.equal(alone_out, tree_out[:len(parents)])
+        bt = case["block_table"]
+        for i in range(len(parents)):
+            path = ref.ancestors(parents, i)  # root .. i, in order
+            positions = list(range(prefix)) + [prefix + j for j in path]
+            k = ref.cache_rows(case["k_cache"], bt, 0, positions)  # [L, Hkv, D]
+            v = ref.cache_rows(case["v_cache"], bt, 0, positions)
+            L = len(positions)
+            single = dict(q=case["q"][i:i + 1].clone(), k_cache=k[None].contiguous(), v_cache=v[None].contiguous(),
+                          block_table=torch.zeros(1, 1, dtype=torch.int32),
+                          prefix_lens=torch.tensor([L - 1], dtype=torch.int32),
+                          qo_indptr=torch.tensor([0, 1], dtype=torch.int32), tree_mask=None)
+            out = ops.tree_attention(*op_args(single, mask=False))
+            assert torch.equal(out[0], tree_out[i]), i
+    finally:
+        torch.set_num_threads(old)
 
 
 # ---------------------------------------------------------------------------------------

@@ -209,7 +209,7 @@ def kv_compaction_cases():
 
 # ---------------------------------------------------------------------------------------
 # Linear (skinny_linear, also medusa_topk's ResBlocks and its lm_head fallback for top_k > 64;
-# quantized_linear).
+# quantized_linear; int8_activation_linear).
 # ---------------------------------------------------------------------------------------
 
 
@@ -234,6 +234,15 @@ def linear_cases():
                        dict(BLOCK_TYPE=block_type, BLOCK_BYTES=m.GGUF_BLOCK_FORMATS[block_type][2],
                             HAS_BIAS=has_bias, BLOCK_M=m.QUANTIZED_BLOCK_M, BLOCK_N=m.QUANTIZED_BLOCK_N),
                        f"quantized {m.GGUF_BLOCK_FORMATS[block_type][0]}, HAS_BIAS={has_bias}")
+    # int8_activation_linear: one variant per block type it reads, without and with bias.
+    for block_type, group_bytes in m.INT8_ACTIVATION_GROUP_BYTES.items():
+        for has_bias in (False, True):
+            yield Case(m._int8_activation_linear_kernel,
+                       dict(q_ptr="*i8", d_ptr="*fp32", s_ptr="*fp32", w_ptr="*u8", b_ptr="*fp32", out_ptr="*fp32",
+                            **i32("M", "N", "NB")),
+                       dict(BLOCK_TYPE=block_type, GROUP_BYTES=group_bytes, HAS_BIAS=has_bias,
+                            BLOCK_M=m.INT8_ACTIVATION_BLOCK_M),
+                       f"int8 activations {m.GGUF_BLOCK_FORMATS[block_type][0]}, HAS_BIAS={has_bias}")
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,5 +1,7 @@
-// CPU kernels of specdec::skinny_linear (the weight-streaming GEMM of linear.h for few rows)
-// and specdec::quantized_linear (the same on raw GGUF blocks, gguf_blocks.h).
+// CPU kernels of specdec::skinny_linear (the weight-streaming GEMM of linear.h for few rows),
+// specdec::quantized_linear (the same on raw GGUF blocks, gguf_blocks.h) and
+// specdec::int8_activation_linear (repacked blocks times int8 activations,
+// int8_activation_linear.h).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -14,6 +16,7 @@
 #include "check.h"
 #include "cpu_features.h"
 #include "gguf_blocks.h"
+#include "int8_activation_linear.h"
 #include "linear.h"
 #include "ops.h"
 
@@ -165,9 +168,67 @@ void quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int64_t
   });
 }
 
+// =======================================================================================
+// int8_activation_linear: x [M, H] quantised to int8 per block of 32, times a weight of GGUF
+// blocks repacked 16 rows at a time (see int8_activation_linear.h).
+// =======================================================================================
+void int8_activation_linear_cpu(const at::Tensor& x, const at::Tensor& packed_weight, int64_t block_type,
+                                const std::optional<at::Tensor>& bias, at::Tensor& out) {
+  namespace g = gguf;
+  check_cpu(x, "int8_activation_linear: x");
+  check_cpu(packed_weight, "int8_activation_linear: packed_weight");
+  check_dim(x, 2, "int8_activation_linear: x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+              "int8_activation_linear: x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  const int64_t bb = i8act::group_block_bytes(block_type);
+  TORCH_CHECK(bb != 0, "int8_activation_linear: block_type must be Q4_0 = 2, Q4_1 = 3 or Q8_0 = 8, got ",
+              block_type);
+  check_dtype(packed_weight, at::kByte, "int8_activation_linear: packed_weight");
+  check_dim(packed_weight, 3, "int8_activation_linear: packed_weight");
+  check_contiguous(packed_weight, "int8_activation_linear: packed_weight");
+  const int64_t M = x.size(0), H = x.size(1), G = packed_weight.size(0), nb = packed_weight.size(1);
+  TORCH_CHECK(H % i8act::kBlock == 0 && packed_weight.size(1) == H / i8act::kBlock && packed_weight.size(2) == bb,
+              "int8_activation_linear: packed_weight must have shape [ceil(N / 16), ", H / i8act::kBlock, ", ", bb,
+              "] (x is [", M, ", ", H, "], H a multiple of 32), got ", packed_weight.sizes());
+  TORCH_CHECK(out.dim() == 2 && out.size(1) > (G - 1) * i8act::kGroupRows && out.size(1) <= G * i8act::kGroupRows,
+              "int8_activation_linear: out must have shape [", M, ", N] with ceil(N / 16) = ", G,
+              " (packed_weight is ", packed_weight.sizes(), "), got ", out.sizes());
+  const int64_t N = out.size(1);
+  check_output(out, at::kFloat, {M, N}, "int8_activation_linear: out");
+  at::Tensor bias_f;
+  if (bias.has_value()) {
+    check_cpu(*bias, "int8_activation_linear: bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "int8_activation_linear: bias must have shape [", N,
+                "], got ", bias->sizes());
+    TORCH_CHECK(bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16 ||
+                    bias->scalar_type() == at::kHalf,
+                "int8_activation_linear: bias must be float32, bfloat16 or float16, got ", bias->scalar_type());
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  if (M == 0 || N == 0) return;
+  const at::Tensor x_f = x.to(at::kFloat).contiguous();
+  std::vector<int8_t> q(M * H);
+  std::vector<float> d(M * nb), s(M * nb);
+  std::vector<int32_t> sq(M * nb);
+  i8act::quantize_activations(x_f.data_ptr<float>(), M, nb, q.data(), d.data(), s.data(), sq.data());
+  const i8act::Problem p{q.data(), d.data(), s.data(), sq.data(), M, nb, packed_weight.data_ptr<uint8_t>(), bb, N,
+                         bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<float>()};
+  // Paths as in quantized_linear: AVX-512 VNNI where the CPU has it, else AVX2, portable on request.
+  static const bool portable = std::getenv("SPECDEC_QUANTIZED_LINEAR_PORTABLE") &&
+                               std::getenv("SPECDEC_QUANTIZED_LINEAR_PORTABLE")[0] == '1';
+  auto run = &i8act::run_generic;
+#if defined(SPECDEC_GGUF_X86)
+  if (!portable) run = cpu_has_avx512_vnni() ? &i8act::run_vnni : &i8act::run_avx2;
+#endif
+  // Threads split the groups, at least ~64 KiB of weight bytes per task.
+  const int64_t grain = std::max<int64_t>(1, (int64_t(64) << 10) / std::max<int64_t>(1, nb * bb));
+  at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) { run(p, block_type, g0, g1); });
+}
+
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("skinny_linear", &skinny_linear_cpu);
   m.impl("quantized_linear", &quantized_linear_cpu);
+  m.impl("int8_activation_linear", &int8_activation_linear_cpu);
 }
 
 }  // namespace specdec

@@ -2,22 +2,20 @@
 //
 // One call for the whole batch (docs/design.md, "Tree attention").
 //
-// Work is split over (request, KV head), and over the key range too when those items are
-// fewer than twice the threads (flash-decoding style; partials merged by log-sum-exp). When
-// every request has fewer than kGemmRows rows per KV head (plain decoding), one work item
-// takes all KV heads of a request instead, so that each position's [Hkv, D] rows are read
-// contiguously (a single head's rows are D elements every Hkv * D, which defeats the
-// hardware prefetcher). One work item holds the queries of all n tree
-// nodes of its request times the G = Hq / Hkv query heads of its GQA group as one
-// [n * G, D] fp32 matrix (row r = node r / G, head h * G + r % G), so every K/V row of
-// the prefix is read from memory once for all of them. Keys are visited in tiles: the
-// prefix first (no mask: every node sees the whole prefix), then the tree part (positions
-// prefix_len + j, j < n), the only place the bit mask is read. Each tile gathers its K/V
-// rows through the block table (converted to fp32 once), computes scores = Q K^T, the
-// online-softmax update and acc = acc * alpha + P V, all in fp32. With few query rows
-// (plain decoding) the products are at::vec dot products / FMAs over the tile (the op is
-// bandwidth-bound there); with many rows (tree verification) they are two GEMMs per tile
-// through ATen (MKL/oneDNN), i.e. the small GEMM the whole GQA group shares.
+// Work is split over (request, KV head); when every request has fewer than kFewRows rows per
+// KV head (plain decoding) and the requests are at least the threads, one work item takes all
+// KV heads of a request instead, so that each position's [Hkv, D] rows are read contiguously
+// (a single head's rows are D elements every Hkv * D, which defeats the hardware
+// prefetcher). One work item holds the queries of all n tree nodes of its request times the
+// G = Hq / Hkv query heads of its GQA group as one [n * G, D] fp32 matrix (row r = node r / G,
+// head h * G + r % G). Keys are visited in tiles of kTile: the whole tiles of the prefix
+// first, shared by all rows (every K/V row read from memory once for all of them); then, per
+// row, the rest of the prefix and the tree nodes its bit mask shows. Each tile converts its
+// K/V rows to fp32 once, computes the scores (vectorised dot products), the online-softmax
+// update and acc = acc * alpha + P V, all in fp32, with per-row arithmetic that does not
+// depend on the other rows: a row's result is bit-identical whatever the batch, the tree and
+// the threads (see attend_one). (An ATen GEMM for many rows would be faster on large trees,
+// but its rounding depends on the matrix shapes.)
 //
 // Rows of q owned by no request (before qo_indptr[0] or from qo_indptr[B] on) and rows
 // that see no key at all get out = 0 and lse = -inf: never NaN.
@@ -34,6 +32,7 @@
 #include <vector>
 
 #include "check.h"
+#include "linear.h"
 #include "ops.h"
 
 namespace specdec {
@@ -41,12 +40,10 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kVec = Vec::size();
-// Keys per tile: kTile on the few-rows path (own vectorised dot products), kGemmTile when
-// there are at least kGemmRows query rows and the tile's two products go to ATen's GEMM
-// (MKL / oneDNN: AVX-512 where the machine has it, which this file's AVX2 build cannot use).
+// Visible keys per tile (the online softmax rescales once per tile), and the rows per KV
+// head below which a request's KV heads share a work item.
 constexpr int64_t kTile = 32;
-constexpr int64_t kGemmTile = 128;
-constexpr int64_t kGemmRows = 16;
+constexpr int64_t kFewRows = 16;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 template <typename scalar_t>
@@ -69,32 +66,48 @@ inline void row_to_float(const scalar_t* src, float* dst, int64_t d, int64_t d_p
   for (; i < d_pad; ++i) dst[i] = 0.f;
 }
 
-// Few query rows (plain decoding: n = 1): dot products with the converted key rows
-// (row j at kf + j * ks), four keys at a time. scores has row stride ld.
+// scores[r * ld + j] = q_r . k_j for `rows` query rows (stride d_pad) and `keys` key rows
+// (key j at kf + j * ks): per (row, key) one vector of fused multiply-adds over d in
+// order, reduced by skinny::hsum4 (linear.h: one fixed lane order) — the same arithmetic for
+// every row count, key count and
+// position in the tile. Two rows at a time share the key loads; four keys at a time share
+// the reduction.
 inline void scores_dot(const float* q, int64_t rows, int64_t d_pad, const float* kf, int64_t ks, int64_t keys,
                        float* scores, int64_t ld) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* qr = q + r * d_pad;
-    int64_t j = 0;
-    for (; j + 4 <= keys; j += 4) {
-      Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
+  const Vec zero(0.f);
+  int64_t r = 0;
+  for (; r + 2 <= rows; r += 2) {
+    const float* q0 = q + r * d_pad;
+    const float* q1 = q0 + d_pad;
+    for (int64_t j = 0; j < keys; j += 4) {
+      const int64_t kn = std::min<int64_t>(4, keys - j);
+      Vec a[2][4] = {{zero, zero, zero, zero}, {zero, zero, zero, zero}};
       for (int64_t d = 0; d < d_pad; d += kVec) {
-        const Vec qv = Vec::loadu(qr + d);
-        a0 = at::vec::fmadd(qv, Vec::loadu(kf + (j + 0) * ks + d), a0);
-        a1 = at::vec::fmadd(qv, Vec::loadu(kf + (j + 1) * ks + d), a1);
-        a2 = at::vec::fmadd(qv, Vec::loadu(kf + (j + 2) * ks + d), a2);
-        a3 = at::vec::fmadd(qv, Vec::loadu(kf + (j + 3) * ks + d), a3);
+        const Vec x0 = Vec::loadu(q0 + d), x1 = Vec::loadu(q1 + d);
+        for (int64_t c = 0; c < kn; ++c) {
+          const Vec kv = Vec::loadu(kf + (j + c) * ks + d);
+          a[0][c] = at::vec::fmadd(x0, kv, a[0][c]);
+          a[1][c] = at::vec::fmadd(x1, kv, a[1][c]);
+        }
       }
-      auto sum = [](const Vec& v) { return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v); };
-      scores[r * ld + j + 0] = sum(a0);
-      scores[r * ld + j + 1] = sum(a1);
-      scores[r * ld + j + 2] = sum(a2);
-      scores[r * ld + j + 3] = sum(a3);
+      float s0[4], s1[4];
+      skinny::hsum4(a[0][0], a[0][1], a[0][2], a[0][3], s0);
+      skinny::hsum4(a[1][0], a[1][1], a[1][2], a[1][3], s1);
+      for (int64_t c = 0; c < kn; ++c) scores[r * ld + j + c] = s0[c], scores[(r + 1) * ld + j + c] = s1[c];
     }
-    for (; j < keys; ++j) {
-      Vec a(0.f);
-      for (int64_t d = 0; d < d_pad; d += kVec) a = at::vec::fmadd(Vec::loadu(qr + d), Vec::loadu(kf + j * ks + d), a);
-      scores[r * ld + j] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, a);
+  }
+  for (; r < rows; ++r) {
+    const float* q0 = q + r * d_pad;
+    for (int64_t j = 0; j < keys; j += 4) {
+      const int64_t kn = std::min<int64_t>(4, keys - j);
+      Vec a[4] = {zero, zero, zero, zero};
+      for (int64_t d = 0; d < d_pad; d += kVec) {
+        const Vec x0 = Vec::loadu(q0 + d);
+        for (int64_t c = 0; c < kn; ++c) a[c] = at::vec::fmadd(x0, Vec::loadu(kf + (j + c) * ks + d), a[c]);
+      }
+      float s0[4];
+      skinny::hsum4(a[0], a[1], a[2], a[3], s0);
+      for (int64_t c = 0; c < kn; ++c) scores[r * ld + j + c] = s0[c];
     }
   }
 }
@@ -133,18 +146,65 @@ inline void pv_block(const float* p, const float* alpha, const float* vf, int64_
   }
 }
 
+// One row's score against one key row: scores_dot's arithmetic for a single key.
+inline float dot_one(const float* q, const float* k, int64_t d_pad) {
+  Vec a(0.f);
+  for (int64_t d = 0; d < d_pad; d += kVec) a = at::vec::fmadd(Vec::loadu(q + d), Vec::loadu(k + d), a);
+  float s[4];
+  skinny::hsum4(a, a, a, a, s);
+  return s[0];
+}
+
+// Online-softmax update of one row for a tile of `keys` scores sr (in place: scores ->
+// probabilities): new running max, *alpha = the rescale factor of the old sum and acc.
+inline void softmax_update(float* sr, int64_t keys, float& row_max, float& row_sum, float& alpha) {
+  float tile_max = kNegInf;
+  int64_t jm = 0;
+  if (keys >= kVec) {
+    Vec vmax = Vec::loadu(sr);
+    for (jm = kVec; jm + kVec <= keys; jm += kVec) vmax = at::vec::maximum(vmax, Vec::loadu(sr + jm));
+    tile_max = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmax);
+  }
+  for (; jm < keys; ++jm) tile_max = std::max(tile_max, sr[jm]);
+  const float old_max = row_max;
+  const float new_max = std::max(old_max, tile_max);
+  if (new_max == kNegInf) {  // nothing visible yet: keep the row empty
+    alpha = 1.f;
+    for (int64_t j = 0; j < keys; ++j) sr[j] = 0.f;
+    return;
+  }
+  alpha = old_max == kNegInf ? 0.f : std::exp(old_max - new_max);
+  const Vec m(new_max);
+  Vec sum(0.f);
+  int64_t j = 0;
+  for (; j + kVec <= keys; j += kVec) {
+    const Vec p = (Vec::loadu(sr + j) - m).exp_u20();  // ~1e-6 relative error, fine in fp32
+    p.store(sr + j);
+    sum = sum + p;
+  }
+  float tail = 0.f;
+  for (; j < keys; ++j) {
+    sr[j] = std::exp(sr[j] - new_max);
+    tail += sr[j];
+  }
+  row_sum = row_sum * alpha + at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum) + tail;
+  row_max = new_max;
+}
+
 // Per-thread scratch of one work item.
 struct Scratch {
   std::vector<float> q, acc, scores, row_max, row_sum, alpha, kf, vf;
-  void resize(int64_t rows, int64_t d_pad, int64_t tile, int64_t heads) {
+  std::vector<int32_t> visible;
+  void resize(int64_t rows, int64_t d_pad, int64_t keys, int64_t heads) {
     q.resize(rows * d_pad);
     acc.assign(rows * d_pad, 0.f);
-    scores.resize(rows * tile);
+    scores.resize(rows * kTile);
     row_max.assign(rows, kNegInf);
     row_sum.assign(rows, 0.f);
     alpha.resize(rows);
-    kf.resize(tile * heads * d_pad);
-    vf.resize(tile * heads * d_pad);
+    kf.resize(keys * heads * d_pad);
+    vf.resize(keys * heads * d_pad);
+    visible.resize(keys);
   }
 };
 
@@ -157,23 +217,43 @@ struct Problem {
   int64_t q_strides[3], k_strides[4], v_strides[4], out_strides[3];
   float sm_scale;
   float* lse;  // nullptr when not requested; contiguous [T, Hq]
-  int64_t num_tokens;
-  // Split-KV partials (only when the key range of a request is split over work items):
-  // unnormalised acc [S, T, Hq, D], running max and sum [S, T, Hq].
-  float* part_acc;
-  float* part_max;
-  float* part_sum;
 };
 
-// Attention of request b's nodes x the query heads of KV heads h0..h0+num_heads-1 over the
-// cache positions [split * split_len, (split + 1) * split_len) of its prefix + n positions
-// (all of them when split_len <= 0). Writes out/lse directly, or the split's partials.
-// Rows are ordered (KV head, node, query head of the group). num_heads > 1 only on the
-// few-rows path: reading every KV head of a position at once keeps the reads contiguous
-// ([Hkv, D] per position) where one head alone would read D elements every Hkv * D.
+// K and V rows of cache positions [t0, t0 + keys) of request b, heads h0..h0+Hh-1, as fp32
+// into kf / vf (position j at j * Hh * d_pad, head hh at + hh * d_pad).
+template <typename scalar_t>
+void gather_kv(const Problem& pb, const scalar_t* k_cache, const scalar_t* v_cache, const int32_t* blocks, int64_t t0,
+               int64_t keys, int64_t h0, int64_t Hh, float* kf, float* vf) {
+  const int64_t kv_stride = Hh * pb.d_pad;
+  for (int64_t j = 0; j < keys; ++j) {
+    const int64_t pos = t0 + j;
+    const int64_t blk = blocks[pos / pb.block_size], off = pos % pb.block_size;
+    const scalar_t* krow = k_cache + blk * pb.k_strides[0] + off * pb.k_strides[1];
+    const scalar_t* vrow = v_cache + blk * pb.v_strides[0] + off * pb.v_strides[1];
+    for (int64_t hh = 0; hh < Hh; ++hh) {
+      row_to_float(krow + (h0 + hh) * pb.k_strides[2], kf + j * kv_stride + hh * pb.d_pad, pb.head_dim, pb.d_pad);
+      row_to_float(vrow + (h0 + hh) * pb.v_strides[2], vf + j * kv_stride + hh * pb.d_pad, pb.head_dim, pb.d_pad);
+    }
+  }
+}
+
+// Attention of request b's nodes x the query heads of KV heads h0..h0+num_heads-1. Rows are
+// ordered (KV head, node, query head of the group).
+//
+// Batch invariance: a row's result is a function of its query and of the keys it sees, in
+// order, never of the other rows, the tree around it, the batch or the threads. Each row
+// runs the online softmax over its *visible* keys (the prefix, then the tree nodes its mask
+// shows, in node order) in tiles of kTile visible keys aligned at multiples of kTile counted
+// from the first key, with the same per-row arithmetic everywhere. So a verified node whose
+// ancestors are accepted gets exactly the bits the same token gets when it is decoded alone
+// after them (its visible keys are the same rows in the same order: the accepted nodes'
+// K/V, compacted), and speculative greedy output equals autoregressive output even where
+// the next step rounds activations (int8_activation_linear amplifies a last-bit change).
+// Full prefix tiles are shared by all rows (each K/V row is read once for all of them); the
+// partial prefix tile and the tree part run per row over the visible keys only.
 template <typename scalar_t>
 void attend_one(const Problem& pb, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache, scalar_t* out,
-                int64_t b, int64_t h0, int64_t num_heads, int64_t split, int64_t split_len, Scratch& s) {
+                int64_t b, int64_t h0, int64_t num_heads, Scratch& s) {
   const int64_t q_begin = pb.qo_indptr[b];
   const int64_t n = pb.qo_indptr[b + 1] - q_begin;
   if (n <= 0) return;
@@ -181,11 +261,10 @@ void attend_one(const Problem& pb, const scalar_t* q, const scalar_t* k_cache, c
   const int64_t G = pb.group, D = pb.head_dim, Dp = pb.d_pad;
   const int64_t rows_per_head = n * G, Hh = num_heads;
   const int64_t rows = rows_per_head * Hh;
-  const bool use_gemm = rows_per_head >= kGemmRows;
-  TORCH_INTERNAL_ASSERT(!use_gemm || Hh == 1);
-  const int64_t tile = use_gemm ? kGemmTile : kTile;
-  const int64_t kv_stride = Hh * Dp;  // floats between consecutive positions in kf / vf
-  s.resize(rows, Dp, tile, Hh);
+  const int64_t full = prefix / kTile * kTile;  // positions in whole shared tiles
+  const int64_t tail = prefix - full + n;       // partial prefix tile + tree nodes
+  const int64_t kv_stride = Hh * Dp;            // floats between consecutive positions in kf / vf
+  s.resize(rows, Dp, std::max(kTile, tail), Hh);
   // Row r -> (token, query head).
   auto row_token = [&](int64_t r) { return q_begin + (r % rows_per_head) / G; };
   auto row_head = [&](int64_t r) { return (h0 + r / rows_per_head) * G + r % G; };
@@ -199,130 +278,56 @@ void attend_one(const Problem& pb, const scalar_t* q, const scalar_t* k_cache, c
     for (int64_t d = 0; d < D; ++d) dst[d] *= pb.sm_scale;
   }
 
-  // GEMM path: ATen views of the scratch buffers (row stride d_pad / tile).
-  at::Tensor q_mat, acc_mat;
-  if (use_gemm) {
-    const auto opts = at::TensorOptions().dtype(at::kFloat);
-    q_mat = at::from_blob(s.q.data(), {rows, D}, {Dp, 1}, opts);
-    acc_mat = at::from_blob(s.acc.data(), {rows, D}, {Dp, 1}, opts);
-  }
-  const int64_t total = split_len > 0 ? std::min(prefix + n, (split + 1) * split_len) : prefix + n;
-  for (int64_t t0 = split_len > 0 ? split * split_len : 0; t0 < total;) {
-    // Tiles never straddle the prefix / tree boundary, so prefix tiles skip the mask.
-    const bool tree_tile = t0 >= prefix;
-    const int64_t t1 = std::min(t0 + tile, tree_tile ? total : std::min(prefix, total));
-    const int64_t keys = t1 - t0;
-
-    // Gather and convert the tile's K and V rows (each read once for all rows).
-    for (int64_t j = 0; j < keys; ++j) {
-      const int64_t pos = t0 + j;
-      const int64_t blk = blocks[pos / pb.block_size], off = pos % pb.block_size;
-      const scalar_t* krow = k_cache + blk * pb.k_strides[0] + off * pb.k_strides[1];
-      const scalar_t* vrow = v_cache + blk * pb.v_strides[0] + off * pb.v_strides[1];
-      for (int64_t hh = 0; hh < Hh; ++hh) {
-        row_to_float(krow + (h0 + hh) * pb.k_strides[2], s.kf.data() + j * kv_stride + hh * Dp, D, Dp);
-        row_to_float(vrow + (h0 + hh) * pb.v_strides[2], s.vf.data() + j * kv_stride + hh * Dp, D, Dp);
-      }
-    }
+  // Whole prefix tiles: every row sees every key (no mask).
+  for (int64_t t0 = 0; t0 < full; t0 += kTile) {
+    gather_kv(pb, k_cache, v_cache, blocks, t0, kTile, h0, Hh, s.kf.data(), s.vf.data());
     float* scores = s.scores.data();
-    const auto opts = at::TensorOptions().dtype(at::kFloat);
-    at::Tensor scores_mat, v_mat;
-    if (use_gemm) {
-      scores_mat = at::from_blob(scores, {rows, keys}, {tile, 1}, opts);
-      v_mat = at::from_blob(s.vf.data(), {keys, D}, {Dp, 1}, opts);
-      at::mm_out(scores_mat, q_mat, at::from_blob(s.kf.data(), {keys, D}, {Dp, 1}, opts).t());
-    } else {
-      for (int64_t hh = 0; hh < Hh; ++hh) {
-        scores_dot(s.q.data() + hh * rows_per_head * Dp, rows_per_head, Dp, s.kf.data() + hh * Dp, kv_stride, keys,
-                   scores + hh * rows_per_head * tile, tile);
-      }
+    for (int64_t hh = 0; hh < Hh; ++hh) {
+      scores_dot(s.q.data() + hh * rows_per_head * Dp, rows_per_head, Dp, s.kf.data() + hh * Dp, kv_stride, kTile,
+                 scores + hh * rows_per_head * kTile, kTile);
     }
-
-    if (tree_tile) {
-      const int64_t j0 = t0 - prefix;  // node index of the tile's first key
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t i = (r % rows_per_head) / G;
-        float* sr = scores + r * tile;
-        if (pb.tree_mask == nullptr) {
-          for (int64_t j = 0; j < keys; ++j)
-            if (j0 + j > i) sr[j] = kNegInf;
-        } else {
-          const int64_t* words = pb.tree_mask + (q_begin + i) * pb.mask_words;
-          for (int64_t j = 0; j < keys; ++j) {
-            const int64_t node = j0 + j;
-            if (!((static_cast<uint64_t>(words[node >> 6]) >> (node & 63)) & 1u)) sr[j] = kNegInf;
-          }
-        }
-      }
+    for (int64_t r = 0; r < rows; ++r)
+      softmax_update(scores + r * kTile, kTile, s.row_max[r], s.row_sum[r], s.alpha[r]);
+    for (int64_t hh = 0; hh < Hh; ++hh) {
+      const float* vf = s.vf.data() + hh * Dp;
+      const int64_t r_end = (hh + 1) * rows_per_head;
+      int64_t r = hh * rows_per_head;
+      for (; r + 2 <= r_end; r += 2) pv_block<2>(scores, s.alpha.data(), vf, kv_stride, kTile, Dp, s.acc.data(), r);
+      for (; r < r_end; ++r) pv_block<1>(scores, s.alpha.data(), vf, kv_stride, kTile, Dp, s.acc.data(), r);
     }
-
-    // Online softmax: new running max, rescale factor, probabilities in place.
-    for (int64_t r = 0; r < rows; ++r) {
-      float* sr = scores + r * tile;
-      float tile_max = kNegInf;
-      int64_t jm = 0;
-      if (keys >= kVec) {
-        Vec vmax = Vec::loadu(sr);
-        for (jm = kVec; jm + kVec <= keys; jm += kVec) vmax = at::vec::maximum(vmax, Vec::loadu(sr + jm));
-        tile_max = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmax);
-      }
-      for (; jm < keys; ++jm) tile_max = std::max(tile_max, sr[jm]);
-      const float old_max = s.row_max[r];
-      const float new_max = std::max(old_max, tile_max);
-      if (new_max == kNegInf) {  // nothing visible yet: keep the row empty
-        s.alpha[r] = 1.f;
-        for (int64_t j = 0; j < keys; ++j) sr[j] = 0.f;
-        continue;
-      }
-      s.alpha[r] = old_max == kNegInf ? 0.f : std::exp(old_max - new_max);
-      const Vec m(new_max);
-      Vec sum(0.f);
-      int64_t j = 0;
-      for (; j + kVec <= keys; j += kVec) {
-        const Vec p = (Vec::loadu(sr + j) - m).exp_u20();  // ~1e-6 relative error, fine in fp32
-        p.store(sr + j);
-        sum = sum + p;
-      }
-      float tail = 0.f;
-      for (; j < keys; ++j) {
-        sr[j] = std::exp(sr[j] - new_max);
-        tail += sr[j];
-      }
-      s.row_sum[r] = s.row_sum[r] * s.alpha[r] +
-                     at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum) + tail;
-      s.row_max[r] = new_max;
-    }
-
-    if (use_gemm) {
-      // acc = acc * alpha (per row), then acc += P V in one GEMM with beta = 1.
-      for (int64_t r = 0; r < rows; ++r) {
-        float* a = s.acc.data() + r * Dp;
-        const Vec al(s.alpha[r]);
-        for (int64_t d = 0; d < Dp; d += kVec) (Vec::loadu(a + d) * al).store(a + d);
-      }
-      acc_mat.addmm_(scores_mat, v_mat);
-    } else {
-      for (int64_t hh = 0; hh < Hh; ++hh) {
-        const float* vf = s.vf.data() + hh * Dp;
-        const int64_t r_end = (hh + 1) * rows_per_head;
-        int64_t r = hh * rows_per_head;
-        for (; r + 2 <= r_end; r += 2) pv_block<2>(scores, s.alpha.data(), vf, kv_stride, keys, Dp, s.acc.data(), r);
-        for (; r < r_end; ++r) pv_block<1>(scores, s.alpha.data(), vf, kv_stride, keys, Dp, s.acc.data(), r);
-      }
-    }
-    t0 = t1;
   }
 
-  if (split_len > 0) {
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t token = row_token(r), head = row_head(r);
-      const int64_t row = (split * pb.num_tokens + token) * pb.num_q_heads + head;
-      std::copy(s.acc.data() + r * Dp, s.acc.data() + r * Dp + D, pb.part_acc + row * D);
-      pb.part_max[row] = s.row_max[r];
-      pb.part_sum[row] = s.row_sum[r];
+  // The rest, per row: positions [full, prefix) and the tree nodes the row sees, in tiles of
+  // kTile visible keys (the first tile continues the partial prefix tile).
+  gather_kv(pb, k_cache, v_cache, blocks, full, tail, h0, Hh, s.kf.data(), s.vf.data());
+  const int64_t partial = prefix - full;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = (r % rows_per_head) / G, hh = r / rows_per_head;
+    int64_t count = 0;
+    for (int64_t j = 0; j < partial; ++j) s.visible[count++] = static_cast<int32_t>(j);
+    const int64_t* words = pb.tree_mask == nullptr ? nullptr : pb.tree_mask + (q_begin + i) * pb.mask_words;
+    for (int64_t node = 0; node < n; ++node) {
+      const bool seen = words == nullptr ? node <= i : ((static_cast<uint64_t>(words[node >> 6]) >> (node & 63)) & 1u);
+      if (seen) s.visible[count++] = static_cast<int32_t>(partial + node);
     }
-    return;
+    const float* qr = s.q.data() + r * Dp;
+    float* acc = s.acc.data() + r * Dp;
+    float sr[kTile];
+    for (int64_t c0 = 0; c0 < count; c0 += kTile) {
+      const int64_t keys = std::min(kTile, count - c0);
+      for (int64_t j = 0; j < keys; ++j) sr[j] = dot_one(qr, s.kf.data() + s.visible[c0 + j] * kv_stride + hh * Dp, Dp);
+      float alpha;
+      softmax_update(sr, keys, s.row_max[r], s.row_sum[r], alpha);
+      // acc = acc * alpha + sum_j p_j v_j, element by element as pv_block does.
+      for (int64_t d = 0; d < Dp; d += kVec) {
+        Vec a = Vec::loadu(acc + d) * Vec(alpha);
+        for (int64_t j = 0; j < keys; ++j)
+          a = at::vec::fmadd(Vec(sr[j]), Vec::loadu(s.vf.data() + s.visible[c0 + j] * kv_stride + hh * Dp + d), a);
+        a.store(acc + d);
+      }
+    }
   }
+
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t token = row_token(r), head = row_head(r);
     const float l = s.row_sum[r];
@@ -446,36 +451,16 @@ void tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at
   for (int i = 0; i < 4; ++i) pb.k_strides[i] = k_cache.stride(i), pb.v_strides[i] = v_cache.stride(i);
   pb.sm_scale = static_cast<float>(sm_scale);
   pb.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
-  pb.num_tokens = T;
 
-  // Split the key ranges when (request, KV head) items are too few for the threads; each
-  // split keeps at least kMinSplitKeys positions so that partials stay cheap.
-  constexpr int64_t kMinSplitKeys = 512;
-  int64_t max_len = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    if (qi_p[b + 1] > qi_p[b]) max_len = std::max(max_len, static_cast<int64_t>(pl_p[b]) + qi_p[b + 1] - qi_p[b]);
-  }
-  // Few rows per KV head everywhere (decoding): one work item takes all KV heads of a
-  // request, so that each position's [Hkv, D] K/V rows are read contiguously.
+  // Work items: (request, KV head), or (request) with all its KV heads when there are as
+  // many requests as threads and every request has few rows per KV head (decoding): then
+  // each position's [Hkv, D] K/V rows are read contiguously. (The key range is never split
+  // over threads: split partials would make a row's bits depend on the threads and on the
+  // other rows, see attend_one.)
   int64_t max_nodes = 0;
   for (int64_t b = 0; b < B; ++b) max_nodes = std::max(max_nodes, static_cast<int64_t>(qi_p[b + 1] - qi_p[b]));
-  const bool all_heads = max_nodes * (Hq / Hkv) < kGemmRows;
+  const bool all_heads = max_nodes * (Hq / Hkv) < kFewRows && B >= at::get_num_threads();
   const int64_t heads_per_item = all_heads ? Hkv : 1;
-  const int64_t threads = at::get_num_threads(), items = B * (Hkv / heads_per_item);
-  int64_t num_splits = 1, split_len = 0;
-  if (items > 0 && items < 2 * threads && max_len >= 2 * kMinSplitKeys) {
-    num_splits = std::min((2 * threads + items - 1) / items, max_len / kMinSplitKeys);
-    split_len = (max_len + num_splits - 1) / num_splits;
-    split_len = (split_len + kGemmTile - 1) / kGemmTile * kGemmTile;
-    num_splits = (max_len + split_len - 1) / split_len;
-  }
-  at::Tensor partials;
-  if (num_splits > 1) {
-    partials = at::empty({num_splits * T * Hq * (D + 2)}, q.options().dtype(at::kFloat));
-    pb.part_acc = partials.data_ptr<float>();
-    pb.part_max = pb.part_acc + num_splits * T * Hq * D;
-    pb.part_sum = pb.part_max + num_splits * T * Hq;
-  }
 
   auto run = [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -494,49 +479,12 @@ void tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at
     };
     clear_rows(0, qi_p[0]);
     clear_rows(qi_p[B], T);
-    const int64_t groups = Hkv / heads_per_item;  // work items per request and split
-    if (num_splits == 1) {
-      at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
-        Scratch scratch;
-        for (int64_t item = begin; item < end; ++item) {
-          attend_one<scalar_t>(pb, q_p, k_p, v_p, out_p, item / groups, (item % groups) * heads_per_item,
-                               heads_per_item, 0, 0, scratch);
-        }
-      });
-      return;
-    }
-    // Split-KV: too few (request, KV head) items to keep every thread busy, so each
-    // request's key range is cut in num_splits pieces; the partials are merged per row.
-    at::parallel_for(0, B * groups * num_splits, 1, [&](int64_t begin, int64_t end) {
+    const int64_t groups = Hkv / heads_per_item;  // work items per request
+    at::parallel_for(0, B * groups, 1, [&](int64_t begin, int64_t end) {
       Scratch scratch;
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t split = item % num_splits, bg = item / num_splits;
-        attend_one<scalar_t>(pb, q_p, k_p, v_p, out_p, bg / groups, (bg % groups) * heads_per_item, heads_per_item,
-                             split, split_len, scratch);
-      }
-    });
-    at::parallel_for(qi_p[0], qi_p[B], 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        for (int64_t hq = 0; hq < Hq; ++hq) {
-          float m = kNegInf;
-          for (int64_t sp = 0; sp < num_splits; ++sp) m = std::max(m, pb.part_max[(sp * T + t) * Hq + hq]);
-          float l = 0.f;
-          std::vector<float> acc(D, 0.f);
-          if (m != kNegInf) {
-            for (int64_t sp = 0; sp < num_splits; ++sp) {
-              const int64_t row = (sp * T + t) * Hq + hq;
-              if (pb.part_max[row] == kNegInf) continue;
-              const float w = std::exp(pb.part_max[row] - m);
-              l += pb.part_sum[row] * w;
-              const float* a = pb.part_acc + row * D;
-              for (int64_t d = 0; d < D; ++d) acc[d] += a[d] * w;
-            }
-          }
-          const float inv = l > 0.f ? 1.f / l : 0.f;
-          scalar_t* dst = out_p + t * pb.out_strides[0] + hq * pb.out_strides[1];
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv);
-          if (pb.lse != nullptr) pb.lse[t * Hq + hq] = l > 0.f ? m + std::log(l) : kNegInf;
-        }
+        attend_one<scalar_t>(pb, q_p, k_p, v_p, out_p, item / groups, (item % groups) * heads_per_item,
+                             heads_per_item, scratch);
       }
     });
   };

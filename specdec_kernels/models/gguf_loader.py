@@ -107,7 +107,8 @@ def _type_label(type_name: str) -> str:
 def weights_format(reader, running: str = "fp32") -> str:
     """How the file stores the weights, read from its tensor types, and how the model runs
     them, e.g. ``GGUF, 4-bit Q4_1 linears / Q8_0 embedding, running as fp32`` (``running``:
-    a label such as fp32, bf16, Q8_0, or "native" for the file's own blocks)."""
+    a label such as fp32, bf16, Q8_0, or "native" / "native-int8act" for the file's own
+    blocks)."""
     def types(names):
         found = sorted({t.tensor_type.name for t in reader.tensors if names(t.name)})
         return "+".join(found)
@@ -120,7 +121,8 @@ def weights_format(reader, running: str = "fp32") -> str:
     output = types(lambda n: n == "output.weight")
     if output:
         parts.append(f"{output} LM head")
-    how = "running on its own blocks" if running == "native" else f"running as {running}"
+    how = {"native": "running on its own blocks",
+           "native-int8act": "running on its own blocks with int8 activations"}.get(running, f"running as {running}")
     return f"GGUF, {' / '.join(parts)}, {how}"
 
 
@@ -182,7 +184,7 @@ def load_gguf_native(reader, config: LlamaConfig, *, name: str = "gguf"):
                  name=name, weight_format="native")
 
 
-WEIGHT_FORMATS = ("native", "fp32", "bf16", "q8_0", "q4_0")
+WEIGHT_FORMATS = ("native", "native-int8act", "fp32", "bf16", "q8_0", "q4_0")
 
 
 def load_gguf(path: str, weights: str = "native"):
@@ -200,9 +202,11 @@ def load_gguf(path: str, weights: str = "native"):
     config = read_config(reader)
     config.eos_token_ids = tuple(tokenizer.eos_token_ids)
     name = str(_field(reader, "general.name", "gguf"))
-    if weights == "native":
+    if weights in ("native", "native-int8act"):
         model = load_gguf_native(reader, config, name=name)
-        model.weights_format = weights_format(reader, "native")
+        if weights == "native-int8act":
+            model = model.with_int8_activations()
+        model.weights_format = weights_format(reader, weights)
         return model, tokenizer
     config, sd = load_gguf_state_dict(path, config, reader)
     model = Llama.from_hf_state_dict(config, sd, name=name, dtype=torch.bfloat16 if weights == "bf16" else torch.float32)

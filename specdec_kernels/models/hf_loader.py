@@ -11,7 +11,7 @@ from .config import LlamaConfig
 from .llama import Llama
 
 
-WEIGHT_FORMATS = ("native", "fp32", "bf16", "q8_0", "q4_0")
+WEIGHT_FORMATS = ("native", "fp32", "bf16", "q8_0", "q4_0")  # no "native-int8act": no blocks to run
 
 
 def load_hf_dir(path: str, weights: str = "native"):
@@ -23,7 +23,9 @@ def load_hf_dir(path: str, weights: str = "native"):
     from safetensors.torch import load_file
 
     if weights not in WEIGHT_FORMATS:
-        raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
+        extra = " (native-int8act runs a GGUF file's own blocks; a checkpoint directory has none)" \
+            if weights == "native-int8act" else ""
+        raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}{extra}")
 
     with open(os.path.join(path, "config.json")) as f:
         config = LlamaConfig.from_hf(json.load(f))

@@ -52,14 +52,16 @@ def resolve(name_or_path: str) -> str:
                      "directory with config.json + safetensors")
 
 
-WEIGHT_FORMATS = ("native", "fp32", "bf16", "q8_0", "q4_0")
+WEIGHT_FORMATS = ("native", "native-int8act", "fp32", "bf16", "q8_0", "q4_0")
 
 
 def load_model(name_or_path: str, weights: str = "native"):
     """(Llama, Tokenizer) for a registered name, a GGUF file or an HF checkpoint directory.
 
     ``weights``: "native" — a GGUF file's own block formats (an HF checkpoint: fp32);
-    "fp32" / "bf16" — dense weights; "q8_0" / "q4_0" — quantised on load."""
+    "native-int8act" — those blocks with activations quantised to int8 (llama.cpp's
+    arithmetic, ``Llama.with_int8_activations``; GGUF files only); "fp32" / "bf16" — dense
+    weights; "q8_0" / "q4_0" — quantised on load."""
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
     path = resolve(name_or_path)

@@ -1,6 +1,7 @@
 """Triton kernels of specdec::skinny_linear (CUDA key), also the GEMM of medusa_topk's
-ResBlocks, and of specdec::quantized_linear (``_quantized_linear_kernel``: the weight as raw
-GGUF blocks, decoded in registers).
+ResBlocks, of specdec::quantized_linear (``_quantized_linear_kernel``: the weight as raw
+GGUF blocks, decoded in registers) and of specdec::int8_activation_linear
+(``_int8_activation_linear_kernel``: repacked blocks times int8 activations).
 
 ``_linear_kernel`` computes out = x W^T (+ b) for one (row block, output block, head) per
 program, optionally fused into the Medusa ResBlock x_next = x + SiLU(x W^T + b)
@@ -14,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..checks import GGUF_BLOCK_FORMATS, check_quantized_linear, check_skinny_linear
+from ..checks import (GGUF_BLOCK_FORMATS, INT8_ACTIVATION_GROUP_BYTES, check_int8_activation_linear,
+                      check_quantized_linear, check_skinny_linear)
 
 
 @triton.jit
@@ -185,3 +187,97 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, block_type: int, bia
 
 
 torch.library.register_kernel("specdec::quantized_linear", "cuda", quantized_linear)
+
+
+# ---------------------------------------------------------------------------------------
+# int8_activation_linear: Q4_0 / Q4_1 / Q8_0 blocks repacked 16 rows at a time
+# (gguf_blocks.pack_int8_activation), activations quantised to int8 per block of 32.
+# ---------------------------------------------------------------------------------------
+
+
+def quantize_activations(x: torch.Tensor):
+    """x [M, H] -> (q int8 [M, H], d fp32 [M, H / 32], s fp32 [M, H / 32]) by the op's rule
+    (ops.int8_activation_linear): d = max|x| / 127, q = round_half_even(x * (1 / d)) clamped to
+    +-127, s = d * sum(q), all rounded to fp32 as the CPU kernel does; a block with max|x| <
+    2^-96 counts as zero (d = 0, q = 0); a block holding NaN or inf gets q = 0, d = s = NaN."""
+    M, H = x.shape
+    xb = x.to(torch.float32).reshape(M, H // 32, 32)
+    finite = torch.isfinite(xb).all(-1)
+    zero = torch.zeros((), device=x.device)
+    amax = xb.abs().amax(-1).where(finite, zero)
+    d = torch.where(amax < 2.0 ** -96, zero, amax / 127)
+    inv = torch.where(d == 0, zero, 1 / d)
+    q = torch.round(xb * inv[..., None]).clamp(-127, 127).where(finite[..., None], zero)
+    nan = torch.full((), float("nan"), device=x.device)
+    s = (d * q.sum(-1)).where(finite, nan)  # |sum q| <= 32 * 127: exact in fp32
+    return q.to(torch.int8).reshape(M, H), d.where(finite, nan), s
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int8_activation_linear_kernel(
+    q_ptr, d_ptr, s_ptr, w_ptr, b_ptr, out_ptr,
+    M, N, NB,
+    BLOCK_TYPE: tl.constexpr, GROUP_BYTES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """out [M, N] for one group of 16 weight rows (program_id(0)) and BLOCK_M activation rows:
+    per block, the exact integer dot products [BLOCK_M, 16], then acc = fma(float(i),
+    d_w * d_x, acc) (+ fma(m_w, s_x, acc) for Q4_1), in block order as on the CPU."""
+    pid_g = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rl = tl.arange(0, 16)  # the group's rows: one output lane each
+    rj = tl.arange(0, 32)  # weight j of a block
+    m_ok = rm < M
+    rm_safe = tl.where(m_ok, rm, 0).to(tl.int64)
+    WO: tl.constexpr = 64 if BLOCK_TYPE == 3 else 32  # where the weight bytes start
+    if BLOCK_TYPE == 8:  # Q8_0: step j // 4, byte 4l + j % 4 holds q + 128
+        offs = WO + 64 * (rj // 4)[None, :] + 4 * rl[:, None] + (rj % 4)[None, :]
+    else:  # Q4: chunk (j % 16) // 4, byte 4l + j % 4; high nibble for j >= 16
+        offs = WO + 64 * ((rj % 16) // 4)[None, :] + 4 * rl[:, None] + (rj % 4)[None, :]
+    shift = (rj // 16) * 4
+    acc = tl.zeros((BLOCK_M, 16), dtype=tl.float32)
+    for b in range(0, NB):
+        blk = w_ptr + (pid_g.to(tl.int64) * NB + b) * GROUP_BYTES
+        byte = tl.load(blk + offs).to(tl.int32)  # [16, 32]
+        if BLOCK_TYPE == 8:
+            wq = byte - 128
+        elif BLOCK_TYPE == 2:
+            wq = ((byte >> shift[None, :]) & 15) - 8
+        else:
+            wq = (byte >> shift[None, :]) & 15
+        xq = tl.load(q_ptr + rm_safe[:, None] * NB * 32 + b * 32 + rj[None, :]).to(tl.int32)  # [BLOCK_M, 32]
+        isum = tl.sum(xq[:, None, :] * wq[None, :, :], axis=2)  # exact
+        dx = tl.load(d_ptr + rm_safe * NB + b)
+        acc = tl.fma(isum.to(tl.float32), _fp16_at(blk + 2 * rl)[None, :] * dx[:, None], acc)
+        if BLOCK_TYPE == 3:
+            acc = tl.fma(_fp16_at(blk + 32 + 2 * rl)[None, :], tl.load(s_ptr + rm_safe * NB + b)[:, None], acc)
+    rn = pid_g * 16 + rl
+    n_ok = rn < N
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0)[None, :]
+    tl.store(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+INT8_ACTIVATION_BLOCK_M = 16
+
+
+def int8_activation_linear(x: torch.Tensor, packed_weight: torch.Tensor, block_type: int, bias,
+                           out: torch.Tensor) -> None:
+    """Launcher of specdec::int8_activation_linear: out [M, N] fp32 = int8(x) [M, H] @ W^T +
+    bias, W the packed blocks uint8 [ceil(N / 16), H / 32, group bytes] (see
+    ops.int8_activation_linear)."""
+    check_int8_activation_linear(x, packed_weight, block_type, bias, out)  # torch.ops on CUDA reaches it directly
+    M, N = out.shape
+    if M == 0 or N == 0:
+        return
+    q, d, s = quantize_activations(x)
+    b32 = None if bias is None else bias.to(torch.float32).contiguous()
+    grid = (packed_weight.shape[0], triton.cdiv(M, INT8_ACTIVATION_BLOCK_M))
+    _int8_activation_linear_kernel[grid](
+        q, d, s, packed_weight, b32 if b32 is not None else d, out, M, N, packed_weight.shape[1],
+        BLOCK_TYPE=block_type, GROUP_BYTES=INT8_ACTIVATION_GROUP_BYTES[block_type], HAS_BIAS=b32 is not None,
+        BLOCK_M=INT8_ACTIVATION_BLOCK_M,
+    )
+
+
+torch.library.register_kernel("specdec::int8_activation_linear", "cuda", int8_activation_linear)
