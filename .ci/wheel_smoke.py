@@ -126,8 +126,19 @@ def run_every_op() -> None:
     # quantized_linear on F32 blocks (GGML type 0: the weight's fp32 bytes as they are)
     torch.testing.assert_close(ops.quantized_linear(x, w.view(torch.uint8), 0), x @ w.T, atol=1e-5, rtol=1e-5)
 
+    # int8_activation_linear on Q8_0 blocks: integer weights with a power-of-two scale and
+    # activations that quantise exactly (integers with max |x| = 127), so the result is exact
+    from specdec_kernels import gguf_blocks
+
+    xq = torch.randint(-127, 128, (3, 64), generator=gen).float()
+    xq[:, 0], xq[:, 32] = 127.0, 127.0  # each block's max |x| is 127: d_x = 1, q = x
+    wq = torch.randint(-127, 128, (20, 64), generator=gen).float() / 64
+    q8 = gguf_blocks.quantize(wq, "Q8_0")
+    out8 = ops.int8_activation_linear(xq, gguf_blocks.pack_int8_activation(q8.blocks, "Q8_0"), q8.block_type, 20)
+    torch.testing.assert_close(out8, xq @ q8.dequantize().T, atol=1e-3, rtol=1e-5)
+
     ran = {"philox_uniform", "chain_rejection_sample", "chain_rejection_sample_flat", "tree_rejection_sample", "apply_top_k_top_p", "tree_attention",
-           "compact_kv", "medusa_topk", "skinny_linear", "quantized_linear"}
+           "compact_kv", "medusa_topk", "skinny_linear", "quantized_linear", "int8_activation_linear"}
     assert set(specdec_kernels.list_ops()) == ran, f"ops not run here: {set(specdec_kernels.list_ops()) - ran}"
     print("every op ran on CPU")
 

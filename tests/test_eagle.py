@@ -252,7 +252,8 @@ def test_back_off_when_trees_do_not_pay_for_drafting(model, prompts, step_second
 
 def test_prompt_lookup_chain_is_cut_to_what_pays(model):
     """eagle+ngram: chain token j (hit probability ~ rate^j) is kept while rate^j exceeds the
-    cost of one more verified row (0.3 steps here); the rate follows how the looked-up
+    cost of one more verified row (0.3 steps here) times the step's tokens per unit cost (1
+    at batch 1 with nothing drafted, ~4 at batch 4); the rate follows how the looked-up
     chain matched the tokens the target emitted, whether the chain was kept or not."""
     from specdec_kernels.decoding.drafters import Draft
 
@@ -278,6 +279,19 @@ def test_prompt_lookup_chain_is_cut_to_what_pays(model):
     free = EagleDrafter(model, make_head(model), ngram=NgramDrafter(), verify_cost=FREE, step_seconds=SLOW_STEP)
     free._chains, free._chain_rate = {}, {7: 0.01}
     assert len(free._with_ngram([Req], [4], [Draft.root_only(4)])[0].tokens) > 1  # free rows: the whole chain
+
+    # Batch 4: a row costs 0.158 of the 4-row step, which already yields 4 tokens, so a chain
+    # token must be right with probability > 4 x 0.158 = 0.63 (not 0.158) to pay.
+    class BatchReq:
+        def __init__(self, rid):
+            self.rid, self.tokens = rid, [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+
+    batch = [BatchReq(i) for i in range(4)]
+    assert abs(drafter.cost(5, 4) - drafter.cost(4, 4) - 0.158) < 1e-3
+    for rate, want in [(0.5, 0), (0.9, 4)]:  # 0.9^4 = 0.66 > 0.63
+        drafter._chain_rate.update({i: rate for i in range(4)})
+        out = drafter._with_ngram(batch, [4] * 4, [Draft.root_only(2) for _ in batch])
+        assert [len(d.tokens) - 1 for d in out] == [want] * 4, rate
 
 
 def test_beam_keeps_only_nodes_whose_children_can_pay(model):

@@ -363,7 +363,8 @@ class EagleDrafter(Drafter):
             self.stats["nodes"] += len(dd.tokens) - 1
             depth = max(dd.depths())
             self.stats["depth_hist"][depth] = self.stats["depth_hist"].get(depth, 0) + 1
-        return self._with_ngram(reqs, lengths, drafts)
+        worth = value if not any_sampled and B == len(reqs) else None
+        return self._with_ngram(reqs, lengths, drafts, worth)
 
     def _expansion_threshold(self, scores: list, d: int) -> float | None:
         """None when one more expansion depth is not expected to pay for its measured cost,
@@ -452,24 +453,30 @@ class EagleDrafter(Drafter):
                 probs[n, vocab] = q.float()
         return Draft(par, tok, probs)
 
-    def _with_ngram(self, reqs, lengths, drafts):
+    def _with_ngram(self, reqs, lengths, drafts, worth: float | None = None):
         """Merge each request's prompt-lookup chain into its tree, cut to the tokens that
         pay: chain token j is right with probability ~ a^j (a: the request's running rate
         at which looked-up tokens matched what the target emitted), and it is kept while
-        a^j exceeds the cost of one more verified row at the batch's size (relative to a
-        one-row-per-request step, whose worth is about one token). With free rows the whole
-        chain is kept. Every looked-up chain is scored against the emitted tokens in
-        ``verified``, kept or not, so the rate recovers when copying starts to pay."""
+        a^j exceeds the cost of one more verified row times ``worth``, the expected tokens
+        per unit cost of the step as drafted (``_select``'s value; by default B tokens for
+        the cost of the drafts' rows, costs relative to a one-row-per-request step of the B
+        requests). At batch 1 with nothing drafted that is the row's cost itself; at batch 4
+        a row must be worth about four times its share of the step, since the step already
+        yields four tokens. With free rows the whole chain is kept. Every looked-up chain is
+        scored against the emitted tokens in ``verified``, kept or not, so the rate recovers
+        when copying starts to pay."""
         if self.ngram is None:
             return drafts
         out, B = [], len(reqs)
         rows = sum(len(d.tokens) for d in drafts)
+        if worth is None:
+            worth = B / self.cost(rows, B)
         for r, k, d in zip(reqs, lengths, drafts):
             if k > 0 and d.probs is None:
                 chain = self.ngram.lookup(r.tokens, min(k, self.ngram.max_nodes - 1))
                 self._chains[r.rid] = chain
                 rate, keep = self._chain_rate.get(r.rid, self.CHAIN_PRIOR), 0
-                while keep < len(chain) and rate ** (keep + 1) > self.cost(rows + 1, B) - self.cost(rows, B):
+                while keep < len(chain) and rate ** (keep + 1) > (self.cost(rows + 1, B) - self.cost(rows, B)) * worth:
                     keep, rows = keep + 1, rows + 1
                 if keep:
                     par, tok = MedusaDrafter.merge_chain(d.parents, d.tokens, chain[:keep])
