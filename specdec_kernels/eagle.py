@@ -166,14 +166,14 @@ class EagleHead(nn.Module):
             else:
                 from .gguf_blocks import quantize
 
+                def blocks(t):
+                    q = quantize(t.float().contiguous(), self.decode_format) if isinstance(t, torch.Tensor) else t
+                    return q.with_int8_activations() if self.int8_activations else q
+
                 for n in ("fc", "wqkv", "wo", "w_gate_up", "w_down"):
-                    w[n] = quantize(w[n].float().contiguous(), self.decode_format)
+                    w[n] = blocks(w[n])
                 same = self._lm_head_blocks is not None and self._lm_head_blocks.type_name == self.decode_format
-                w["lm_head_draft"] = (self._lm_head_blocks if same
-                                      else quantize(self.lm_head_draft.float().contiguous(), self.decode_format))
-                if self.int8_activations:
-                    for n in ("fc", "wqkv", "wo", "w_gate_up", "w_down", "lm_head_draft"):
-                        w[n] = w[n].with_int8_activations()
+                w["lm_head_draft"] = blocks(self._lm_head_blocks if same else self.lm_head_draft)
             self._decode_weights, self._decode_key = w, key
         return self._decode_weights
 

