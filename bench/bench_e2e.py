@@ -10,7 +10,9 @@ loop only: transformers' assisted generation is batch 1 only). Reports tokens/s 
 (total, and prefill / decode separately),
 the speedup (mean over prompts of per-prompt tokens/s ratios against our autoregressive
 run), mean accepted length, a per-category table and whether each greedy output equals our
-autoregressive output; writes JSON and a PNG chart.
+autoregressive output; writes JSON and a PNG chart. ``--continuous`` runs batch sizes B > 1
+as one generation over all prompts with B slots (continuous batching: a prompt joins when a
+request finishes) instead of groups of B; ``--rounds`` repeats every run, methods alternating.
 
 Run from the repository root (needs the test extras: transformers, matplotlib):
 
@@ -185,6 +187,12 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
                    help="drafters to run, each with its default schedule unless one follows a colon; drafters: "
                         + ", ".join(f"{n} ({i.schedule})" for n, i in DRAFTER_INFO.items() if n != "none")
                         + f"; schedules: {', '.join(SpecSchedule.KINDS)}")
+    p.add_argument("--continuous", action="store_true",
+                   help="batch sizes B > 1: all prompts in one generation, at most B decoding at once and the next "
+                        "prompt joining when one finishes (continuous batching, as serving engines batch), instead of "
+                        "groups of B that run until their slowest request is done")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat every (group, method) run this many times, methods alternating; ratios are per round")
     p.add_argument("--k", type=int, default=4, help="speculation length (initial, for the adaptive schedules)")
     p.add_argument("--self-spec-layers", type=int, default=8, help="layers of the target that self-spec / draft run")
     p.add_argument("--prompt-lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
@@ -224,13 +232,13 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
     prompts = load_prompts(args.prompts, args.max_prompts, tok)
     N = args.max_new_tokens
 
-    def ours(drafter_spec: str | None, batch_ids: list, target=None):
+    def ours(drafter_spec: str | None, batch_ids: list, target=None, max_batch=None):
         target = target or model
         name, _, schedule = (drafter_spec or "none").partition(":")
         drafter = make_drafter(name, target, self_spec_layers=args.self_spec_layers, max_k=16)
         gen = Generator(target, drafter, SpecSchedule(schedule or default_schedule(name), args.k))
         t = time.perf_counter()
-        reqs = gen.generate(batch_ids, N)
+        reqs = gen.generate(batch_ids, N, max_batch=max_batch)
         return reqs, time.perf_counter() - t
 
     ours([None][0], [prompts[0]["ids"]])  # warm-up
@@ -248,20 +256,27 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
             hf = HFRunner(model, d)
         hf.generate(prompts[0]["ids"], 4)
         methods = ["hf-ar", "hf-prompt-lookup"] + methods
-    runs = []  # one row per (batch size, method, group)
-    total = sum(len(methods if bs == 1 else [m for m in methods if not m.startswith("hf")]) * -(-len(prompts) // bs)
-                for bs in args.batch_sizes)
+    runs = []  # one row per (batch size, method, group, round)
+
+    def groups_of(bs: int) -> list:
+        if bs > 1 and args.continuous:  # one generation over every prompt, bs slots
+            return [prompts]
+        return [prompts[i: i + bs] for i in range(0, len(prompts), bs)]
+
+    total = args.rounds * sum(len(methods if bs == 1 else [m for m in methods if not m.startswith("hf")])
+                              * len(groups_of(bs)) for bs in args.batch_sizes)
     bar = tqdm(total=total, desc="e2e", unit="run")
     ar_out = {}
     for bs in args.batch_sizes:
-        groups = [prompts[i: i + bs] for i in range(0, len(prompts), bs)]
         # Methods run back to back on each group, so that the machine's load drifts affect
         # every method of a ratio alike.
-        for group, method in [(g, m) for g in groups for m in methods]:
+        for rnd, group, method in [(rd, g, m) for g in groups_of(bs) for rd in range(args.rounds) for m in methods]:
             if bs > 1 and (method.startswith("hf") or method.startswith("llama")):
                 continue
             ids = [p["ids"] for p in group]
-            row = {"batch": bs, "method": method, "ids": [p["id"] for p in group],
+            max_batch = bs if bs > 1 and args.continuous else None
+            row = {"batch": bs, "method": method, "round": rnd, "continuous": max_batch is not None,
+                   "ids": [p["id"] for p in group],
                    "categories": [p["category"] for p in group]}
             if method.startswith("hf"):
                 t = time.perf_counter()
@@ -277,9 +292,9 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
                            decode_forwards=len(res["output"]) - 1, decode_seconds=res["decode_seconds"])
             else:
                 if method == "fp32-ar":
-                    reqs, dt = ours(None, ids, fp32_model)
+                    reqs, dt = ours(None, ids, fp32_model, max_batch)
                 else:
-                    reqs, dt = ours(None if method == "ours-ar" else method, ids)
+                    reqs, dt = ours(None if method == "ours-ar" else method, ids, max_batch=max_batch)
                 outs = [r.output for r in reqs]
                 # Our prefill caches the prompt but its last token, which the first step processes.
                 pre = sum(r.stats.time_prefill for r in reqs)
@@ -291,8 +306,9 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
                 # prefills run one after another, their decode steps together.
                 row["prefill_tokens_per_s"] = (sum(r.stats.prefill_tokens for r in reqs)
                                                / max(sum(r.stats.time_prefill for r in reqs), 1e-9))
-                row["decode_tokens_per_s"] = (sum(len(r.output) for r in reqs)
-                                              / max(max(r.stats.total_time for r in reqs), 1e-9))
+                # Under continuous batching requests decode over different spans: the run's own.
+                decode_s = dt - pre if max_batch else max(r.stats.total_time for r in reqs)
+                row["decode_tokens_per_s"] = sum(len(r.output) for r in reqs) / max(decode_s, 1e-9)
             tokens = sum(len(o) for o in outs)
             row.update(tokens=tokens, seconds=dt, tokens_per_s=tokens / dt)
             if method == "ours-ar" and bs == min(args.batch_sizes):  # the reference: our AR at the smallest batch
@@ -307,14 +323,15 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
     # prompt/group.
     summary, by_cat = [], {}
     for bs in args.batch_sizes:
-        base = {tuple(r["ids"]): r["tokens_per_s"] for r in runs if r["batch"] == bs and r["method"] == "ours-ar"}
+        base = {(tuple(r["ids"]), r["round"]): r["tokens_per_s"] for r in runs
+                if r["batch"] == bs and r["method"] == "ours-ar"}
         for method in methods:
             rows = [r for r in runs if r["batch"] == bs and r["method"] == method]
             if not rows:
                 continue
             for r in rows:
                 r["identical"] = [o == ar_out.get(i) for o, i in zip(r["outputs"], r["ids"])]
-                r["speedup"] = r["tokens_per_s"] / base[tuple(r["ids"])]
+                r["speedup"] = r["tokens_per_s"] / base[(tuple(r["ids"]), r["round"])]
                 if bs == 1:
                     by_cat.setdefault(r["categories"][0], {}).setdefault(method, []).append(r["speedup"])
             mal = [r["mean_accepted_length"] for r in rows if r["mean_accepted_length"] is not None]
@@ -325,17 +342,19 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
                 phases = {"decode_tokens_per_s": sum(r["tokens"] for r in timed) / sum(r["decode_seconds"] for r in timed),
                           "prefill_tokens_per_s": sum(r["prefill_tokens"] for r in timed)
                           / max(sum(r["prefill_seconds"] for r in timed), 1e-9)}
-            summary.append({"batch": bs, "method": method,
+            summary.append({"batch": bs, "method": method, "continuous": bool(rows[0].get("continuous")),
                             "tokens_per_s": statistics.mean(r["tokens_per_s"] for r in rows),
                             "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows), **phases,
                             "speedup_vs_ours_ar": statistics.mean(r["speedup"] for r in rows),
+                            "median_speedup_vs_ours_ar": statistics.median(r["speedup"] for r in rows),
                             "mean_accepted_length": statistics.mean(mal) if mal else "",
                             "identical": f"{sum(sum(r['identical']) for r in rows)}/{sum(len(r['identical']) for r in rows)}"})
     print(f"\nmodel {model.name} ({model.weight_format} weights, loaded in {load_s:.1f}s), {len(prompts)} prompts, {N} new tokens, "
           f"{args.threads} thread(s); ops.linear uses skinny_linear for "
           f"{ops.skinny_linear_rows(torch.float32)} rows (fp32)")
     print_table(summary, ["batch", "method", "tokens_per_s", "median_tokens_per_s", "decode_tokens_per_s",
-                          "prefill_tokens_per_s", "speedup_vs_ours_ar", "mean_accepted_length", "identical"])
+                          "prefill_tokens_per_s", "speedup_vs_ours_ar", "median_speedup_vs_ours_ar",
+                          "mean_accepted_length", "identical"])
     cat_rows = [{"category": c, **{m: statistics.mean(v) for m, v in ms.items()}} for c, ms in sorted(by_cat.items())]
     print("\nspeedup vs our autoregressive by category (batch 1):")
     print_table(cat_rows, ["category"] + [m for m in methods if m != "ours-ar"])

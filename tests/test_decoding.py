@@ -62,6 +62,41 @@ def test_greedy_speculative_equals_autoregressive(model, prompts, drafter, sched
         assert sum(r.stats.accepted for r in reqs) > 0
 
 
+@pytest.mark.parametrize("max_batch", [1, 2, 3])
+@pytest.mark.parametrize("drafter", ["none", *sorted(DRAFTERS)])
+def test_continuous_batching_equals_autoregressive(model, prompts, drafter, max_batch):
+    """At most ``max_batch`` requests decode at once and waiting prompts join as slots free up
+    (drafters get them through ``admit``): every greedy output equals its autoregressive one,
+    the requests come back in prompt order, and no step runs more than ``max_batch``."""
+    ps = prompts + [prompts[2][::-1], prompts[3][:9]]  # six prompts: more than the slots
+    ar = [reference_greedy(model, p, 14) for p in ps]
+    gen = Generator(model, None if drafter == "none" else DRAFTERS[drafter](model), SpecSchedule("heuristic", 3))
+    widths, step = [], gen.step
+    gen.step = lambda reqs, *a: (widths.append(len(reqs)), step(reqs, *a))
+    reqs = gen.generate(ps, 14, max_batch=max_batch)
+    assert [r.rid for r in reqs] == list(range(len(ps)))
+    assert [r.output for r in reqs] == ar
+    assert gen.cache.max_batch == max_batch and max(widths) == max_batch
+    assert all(r.stats.prefill_tokens == len(p) - 1 for r, p in zip(reqs, ps))
+
+
+def test_continuous_batching_admits_as_requests_finish(model, prompts):
+    """A request that stops early (max_new_tokens reached through long accepted paths, or
+    nothing to generate) gives its slot to the next prompt at once, and max_batch is checked."""
+    good = ModelDrafter(model.truncated(3))  # the whole target: every draft is accepted
+    gen = Generator(model, good, SpecSchedule("constant", 4))
+    widths, step = [], gen.step
+    gen.step = lambda reqs, *a: (widths.append(len(reqs)), step(reqs, *a))
+    ps = prompts * 2
+    reqs = gen.generate(ps, 10, max_batch=2)
+    assert [r.output for r in reqs] == [reference_greedy(model, p, 10) for p in ps]
+    assert sum(widths) == sum(r.stats.steps for r in reqs) and set(widths) == {2}
+    assert [r.output for r in Generator(model).generate(ps, 0, max_batch=3)] == [[]] * len(ps)
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="max_batch"):
+            Generator(model).generate(ps, 4, max_batch=bad)
+
+
 def test_good_draft_gives_long_accepted_lengths(model, prompts):
     """The target as its own draft model accepts everything: k + 1 tokens per step."""
     reqs = Generator(model, ModelDrafter(model), SpecSchedule("constant", 4)).generate(prompts, 20)

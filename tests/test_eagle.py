@@ -53,6 +53,19 @@ def test_greedy_equals_autoregressive(model, prompts, variant):
         assert max(drafter.stats["depth_hist"]) >= 3
 
 
+@pytest.mark.parametrize("variant", ["eagle", "eagle+ngram"])
+def test_continuous_batching_equals_autoregressive(model, prompts, variant):
+    """Requests that join a running batch (``admit``) get their own head cache entries from
+    their prompt's features: outputs equal autoregressive decoding, and the head's cache
+    has one slot per running request."""
+    drafter = EagleDrafter(model, make_head(model), ngram=NgramDrafter() if variant == "eagle+ngram" else None,
+                           verify_cost=FREE, step_seconds=SLOW_STEP, top_k=3, max_depth=4, max_tree_nodes=12)
+    ps = prompts + [prompts[3][::-1], prompts[2][:5]]
+    reqs = Generator(model, drafter, SpecSchedule("max", 4, max_k=5)).generate(ps, 16, max_batch=2)
+    assert [r.output for r in reqs] == [greedy_reference(model, p, 16) for p in ps]
+    assert drafter.cache.max_batch == 2 and drafter.stats["nodes"] > 0 and not drafter.slot
+
+
 def _paths(parents, tokens):
     out = set()
     for i in range(1, len(parents)):
@@ -158,8 +171,11 @@ def test_quantized_decode_weights(model, prompts, fmt):
     if fmt == "Q8_0":  # the target's own blocks, not a requantised copy
         assert torch.equal(qhead.decode_weights(torch.float32)["lm_head_draft"].blocks,
                            target.lm_head.rows(qhead.draft_vocab).blocks)
+    qhead._decode_weights = None
     drafter = EagleDrafter(target, qhead, verify_cost=FREE, step_seconds=SLOW_STEP, top_k=3, max_depth=4,
                            max_tree_nodes=12)
+    # The blocks are made when the drafter is built (once), not inside its first step.
+    assert qhead._decode_weights is not None and qhead._decode_key == (target.dtype, "Q8_0", False)
     reqs = Generator(target, drafter, SpecSchedule("max", 4, max_k=5)).generate(prompts, 16)
     for p, r in zip(prompts, reqs):
         assert r.output == greedy_reference(target, p, 16)

@@ -66,7 +66,14 @@ class Drafter:
     max_nodes = 16  # most nodes (root included) a draft may have: sizes the caches
 
     def start(self, gen, reqs) -> None:
-        pass
+        """A generation begins: ``reqs`` are its first requests, prefilled (``gen.cache`` is
+        the target's cache, with ``gen.cache.max_batch`` slots: the most requests that decode
+        at once). Default: :meth:`admit` them."""
+        self.admit(gen, reqs)
+
+    def admit(self, gen, reqs) -> None:
+        """``reqs`` (prefilled) join the running batch: at ``start``, and under continuous
+        batching whenever finished requests freed their slots."""
 
     def propose(self, gen, reqs, lengths) -> list:
         raise NotImplementedError
@@ -204,8 +211,6 @@ class ModelDrafter(Drafter):
 
     def start(self, gen, reqs):
         self._gen.manual_seed(int(reqs[0].sampling.seed) if reqs else 0)
-        for r in reqs:
-            self._seen[r.rid] = [4 * self.prior, 4 * (1 - self.prior)]
         if self.sized:
             if self.step_cost is None:
                 self.step_cost = generator_step_cost(gen)
@@ -215,9 +220,16 @@ class ModelDrafter(Drafter):
                 self._token_s = draft_token_seconds(self.model)
         if self.share:
             self.cache = gen.cache
+        else:
+            self.cache = self.model.new_cache(gen.cache.max_batch, gen.cache.max_len, block_size=gen.cache.block_size)
+            self.slot, self.fed = {}, {}
+        self.admit(gen, reqs)
+
+    def admit(self, gen, reqs):
+        for r in reqs:
+            self._seen[r.rid] = [4 * self.prior, 4 * (1 - self.prior)]
+        if self.share:
             return
-        self.cache = self.model.new_cache(len(reqs), gen.cache.max_len, block_size=gen.cache.block_size)
-        self.slot, self.fed = {}, {}
         for r in reqs:
             self.slot[r.rid] = self.cache.add_request(len(r.prompt))
             self.model.prefill(torch.tensor(r.prompt[:-1], dtype=torch.int64), self.cache, self.slot[r.rid])

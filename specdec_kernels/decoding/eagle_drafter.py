@@ -100,6 +100,10 @@ class EagleDrafter(Drafter):
         self.stats = {"steps": 0, "nodes": 0, "depth_hist": {}, "accepted_hist": {}, "skipped_steps": 0}
         self._empty_run, self._skip = 0, 0  # back-off after empty trees (propose)
         self.cost(1)  # resolve (and if need be measure) the step-cost curve now, not inside a timed run
+        # Prepare the head's decode weights now too (its GGUF blocks are quantised from the
+        # stored bf16 on first use, ~30 ms for SmolLM2's head): a drafter is built once and
+        # serves many requests, so that cost belongs to construction, not to the first step.
+        self.head.decode_weights(target.dtype)
 
     # ---- costs ------------------------------------------------------------------------
     def cost(self, rows: int, batch: int = 1) -> float:
@@ -133,12 +137,16 @@ class EagleDrafter(Drafter):
         self._gen.manual_seed(int(reqs[0].sampling.seed) if reqs else 0)
         bs = gen.cache.block_size
         blocks = -(-gen.cache.max_len // bs)
-        self.cache = PagedKVCache(1, h.num_kv_heads, h.head_dim, num_blocks=len(reqs) * blocks, block_size=bs,
-                                  max_batch=len(reqs), max_blocks_per_seq=blocks, dtype=self.target.dtype,
+        slots = gen.cache.max_batch
+        self.cache = PagedKVCache(1, h.num_kv_heads, h.head_dim, num_blocks=slots * blocks, block_size=bs,
+                                  max_batch=slots, max_blocks_per_seq=blocks, dtype=self.target.dtype,
                                   device=self.target.device)
         self.slot, self.pending = {}, {}
         self._empty_run, self._skip = 0, 0
         self._chains, self._chain_rate = {}, {}  # prompt-lookup chains and their hit rates (_with_ngram)
+        self.admit(gen, reqs)
+
+    def admit(self, gen, reqs):
         for r in reqs:
             self.slot[r.rid] = self.cache.add_request(0)
             # Entry t = (f_t, token t+1) for t < P-1: the prefill computed f_0..f_{P-2}.

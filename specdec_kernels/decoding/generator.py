@@ -18,6 +18,13 @@ Each step (:meth:`Generator.step`), for every unfinished request:
 
 Plain autoregressive decoding is the same loop with no drafter (a tree of the root alone).
 
+Continuous batching (``generate(..., max_batch=B)``): at most B requests decode at once; when
+one finishes, its cache slot goes to the next waiting prompt, which is prefilled and joins
+the running batch at the next step (``Drafter.admit``). Without it every prompt decodes from
+the first step and the batch runs until its slowest request is done, so a token accepted by a
+request that is not the slowest one saves no step: speculation pays at batch B > 1 only
+under continuous batching, which is how serving engines batch.
+
 A request that goes wrong fails alone (:meth:`Generator.fail`: ``Request.error`` set, ``done``,
 its cache slot freed); the others go on exactly as they would alone. The failures: NaN target
 logits (the samplers' ``num_accepted = -1``), its drafter raising (the batch's proposal is
@@ -112,12 +119,20 @@ class Generator:
         self.cache = None
 
     def generate(self, prompts: list, max_new_tokens: int = 64, sampling: SamplingParams | list | None = None,
-                 on_tokens: Callable[[Request, list], None] | None = None, *, stop_at_eos: bool = True) -> list[Request]:
+                 on_tokens: Callable[[Request, list], None] | None = None, *, stop_at_eos: bool = True,
+                 max_batch: int | None = None) -> list[Request]:
         """Generate for every prompt (lists of token ids, at least one token each); returns the
-        requests with ``.output`` (token ids) and ``.stats``. ``on_tokens(request, new_ids)``
-        is called after every step that emitted tokens (streaming)."""
+        requests with ``.output`` (token ids) and ``.stats``, in prompt order.
+        ``on_tokens(request, new_ids)`` is called after every step that emitted tokens
+        (streaming). ``max_batch``: at most this many requests decode at once, the others
+        wait and join as slots free up (continuous batching, module docstring); default: all
+        at once."""
         if not isinstance(sampling, list):
             sampling = [sampling or SamplingParams()] * len(prompts)
+        if len(sampling) != len(prompts):
+            raise ValueError(f"got {len(sampling)} sampling parameters for {len(prompts)} prompts")
+        if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
+            raise ValueError(f"max_batch must be a positive int or None, got {max_batch!r}")
         reqs = [Request(list(p), max_new_tokens, s, rid=i) for i, (p, s) in enumerate(zip(prompts, sampling))]
         if any(len(r.prompt) == 0 for r in reqs):
             raise ValueError("every prompt needs at least one token")
@@ -127,25 +142,15 @@ class Generator:
                 raise ValueError(f"request {r.rid}: a prompt of {len(r.prompt)} tokens + max_new_tokens = "
                                  f"{max_new_tokens} exceed the model's context of {context} positions "
                                  "(config.max_position_embeddings)")
+        if not reqs:
+            return reqs
         eos = self.eos if stop_at_eos else set()
         extra = (self.drafter.max_nodes if self.drafter else 1) + 2
         max_len = max(len(r.prompt) for r in reqs) + max_new_tokens + extra
-        self.cache = self.model.new_cache(len(reqs), max_len, block_size=self.block_size)
-        for r in reqs:
-            t0 = time.perf_counter()
-            r.tokens = list(r.prompt)
-            r.slot = self.cache.add_request(len(r.prompt))
-            # The prompt's last token is the first root: only the tokens before it are cached.
-            h = self.model.prefill(torch.tensor(r.prompt[:-1], dtype=torch.int64), self.cache, r.slot)
-            r.hidden = h[-1] if h.shape[0] else torch.zeros(self.model.config.hidden_size, dtype=self.model.dtype)
-            r.prompt_hidden = h
-            r.offset = 0
-            r.done = max_new_tokens <= 0
-            r.stats.time_prefill = time.perf_counter() - t0
-            r.stats.prefill_tokens = len(r.prompt) - 1
-        if self.drafter:
-            self.drafter.start(self, reqs)
-        active = [r for r in reqs if not r.done]
+        slots = min(max_batch or len(reqs), len(reqs))
+        self.cache = self.model.new_cache(slots, max_len, block_size=self.block_size)
+        waiting = list(reversed(reqs))  # popped from the end: prompt order
+        active = self._admit(waiting, slots, max_new_tokens, first=True)
         while active:
             self.step(active, on_tokens, eos)
             for r in active:
@@ -154,7 +159,36 @@ class Generator:
                     if self.drafter:
                         self.drafter.finish(self, r)
             active = [r for r in active if not r.done]
+            if waiting and len(active) < slots:
+                active += self._admit(waiting, slots - len(active), max_new_tokens)
         return reqs
+
+    def _admit(self, waiting: list, n: int, max_new_tokens: int, first: bool = False) -> list[Request]:
+        """Prefill up to ``n`` requests from the end of ``waiting`` into free cache slots and
+        hand them to the drafter (``start`` for a generation's first requests, ``admit`` for
+        those joining a running batch); returns the ones with tokens to generate. Requests
+        with nothing to generate are done at once and give their slot back."""
+        admitted = []
+        while waiting and len(admitted) < n:
+            r = waiting.pop()
+            t0 = time.perf_counter()
+            r.tokens = list(r.prompt)
+            r.slot = self.cache.add_request(len(r.prompt))
+            # The prompt's last token is the first root: only the tokens before it are cached.
+            h = self.model.prefill(torch.tensor(r.prompt[:-1], dtype=torch.int64), self.cache, r.slot)
+            r.hidden = h[-1] if h.shape[0] else torch.zeros(self.model.config.hidden_size, dtype=self.model.dtype)
+            r.prompt_hidden = h
+            r.offset = 0
+            r.stats.time_prefill = time.perf_counter() - t0
+            r.stats.prefill_tokens = len(r.prompt) - 1
+            if max_new_tokens <= 0:
+                r.done = True
+                self.cache.free(r.slot)
+                continue
+            admitted.append(r)
+        if self.drafter and (admitted or first):
+            (self.drafter.start if first else self.drafter.admit)(self, admitted)
+        return admitted
 
     @torch.inference_mode()
     def step(self, reqs: list[Request], on_tokens=None, eos=frozenset()) -> None:
