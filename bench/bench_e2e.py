@@ -307,7 +307,7 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
                 row["prefill_tokens_per_s"] = (sum(r.stats.prefill_tokens for r in reqs)
                                                / max(sum(r.stats.time_prefill for r in reqs), 1e-9))
                 # Under continuous batching requests decode over different spans: the run's own.
-                decode_s = dt - pre if max_batch else max(r.stats.total_time for r in reqs)
+                decode_s = row["decode_seconds"] if max_batch else max(r.stats.total_time for r in reqs)
                 row["decode_tokens_per_s"] = sum(len(r.output) for r in reqs) / max(decode_s, 1e-9)
             tokens = sum(len(o) for o in outs)
             row.update(tokens=tokens, seconds=dt, tokens_per_s=tokens / dt)
@@ -342,7 +342,7 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
                 phases = {"decode_tokens_per_s": sum(r["tokens"] for r in timed) / sum(r["decode_seconds"] for r in timed),
                           "prefill_tokens_per_s": sum(r["prefill_tokens"] for r in timed)
                           / max(sum(r["prefill_seconds"] for r in timed), 1e-9)}
-            summary.append({"batch": bs, "method": method, "continuous": bool(rows[0].get("continuous")),
+            summary.append({"batch": bs, "method": method, "continuous": rows[0]["continuous"],
                             "tokens_per_s": statistics.mean(r["tokens_per_s"] for r in rows),
                             "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows), **phases,
                             "speedup_vs_ours_ar": statistics.mean(r["speedup"] for r in rows),

@@ -95,6 +95,8 @@ def test_continuous_batching_admits_as_requests_finish(model, prompts):
     for bad in (0, -1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="max_batch"):
             Generator(model).generate(ps, 4, max_batch=bad)
+    with pytest.raises(ValueError, match="2 sampling parameters for 8 prompts"):  # not silently fewer requests
+        Generator(model).generate(ps, 4, [SamplingParams()] * 2)
 
 
 def test_good_draft_gives_long_accepted_lengths(model, prompts):

@@ -533,6 +533,7 @@ class NgramTreeDrafter(Drafter):
     def start(self, gen, reqs):
         if self.step_cost is None:
             self._measured = generator_step_cost(gen)
+        self.admit(gen, reqs)
 
     def cost(self, rows: int, batch: int = 1) -> float:
         """Step cost over ``rows`` verified rows in all at batch ``batch``, relative to a step of
