@@ -41,12 +41,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402  (loads libtorch before the extension)
 
 from bench.common import RESULTS_DIR, print_table, write_results  # noqa: E402
-from specdec_kernels import ops  # noqa: E402
 from specdec_kernels.cli import Parser  # noqa: E402
 from specdec_kernels.decoding import Generator, SpecSchedule, make_drafter  # noqa: E402
 from specdec_kernels.decoding.registry import DRAFTER_INFO, default_schedule  # noqa: E402
 from specdec_kernels.models import load_model  # noqa: E402
 from specdec_kernels.models.registry import WEIGHT_FORMATS  # noqa: E402
+from specdec_kernels.models.skinny_rows import skinny_linear_rows  # noqa: E402
 
 DEFAULT_DRAFTERS = ["ngram:constant", "ngram:heuristic", "ngram-tree:max", "self-spec", "medusa", "medusa+ngram", "draft-tree"]
 
@@ -350,8 +350,8 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
                             "mean_accepted_length": statistics.mean(mal) if mal else "",
                             "identical": f"{sum(sum(r['identical']) for r in rows)}/{sum(len(r['identical']) for r in rows)}"})
     print(f"\nmodel {model.name} ({model.weight_format} weights, loaded in {load_s:.1f}s), {len(prompts)} prompts, {N} new tokens, "
-          f"{args.threads} thread(s); ops.linear uses skinny_linear for "
-          f"{ops.skinny_linear_rows(torch.float32)} rows (fp32)")
+          f"{args.threads} thread(s); the model uses skinny_linear for "
+          f"{skinny_linear_rows(torch.float32)} rows (fp32)")
     print_table(summary, ["batch", "method", "tokens_per_s", "median_tokens_per_s", "decode_tokens_per_s",
                           "prefill_tokens_per_s", "speedup_vs_ours_ar", "median_speedup_vs_ours_ar",
                           "mean_accepted_length", "identical"])
@@ -395,7 +395,7 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
     out = write_results(args.out_name, {"model": model.name, "weights": model.weight_format, "load_seconds": load_s,
                                         "load_average": os.getloadavg(), "llama_cpp": getattr(llama, "version", None),
                                         "config": config,
-                                        "skinny_linear_rows": ops.skinny_linear_rows(torch.float32),
+                                        "skinny_linear_rows": skinny_linear_rows(torch.float32),
                                         "summary": summary, "by_category": cat_rows, "targets": targets, "runs": runs},
                         out_dir=args.out_dir)
     print(f"wrote {out}")

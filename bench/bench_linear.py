@@ -15,9 +15,9 @@ fraction of the copy bandwidth and its vs_M1.
 
 skinny_linear against F.linear for the SmolLM2 layer shapes [N, H] at M = 1..64, with the
 weight hot in the caches and cold (a different weight copy per call); the largest M at
-which skinny_linear wins on every shape is the measured threshold of ``ops.linear``
-(SKINNY_LINEAR_MAX_ROWS). Effective bandwidth = weight bytes per second, as a fraction of
-the copy bandwidth measured in the same run.
+which skinny_linear wins on every shape is the model's measured threshold
+(``models.skinny_rows.SKINNY_LINEAR_MAX_ROWS``). Effective bandwidth = weight bytes per
+second, as a fraction of the copy bandwidth measured in the same run.
 """
 import argparse
 import itertools

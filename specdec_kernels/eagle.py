@@ -38,8 +38,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import ops
-from .models.llama import apply_rope, dense, is_block_weight, rms_norm, rope_tables
+from .models.llama import apply_rope, dense, is_block_weight, linear, rms_norm, rope_tables
 from .draft_model import DRAFT_WEIGHTS  # --draft-weights: the same choices for an EAGLE head
 from .models.registry import read_metadata
 
@@ -144,10 +143,10 @@ class EagleHead(nn.Module):
         w = self.lm_head_draft.to(g.dtype)
         return F.linear(rms_norm(g, self.norm.to(g.dtype), self.eps), w).float()
 
-    # ---- fast paths for decoding (no autograd, the target's dtype, ops.linear) ---------------
+    # ---- fast paths for decoding (no autograd, the target's dtype, the model's linear) ---------
     def decode_weights(self, dtype) -> dict:
         """The parameters for decoding (cached): contiguous ``dtype`` tensors, for which
-        ops.linear picks the skinny kernel for the few rows a draft step has; with
+        the model's linear picks the skinny kernel for the few rows a draft step has; with
         ``decode_format`` "Q8_0" / "Q4_0" the six products' weights (fc, wqkv, wo, w_gate_up,
         w_down and the draft LM head) are GGUF blocks for ``quantized_linear`` instead.
 
@@ -192,7 +191,7 @@ class EagleHead(nn.Module):
     @staticmethod
     def _linear(x: torch.Tensor, w) -> torch.Tensor:
         """x @ w^T in x's dtype (quantized_linear returns fp32)."""
-        return ops.linear(x, w).to(x.dtype)
+        return linear(x, w).to(x.dtype)
 
     @torch.inference_mode()
     def decode_inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -218,7 +217,7 @@ class EagleHead(nn.Module):
         h = x + self._linear(attn, w["wo"])
         gate, up = self._linear(rms_norm(h, w["mlp_norm"], self.eps), w["w_gate_up"]).chunk(2, -1)
         g = h + self._linear(F.silu(gate) * up, w["w_down"])
-        logits = ops.linear(rms_norm(g, w["norm"], self.eps), w["lm_head_draft"]).float()
+        logits = linear(rms_norm(g, w["norm"], self.eps), w["lm_head_draft"]).float()
         return g, logits.log_softmax(-1)
 
 

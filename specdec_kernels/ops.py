@@ -26,10 +26,10 @@ __all__ = [
     "chain_rejection_sample_flat",
     "tree_rejection_sample",
     "apply_top_k_top_p",
+    "apply_temperature_top_k_top_p",
     "tree_attention",
     "compact_kv",
     "medusa_topk", "skinny_linear", "linear",
-    "skinny_linear_rows",
 ]
 
 
@@ -394,6 +394,28 @@ def apply_top_k_top_p(
     return logits
 
 
+def apply_temperature_top_k_top_p(logits: torch.Tensor, temperature: torch.Tensor,
+                                  top_k: torch.Tensor | None = None, top_p: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits to sample from at temperature T with top-k / top-p, as vLLM and Hugging Face
+    define them (top-p on softmax(logits / T)): in place, each sampled row (T >=
+    MIN_SAMPLING_TEMPERATURE) divided by its T, then every row masked by
+    ``apply_top_k_top_p``; returns the logits. Sample the result at temperature 1 (its
+    softmax is the distribution); greedy rows (smaller T, 0, NaN) keep their values (the
+    masks always keep the largest one), so their argmax is unchanged.
+
+    logits: fp32 [R, V], contiguous; temperature: fp32 [R]; top_k: int32 [R] or None; top_p:
+    fp32 [R] or None (per row; 0 / 1 are off). The one implementation the decode loop, the
+    drafters and the vLLM sampler use.
+    """
+    checks.check_tensor(logits, "logits", dtype=torch.float32, dims=2)
+    checks.check_tensor(temperature, "temperature", shape=(logits.shape[0],), device=logits.device)
+    greedy = ~(temperature >= MIN_SAMPLING_TEMPERATURE)  # the samplers' rule (NaN too)
+    logits.div_(torch.where(greedy, torch.ones_like(temperature), temperature).to(torch.float32).unsqueeze(1))
+    if top_k is not None or top_p is not None:
+        apply_top_k_top_p(logits, top_k, top_p)
+    return logits
+
+
 @torch.library.register_fake("specdec::chain_rejection_sample")
 def _chain_rejection_sample_fake(draft_token_ids, num_draft_tokens, target_logits, draft_probs, temperature, seed,
                                  offset, output_token_ids, num_accepted):
@@ -579,21 +601,6 @@ def _compact_kv_fake(k_caches, v_caches, block_table, prefix_lens, accepted_node
 # Medusa heads and the skinny GEMM: medusa_topk, skinny_linear.
 # ---------------------------------------------------------------------------------------
 
-# Largest number of rows for which `linear` uses skinny_linear instead of F.linear on CPU.
-# Measured with `python bench/bench_medusa.py --threads 1` (its skinny_linear part is now
-# bench/bench_linear.py) on the 2-core dev machine (torch 2.13, MKL/oneDNN, a CPU with
-# AVX-512 and AMX) over the SmolLM2 layer shapes [1536, 576], [576, 1536], [576, 576],
-# [192, 576], [49152, 576], with "cold" weights (each call takes the next of a pool of
-# copies larger than the 300 MB L3, as in a decode step where the other layers evicted
-# this one; bench/results/linear.json). fp32: F.linear time / skinny_linear time =
-# 1.1-1.8x at M = 4 and 8 on every shape, 0.84-1.03x at M = 1-2 on the small shapes but
-# 1.0-1.7x on the LM head, mixed from M = 16 (MKL's AVX-512 GEMM wins once the kernel is
-# compute bound). bf16: oneDNN's bf16 GEMM (AMX) wins from M = 4 (skinny_linear 1.1-1.5x
-# faster at M = 1-2). With the weight hot in L2 (a microbenchmark calling one small layer
-# in a loop) F.linear wins on [576, 576] and [192, 576] at every M. (2-thread wall-clock
-# medians on the shared machine were dominated by preemption.)
-SKINNY_LINEAR_MAX_ROWS = 8
-SKINNY_LINEAR_MAX_ROWS_BF16 = 2
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, out=None) -> torch.Tensor:
@@ -616,74 +623,33 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
-def skinny_linear_rows(dtype: torch.dtype, num_threads: int | None = None) -> tuple[int, int]:
-    """(min_rows, max_rows): ``linear`` uses skinny_linear for min_rows <= rows <= max_rows,
-    for ``dtype`` and ``num_threads`` torch threads (default: torch.get_num_threads()).
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           skinny_rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """``F.linear`` that uses ``skinny_linear`` for the row counts the caller names.
 
-    fp32 with one thread, measured on the whole SmolLM2-135M forward (30 layers + LM head,
-    fresh weights each product as in decoding; one process, medians of 5, 2-core shared
-    machine, torch 2.13): F.linear / skinny_linear time = 0.90 at T = 1 row (55 vs 61 ms),
-    0.94 at 2, 1.00 at 3, 1.54 at 5 (100 vs 65 ms), 1.52-1.65 at 8 (114 vs 69 ms), 1.68 at
-    12 (143 vs 85 ms), 0.92 at 20 (121 vs 131 ms) — MKL's single-threaded GEMV is the best
-    at 1-2 rows but its small-M GEMM is not, so skinny for 3..15 rows. (Greedy
-    autoregressive decoding alone: 32 vs 26 tokens/s with F.linear.) Re-measured for 8-24
-    rows (linears only, quiet machine): F.linear / skinny = 89/58 ms at 8, 105/64 at 12,
-    109/71 at 13, 115/85 at 14, 91/90 at 16, 92/99 at 20, 100/129 at 24 — the range ended at
-    12 before, which made a 13-row verification step 2x slower than a 12-row one.
-    Otherwise (bf16, or several threads): 1..SKINNY_LINEAR_MAX_ROWS (fp32) /
-    SKINNY_LINEAR_MAX_ROWS_BF16, the per-shape measurement in the comment above them.
+    x: [..., H]; weight: [N, H] tensor; bias: [N] or None. skinny_linear is used when the
+    flattened row count lies in ``skinny_rows`` (min, max), inclusive — the caller's choice
+    (the model's rule is ``models.skinny_rows.skinny_linear_rows``: which kernel is faster at
+    which row count was measured on a machine, which is model policy, not an op-layer fact)
+    — and x, weight (and bias) are all fp32 or all bf16 on CPU, the weight is contiguous and
+    no gradient is needed (skinny_linear has no autograd formula); otherwise, and always with
+    ``skinny_rows=None``, this is exactly ``F.linear``. (skinny_linear accumulates in fp32
+    and rounds once, so bf16 results can differ from F.linear's in the last bit.)
+
+    GGUF block weights (``gguf_blocks.QuantizedWeight``) are not taken here: they multiply
+    with ``QuantizedWeight.linear``, their one product (the model's ``linear`` picks it with
+    an isinstance check; this module cannot import gguf_blocks, which imports it).
     """
-    max_rows = SKINNY_LINEAR_MAX_ROWS if dtype == torch.float32 else SKINNY_LINEAR_MAX_ROWS_BF16
-    threads = num_threads if num_threads is not None else torch.get_num_threads()
-    if threads <= 1 and dtype == torch.float32:
-        return 3, 15
-    return 1, max_rows
-
-
-def _in_range(rows: int, bounds: tuple[int, int]) -> bool:
-    return bounds[0] <= rows <= bounds[1]
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` that uses ``skinny_linear`` where it was measured to be faster.
-
-    x: [..., H]; weight: [N, H]; bias: [N] or None. skinny_linear is used on CPU when the
-    flattened row count is within skinny_linear_rows(x.dtype) (which depends on the torch
-    thread count: 3..15 rows for fp32 with one thread, 1..SKINNY_LINEAR_MAX_ROWS(_BF16)
-    otherwise; the measurements are in its docstring), x, weight (and bias) are all fp32 or
-    all bf16, the weight is contiguous and no gradient is needed (skinny_linear has no
-    autograd formula); otherwise this is exactly ``F.linear``. (skinny_linear accumulates
-    in fp32 and rounds once, so bf16 results can differ from F.linear's in the last bit.)
-    This is the one place the choice is made: the model and the Medusa heads call it.
-
-    ``weight`` may also be a ``gguf_blocks.QuantizedWeight`` (GGUF blocks): then every row
-    count goes to ``quantized_linear`` (fp32 result), or to ``int8_activation_linear`` when
-    the weight carries its int8 packing (``with_int8_activations``) — both are
-    batch-invariant (a row's result does not depend on the other rows), which keeps
-    speculative greedy output bit-identical to autoregressive output. (The blocks were validated when the ``QuantizedWeight`` was
-    built and the kernel checks x, so this hot path — ~200 calls per decode step — skips
-    ``quantized_linear``'s Python argument checks: under cProfile they took ~5% of a step,
-    a few percent without it.)
-    """
-    if getattr(weight, "block_type", None) is not None and hasattr(weight, "blocks"):
-        N, H = weight.shape
-        if x.dim() == 0 or x.shape[-1] != H:
-            raise ValueError(f"x must have shape [..., {H}] for a weight of shape {list(weight.shape)}, "
-                             f"got {list(x.shape)}")
-        flat = x.reshape(-1, H)
-        flat = flat if flat.is_contiguous() else flat.contiguous()
-        out = torch.empty((flat.shape[0], N), dtype=torch.float32, device=x.device)
-        if weight.int8_packed is not None:
-            torch.ops.specdec.int8_activation_linear(flat, weight.int8_packed, weight.block_type, bias, out)
-        else:
-            torch.ops.specdec.quantized_linear(flat, weight.blocks, weight.block_type, bias, out)
-        return out.reshape(*x.shape[:-1], N)
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"ops.linear takes a tensor weight, got {type(weight).__name__} "
+                        "(a gguf_blocks.QuantizedWeight multiplies with its .linear)")
     rows = x.numel() // x.shape[-1] if x.dim() > 0 and x.shape[-1] > 0 else 0
     use_skinny = (
-        x.device.type == "cpu"
+        skinny_rows is not None
+        and skinny_rows[0] <= rows <= skinny_rows[1]
+        and x.device.type == "cpu"
         and weight.device.type == "cpu"
         and x.dtype in (torch.float32, torch.bfloat16)
-        and _in_range(rows, skinny_linear_rows(x.dtype))
         and weight.dtype == x.dtype
         and weight.dim() == 2
         and weight.is_contiguous()

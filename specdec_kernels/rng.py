@@ -8,7 +8,9 @@ One definition, implemented identically in C++ (``csrc/philox.h``), Triton
   ``offset`` is the int64 per-request counter base, ``position`` the row or tree node the
   draw belongs to, ``purpose`` says what the draw is for (``PURPOSE_ACCEPT``: the
   acceptance test of a drafted token, ``index`` = 0; ``PURPOSE_SAMPLE``: the draw that
-  picks the recovered or bonus token, one per vocabulary ``index``);
+  picks the recovered or bonus token, one per vocabulary ``index``; ``PURPOSE_DRAFT``: a
+  drafter's own draws for a step, at ``position`` 0, ``index`` = the draw's number in the
+  step — never read by the kernels, so drafts are independent of the verification's draws);
 - uniform = ((word0 >> 8) + 1) * 2**-24, which lies in (0, 1] and is exact in fp32.
 
 Sampling a token from unnormalised weights w (``sample_from_weights``) is the exponential
@@ -31,6 +33,7 @@ import torch
 
 PURPOSE_ACCEPT = 0
 PURPOSE_SAMPLE = 1
+PURPOSE_DRAFT = 2
 
 PHILOX_M0 = 0xD2511F53
 PHILOX_M1 = 0xCD9E8D57

@@ -11,6 +11,26 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import specdec_kernels  # noqa: E402,F401
+from tests.helpers import REAL_MODEL_SKIP  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "real_model: runs on a real checkpoint (tests.helpers.require_real_model); "
+                                       "skipped where it is not installed, a failure when skipped under CI=true")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under CI=true a skipped real-model test (marked ``real_model``, or skipped by
+    ``require_real_model``) fails: CI must run every one of them, not pass without them."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.skipped or hasattr(report, "wasxfail") or os.environ.get("CI", "").lower() != "true":
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if item.get_closest_marker("real_model") is not None or REAL_MODEL_SKIP in reason:
+        report.outcome = "failed"
+        report.longrepr = f"a real-model test was skipped under CI=true (CI must run it): {reason}"
 
 
 @pytest.fixture(autouse=True, scope="session")

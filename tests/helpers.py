@@ -5,6 +5,10 @@
   read or write outside their arguments;
 - ``make_chain_inputs`` / ``make_tree_inputs`` (+ ``chain_args`` / ``tree_args``): random
   rejection-sampling inputs whose drafts are often accepted; ``assert_same``;
+- ``backend_op`` / ``run_guarded``: a kernel (C++ or Triton) run with every tensor guarded,
+  its inputs checked unchanged;
+- ``real_model`` / ``require_real_model``: the marker and the skip of tests on a real
+  checkpoint (tests/conftest.py turns their skips into failures under ``CI=true``);
 - ``exact_pair_probs`` / ``pair_chisquare_pvalue``: the decode loop's sampled output
   against the target's exact distribution of its first two tokens;
 - ``assert_cpu_paths_agree``: a script's results on the default, AVX2 and portable CPU
@@ -25,6 +29,31 @@ import specdec_kernels
 requires_triton = pytest.mark.skipif(
     not specdec_kernels.HAS_TRITON, reason="triton is not installed (pip install triton)"
 )
+
+
+# ---------------------------------------------------------------------------------------
+# Tests on a real checkpoint: one marker, one way to skip, and CI runs them all.
+# ---------------------------------------------------------------------------------------
+
+# Every real-model skip's reason starts with this; tests/conftest.py turns a real-model test's
+# skip (a test marked ``real_model``, or any skip with this reason) into a failure when
+# CI=true, so that CI cannot pass without having run them.
+REAL_MODEL_SKIP = "real model not available"
+real_model = pytest.mark.real_model
+
+
+def require_real_model(name: str = "smollm2-135m") -> str:
+    """The path of the registered checkpoint ``name``; skips the test (reason starting with
+    REAL_MODEL_SKIP) when it is not installed (only the registry's FileNotFoundError: any other
+    error is the test's) or when SPECDEC_SKIP_REAL_MODEL=1."""
+    from specdec_kernels.models import registry
+
+    if os.environ.get("SPECDEC_SKIP_REAL_MODEL") == "1":
+        pytest.skip(f"{REAL_MODEL_SKIP}: SPECDEC_SKIP_REAL_MODEL=1")
+    try:
+        return registry.resolve(name)
+    except FileNotFoundError as e:
+        pytest.skip(f"{REAL_MODEL_SKIP}: {e}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -141,9 +170,56 @@ def tree_args(inp):
             inp["temperature"], inp["seed"], inp["offset"])
 
 
-def assert_same(got, expected):
-    for g, e in zip(got, expected):
-        assert torch.equal(g, e), f"\ngot      {g}\nexpected {e}"
+def assert_same(got, expected, case=None):
+    """``got`` and ``expected`` — each a tensor or a sequence of tensors, of the same length —
+    hold the same values: same shapes and dtypes, equal elements, NaN where the other has NaN
+    (``case``: the inputs, for the message)."""
+    if isinstance(got, torch.Tensor) or isinstance(expected, torch.Tensor):
+        got, expected = [got], [expected]
+    got, expected = list(got), list(expected)
+    assert len(got) == len(expected), f"got {len(got)} outputs, expected {len(expected)}; case {case}"
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g.shape == e.shape and g.dtype == e.dtype, (
+            f"output {i}: got {g.dtype} {list(g.shape)}, expected {e.dtype} {list(e.shape)}; case {case}")
+        same = (g == e) | (g.isnan() & e.isnan()) if g.is_floating_point() else g == e
+        assert bool(same.all()), f"output {i}:\ngot      {g}\nexpected {e}\ncase {case}"
+
+
+def backend_op(backend: str, name: str, triton_module: str):
+    """The kernel a fuzz test runs: ``torch.ops.specdec.<name>`` for "cpu", else the Triton
+    launcher ``specdec_kernels.triton.<triton_module>.<name>`` (same arguments)."""
+    if backend == "cpu":
+        return getattr(torch.ops.specdec, name)
+    import importlib
+
+    return getattr(importlib.import_module(f"specdec_kernels.triton.{triton_module}"), name)
+
+
+def _unchanged(t: torch.Tensor, before: torch.Tensor) -> bool:
+    if t.is_floating_point():
+        return bool(((t == before) | (t.isnan() & before.isnan())).all())
+    return torch.equal(t, before)
+
+
+def run_guarded(launch, inputs: list, outputs: list) -> tuple:
+    """``launch(*inputs, *outputs)`` with every tensor in guarded storage (``guarded``); checks
+    that nothing but the outputs changed — the guards around every tensor, the inputs'
+    values — and returns copies of the outputs. Non-tensor inputs (None, numbers) are passed
+    as they are, and so is a non-contiguous input tensor (a strided view under test: checked
+    unchanged, not guarded)."""
+    is_guarded = [isinstance(t, torch.Tensor) and t.is_contiguous() for t in inputs]
+    inputs = [guarded(t) if g else t for t, g in zip(inputs, is_guarded)]
+    before = [t.clone() if isinstance(t, torch.Tensor) else None for t in inputs]
+    outs = [guarded(t) for t in outputs]
+    launch(*inputs, *outs)
+    for t in outs:
+        assert_guard_intact(t)
+    for i, (t, b, g) in enumerate(zip(inputs, before, is_guarded)):
+        if g:
+            assert_guard_intact(t)
+        if b is not None:
+            assert _unchanged(t, b), f"input {i} was modified"
+    return tuple(o.clone() for o in outs)
 
 
 # ---------------------------------------------------------------------------------------

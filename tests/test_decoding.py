@@ -195,6 +195,38 @@ def test_sampling_distribution_equals_target(drafter, params):
     assert pvalue > 1e-3, (drafter, pvalue)
 
 
+SEEDED = {  # drafters whose draft for a request depends on that request alone
+    "none": lambda m: None,
+    "ngram": DRAFTERS["ngram"],
+    "draft-chain": DRAFTERS["draft-chain"],
+    "draft-tree": DRAFTERS["draft-tree"],
+    "self-spec": DRAFTERS["self-spec"],
+    "medusa": DRAFTERS["medusa"],
+}
+
+
+@pytest.mark.parametrize("drafter", sorted(SEEDED))
+def test_seeded_sampling_does_not_depend_on_the_batch(model, prompts, drafter):
+    """Issue 24 (7b): a request with a seed gives the same tokens alone, in any batch, at any
+    slot, with or without continuous batching (as vLLM's per-request seeds do). Before, the
+    Philox offset moved on by the batch's widest tree and ModelDrafter drew every request's
+    drafts from one shared generator, so a request's tokens depended on the others."""
+    params = [SamplingParams(temperature=0.9, seed=11), SamplingParams(temperature=0.7, top_k=8, seed=12),
+              SamplingParams(temperature=1.1, top_p=0.8, seed=13), SamplingParams(temperature=0.8, seed=14)]
+    make = SEEDED[drafter]
+
+    def run(order, **kw):
+        reqs = Generator(model, make(model), SpecSchedule("constant", 3)).generate(
+            [prompts[i] for i in order], 10, [params[i] for i in order], **kw)
+        return {i: r.output for i, r in zip(order, reqs)}
+
+    alone = {i: run([i])[i] for i in range(4)}
+    assert len({tuple(o) for o in alone.values()}) == 4
+    for order, kw in (([0, 1, 2, 3], {}), ([3, 2, 1, 0], {}), ([2, 0, 3, 1], {"max_batch": 2}),
+                      ([1, 3, 0, 2], {"max_batch": 3})):
+        assert run(order, **kw) == alone, (order, kw)
+
+
 def test_schedules():
     s = SpecSchedule("heuristic", 4)
     s.update(0, 4, 4)
@@ -265,7 +297,8 @@ def test_medusa_checkpoint_through_cli(model, prompts, tmp_path):
     # The proposal is the heads' top-1 chain along the tree's first branch.
     req = Generator(model, None).generate([prompts[1]], 1)[0]
     hidden = torch.randn(c.hidden_size, generator=g)
-    req.hidden, req.tokens = hidden, list(prompts[1])
+    req.tokens = list(prompts[1])
+    drafter.hidden_states(None, req, hidden[None], req.tokens[-1:])  # the state that produced the root
     (draft,) = drafter.propose(None, [req], [3])
     from specdec_kernels.models.llama import rms_norm
 

@@ -248,15 +248,15 @@ def test_pack_rejects_what_it_cannot_pack():
         gguf_blocks.pack_int8_activation(torch.zeros(4, 30, dtype=torch.uint8), "Q4_1")
 
 
-def test_quantized_weight_with_int8_activations_goes_through_ops_linear():
+def test_quantized_weight_with_int8_activations_goes_through_its_linear():
     g = torch.Generator().manual_seed(1)
     w = gguf_blocks.quantize(torch.randn(24, 64, generator=g), "Q4_1")
     w8 = w.with_int8_activations()
     assert w8.int8_packed is not None and w.int8_packed is None and w8.with_int8_activations() is w8
     x = torch.randn(2, 3, 64, generator=g)
-    assert torch.equal(ops.linear(x, w8), ops.int8_activation_linear(x.reshape(6, 64), w8.int8_packed, Q4_1, 24)
+    assert torch.equal(w8.linear(x), ops.int8_activation_linear(x.reshape(6, 64), w8.int8_packed, Q4_1, 24)
                        .reshape(2, 3, 24))
-    assert torch.equal(ops.linear(x, w), ops.quantized_linear(x.reshape(6, 64), w.blocks, Q4_1).reshape(2, 3, 24))
+    assert torch.equal(w.linear(x), ops.quantized_linear(x.reshape(6, 64), w.blocks, Q4_1).reshape(2, 3, 24))
     assert w8.rows(torch.arange(4)).int8_packed is None  # row operations drop the packing
     f16 = gguf_blocks.quantize(torch.randn(4, 32), "F16")
     assert f16.with_int8_activations() is f16  # no int8 kernel for float blocks

@@ -114,16 +114,18 @@ def test_bad_inputs_raise_in_cpu_kernel(x, w, b, out, message):
 
 def test_linear_dispatcher_matches_f_linear():
     w, b = torch.randn(30, 20), torch.randn(30)
-    for shape in [(1, 20), (4, 20), (2, 3, 20), (ops.SKINNY_LINEAR_MAX_ROWS + 1, 20), (0, 20)]:
+    for shape in [(1, 20), (4, 20), (2, 3, 20), (9, 20), (0, 20)]:
         x = torch.randn(*shape)
-        torch.testing.assert_close(ops.linear(x, w, b), F.linear(x, w, b), **tol(20))
+        for rows in (None, (1, 8)):
+            torch.testing.assert_close(ops.linear(x, w, b, skinny_rows=rows), F.linear(x, w, b), **tol(20))
     wb, bb = w.bfloat16(), b.bfloat16()
-    for rows in (1, ops.SKINNY_LINEAR_MAX_ROWS_BF16 + 1):
-        x = torch.randn(rows, 20).bfloat16()
-        torch.testing.assert_close(ops.linear(x, wb, bb).float(), F.linear(x, wb, bb).float(), atol=2e-2, rtol=2e-2)
+    for n in (1, 3):
+        x = torch.randn(n, 20).bfloat16()
+        torch.testing.assert_close(ops.linear(x, wb, bb, skinny_rows=(1, 2)).float(), F.linear(x, wb, bb).float(),
+                                   atol=2e-2, rtol=2e-2)
     # With gradients it must be F.linear (skinny_linear has no autograd formula).
     x = torch.randn(2, 20, requires_grad=True)
-    ops.linear(x, w, b).sum().backward()
+    ops.linear(x, w, b, skinny_rows=(1, 8)).sum().backward()
     torch.testing.assert_close(x.grad, w.sum(0).expand(2, 20))
 
 
@@ -316,23 +318,23 @@ def test_quantized_weight_rows_cat_embedding():
         QuantizedWeight(q.blocks[:, :20].contiguous(), 3, (10, 64))
 
 
-def test_ops_linear_on_block_weights_is_quantized_linear():
-    """ops.linear's block-weight path (the model's hot path) calls the kernel without the
-    wrapper's Python checks: same bits as ops.quantized_linear, bad x still refused."""
+def test_block_weight_linear_is_quantized_linear():
+    """QuantizedWeight.linear (the model's hot path) calls the kernel without the wrapper's
+    Python checks: same bits as ops.quantized_linear, bad x still refused."""
     g = torch.Generator().manual_seed(6)
     q = gguf_blocks.quantize(torch.randn(10, 64, generator=g), "Q4_1")
     b = torch.randn(10, generator=g)
     x = torch.randn(2, 3, 64, generator=g)
     ref = ops.quantized_linear(x.reshape(6, 64), q.blocks, q.block_type, b).reshape(2, 3, 10)
-    assert torch.equal(ops.linear(x, q, b), ref)
-    assert torch.equal(ops.linear(x.transpose(0, 1), q, b), ref.transpose(0, 1))  # non-contiguous rows
-    assert ops.linear(torch.randn(0, 64), q).shape == (0, 10)
+    assert torch.equal(q.linear(x, b), ref)
+    assert torch.equal(q.linear(x.transpose(0, 1), b), ref.transpose(0, 1))  # non-contiguous rows
+    assert q.linear(torch.randn(0, 64)).shape == (0, 10)
     with pytest.raises(ValueError, match=r"x must have shape \[\.\.\., 64\]"):
-        ops.linear(torch.randn(2, 32), q)
+        q.linear(torch.randn(2, 32))
     with pytest.raises(RuntimeError, match="x must be float32, bfloat16 or float16"):
-        ops.linear(torch.ones(2, 64, dtype=torch.int32), q)
+        q.linear(torch.ones(2, 64, dtype=torch.int32))
     with pytest.raises(RuntimeError, match="bias must have shape"):
-        ops.linear(x, q, torch.randn(9))
+        q.linear(x, torch.randn(9))
 
 
 # ---------------------------------------------------------------------------------------

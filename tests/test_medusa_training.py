@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from specdec_kernels.decoding import Generator, MedusaDrafter, medusa_heads_for
+from specdec_kernels.decoding.drafters import HiddenStateRecorder
 from specdec_kernels.medusa import (MedusaHeads, default_medusa_checkpoint, load_medusa_heads, read_medusa_metadata,
                                     save_medusa_heads)
 from specdec_kernels.training import medusa_loss, medusa_targets, sequence_targets, train_step
@@ -50,8 +51,9 @@ def test_collected_tokens_are_greedy_output_and_hidden_states_produce_them(tiny,
     logits = data["hidden"].float() @ tiny.lm_head.T
     assert torch.equal(logits.argmax(-1), data["tokens"])
     # ... and it is what MedusaDrafter feeds the heads: rms_norm of the decode loop's hidden state.
-    req = Generator(tiny).generate([prompts[1]], 1)[0]
-    want = rms_norm(req.hidden.float(), tiny.norm.float(), tiny.config.rms_norm_eps)
+    recorder = HiddenStateRecorder()
+    Generator(tiny, recorder).generate([prompts[1]], 1)
+    want = rms_norm(recorder.rows[0][-1].float(), tiny.norm.float(), tiny.config.rms_norm_eps)
     torch.testing.assert_close(data["hidden"][starts[1]].float(), want, atol=2e-3, rtol=2e-3)
 
 

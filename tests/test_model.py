@@ -227,14 +227,17 @@ def test_smollm2_tokenizer_exported_to_an_hf_dir(smollm2, tmp_path):
 
 
 def test_linear_threshold_depends_on_threads(monkeypatch):
-    """ops.linear is the one place the skinny_linear/F.linear choice is made: fp32 with one
-    torch thread uses F.linear for 1-2 rows (MKL's GEMV, measured faster) and skinny_linear
-    for 3..15; with more threads 1..8; the model's products go through it."""
+    """The model's rule (models.skinny_rows, passed to ops.linear) is the one place the
+    skinny_linear/F.linear choice is made: fp32 with one torch thread uses F.linear for 1-2
+    rows (MKL's GEMV, measured faster) and skinny_linear for 3..15; with more threads 1..8;
+    the model's products go through it. ops.linear itself holds no threshold: without
+    ``skinny_rows`` it is F.linear."""
     from specdec_kernels import ops
+    from specdec_kernels.models import llama, skinny_rows
 
-    assert ops.skinny_linear_rows(torch.float32, 1) == (3, 15)
-    assert ops.skinny_linear_rows(torch.float32, 2) == (1, ops.SKINNY_LINEAR_MAX_ROWS)
-    assert ops.skinny_linear_rows(torch.bfloat16, 2) == (1, ops.SKINNY_LINEAR_MAX_ROWS_BF16)
+    assert skinny_rows.skinny_linear_rows(torch.float32, 1) == (3, 15)
+    assert skinny_rows.skinny_linear_rows(torch.float32, 2) == (1, skinny_rows.SKINNY_LINEAR_MAX_ROWS)
+    assert skinny_rows.skinny_linear_rows(torch.bfloat16, 2) == (1, skinny_rows.SKINNY_LINEAR_MAX_ROWS_BF16)
     calls = []
     real = ops.skinny_linear
     monkeypatch.setattr(ops, "skinny_linear", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
@@ -244,11 +247,14 @@ def test_linear_threshold_depends_on_threads(monkeypatch):
         torch.set_num_threads(1)
         for rows in (1, 2, 4, 16):  # 16: beyond the range
             x = torch.randn(rows, 16)
-            torch.testing.assert_close(ops.linear(x, w), x @ w.T)
+            torch.testing.assert_close(llama.linear(x, w), x @ w.T)
+        assert calls == [4]
+        x = torch.randn(4, 16)
+        torch.testing.assert_close(ops.linear(x, w), x @ w.T)  # no skinny_rows: F.linear
         assert calls == [4]
         torch.set_num_threads(2)
         x = torch.randn(1, 16)
-        torch.testing.assert_close(ops.linear(x, w), x @ w.T)
+        torch.testing.assert_close(llama.linear(x, w), x @ w.T)
         assert calls == [4, 1]
     finally:
         torch.set_num_threads(threads)

@@ -1,20 +1,14 @@
 """The model on GGUF block weights (``weights="native"`` / quantised on load): logits against
-the fp32 model, batch invariance of ops.linear on block weights, and greedy speculative output
+the fp32 model, batch invariance of the model's linear on block weights, and greedy speculative output
 equal to autoregressive output for every drafter."""
 import pytest
 import torch
 
-from specdec_kernels import ops
-from specdec_kernels.decoding import Generator, SpecSchedule
+from specdec_kernels import gguf_blocks, ops
+from specdec_kernels.decoding import (Generator, MedusaDrafter, ModelDrafter, NgramDrafter, NgramTreeDrafter,
+                                      SelfSpecDrafter, SpecSchedule)
 from specdec_kernels.models import Llama, tiny_config
-from specdec_kernels.models.llama import dense, is_block_weight
-
-gguf_blocks = pytest.importorskip("specdec_kernels.gguf_blocks")
-if not hasattr(ops, "quantized_linear"):
-    pytest.skip("ops.quantized_linear is not built in this checkout", allow_module_level=True)
-
-from specdec_kernels.decoding import (MedusaDrafter, ModelDrafter, NgramDrafter, NgramTreeDrafter,  # noqa: E402
-                                      SelfSpecDrafter)
+from specdec_kernels.models.llama import dense, is_block_weight, linear
 
 # Every drafter (as in test_decoding.py), drafts on the block weights too; the tree drafter
 # gets an injected step cost so that tree sizes do not depend on timings.
@@ -73,10 +67,34 @@ def test_quantised_on_load_holds_blocks_and_matches_fp32(fp32_model, block_model
 def test_linear_on_blocks_is_batch_invariant(block_model):
     w = block_model.layers[0]["w_gate_up"]
     x = torch.randn(40, w.shape[1])
-    alone = torch.cat([ops.linear(x[i:i + 1], w) for i in range(40)])
+    alone = torch.cat([linear(x[i:i + 1], w) for i in range(40)])
     for m in (2, 3, 8, 16, 33, 40):
-        assert torch.equal(ops.linear(x[:m], w), alone[:m]), m  # bit for bit, whatever the row count
-    assert ops.linear(x[:5].view(5, 1, -1), w).shape == (5, 1, w.shape[0])
+        assert torch.equal(linear(x[:m], w), alone[:m]), m  # bit for bit, whatever the row count
+    assert linear(x[:5].view(5, 1, -1), w).shape == (5, 1, w.shape[0])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_quantized_weight_linear_is_the_models_product(block_model, packed):
+    """One product per block weight (issue 24): the model's linear is QuantizedWeight.linear,
+    with and without the int8-activation packing (QuantizedWeight.linear ignored it before,
+    while ops.linear honoured it, so the same weight gave two results); it is the kernel the
+    packing names; ops.linear takes tensors only."""
+    w = block_model.layers[0]["w_gate_up"]
+    if packed:
+        w = w.with_int8_activations()
+        assert w.int8_packed is not None
+    x = torch.randn(5, w.shape[1])
+    got = w.linear(x)
+    assert torch.equal(got, linear(x, w))
+    with pytest.raises(TypeError, match="QuantizedWeight multiplies with its .linear"):
+        ops.linear(x, w)
+    if packed:
+        assert torch.equal(got, ops.int8_activation_linear(x, w.int8_packed, w.block_type, w.shape[0]))
+        assert not torch.equal(got, ops.quantized_linear(x, w.blocks, w.block_type))  # the activation rounding
+    else:
+        assert torch.equal(got, ops.quantized_linear(x, w.blocks, w.block_type))
+    with pytest.raises(ValueError, match=r"x must have shape"):
+        w.linear(torch.randn(2, w.shape[1] + 1))
 
 
 @pytest.mark.parametrize("name", sorted(DRAFTERS))
@@ -96,8 +114,6 @@ def test_parts_of_different_block_types_stay_separate(fp32_model):
     q, k, v = L0["wqkv"].split([c.num_heads * D, c.num_kv_heads * D, c.num_kv_heads * D])
     parts = (gguf_blocks.quantize(q, "Q8_0"), gguf_blocks.quantize(k, "Q4_0"), gguf_blocks.quantize(v, "Q8_0"))
     x = torch.randn(3, c.hidden_size)
-    from specdec_kernels.models.llama import linear
-
     torch.testing.assert_close(linear(x, parts), x @ dense(parts).T, rtol=1e-4, atol=1e-4)
 
 

@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from specdec_kernels.decoding import Generator, ModelDrafter, NgramDrafter, SamplingParams
+from specdec_kernels.decoding import Generator, ModelDrafter, NgramDrafter, SamplingParams, SpecSchedule
+from specdec_kernels.decoding.eagle_drafter import EagleDrafter
+from specdec_kernels.eagle import EagleHead
 from specdec_kernels.kv_cache import OutOfBlocksError
 from specdec_kernels.models import Llama, tiny_config
 
@@ -50,6 +52,28 @@ class FailingDrafter(ModelDrafter):
         if any(r.rid == BAD and len(r.output) >= 2 for r in reqs):
             raise KeyError("no draft for this one")
         return super().propose(gen, reqs, lengths)
+
+
+class FailingEagle(EagleDrafter):
+    """Raises after its catch-up pass whenever that pass ran request ``BAD``'s entries once it
+    has emitted 2 tokens: the error comes from that request's own data (as a NaN feature
+    would), after the pass has run for every request of the batch."""
+
+    def catch_up(self, reqs):
+        bad = any(r.rid == BAD and len(r.output) >= 2 and len(self.pending[r.rid][1]) for r in reqs)
+        out = super().catch_up(reqs)
+        if bad:
+            raise FloatingPointError("a bad feature")
+        return out
+
+
+def eagle(model, cls=EagleDrafter):
+    """EAGLE with free verification rows and a slow step: every request's tree is its full
+    beam, whatever else is in the batch (so a request's drafts are its own)."""
+    torch.manual_seed(1)
+    head = EagleHead.for_target(model, torch.arange(model.config.vocab_size)).eval().requires_grad_(False)
+    return cls(model, head, verify_cost={r: 1.0 for r in range(1, 129)}, step_seconds=1e6, top_k=3, max_depth=3,
+               max_tree_nodes=8)
 
 
 def cache_that_cannot_grow_for(model, monkeypatch, slot, limit):
@@ -114,6 +138,28 @@ def test_drafter_error_fails_one_request(model, prompts):
     check_one_failed(gen, reqs, expected, "the drafter failed: KeyError")
     assert len(reqs[BAD].output) >= 2
     assert gen.drafter.cache.active_slots == []  # the drafter's own cache was released too
+
+
+def test_drafter_error_after_its_batch_pass_fails_one_request(model, prompts):
+    """Issue 24 (7a): at batch > 1 a proposal that raises after EagleDrafter's catch-up pass
+    had committed every request's entries was retried request by request; the retries found
+    nothing to catch up, drafted the root alone, and the failing request went on undrafted
+    with no error. Now a proposal that raises leaves the drafter as it was: the retry of the
+    failing request raises again and fails it, and every other request drafts exactly the
+    trees it drafts in a healthy run."""
+    greedy = [SamplingParams()] * 3
+    schedule = lambda: SpecSchedule("max", 3, max_k=3)  # noqa: E731
+    expected = alone(lambda: Generator(model), prompts, greedy)
+    healthy = Generator(model, eagle(model), schedule()).generate(prompts, N_NEW, greedy)
+    gen = Generator(model, eagle(model, FailingEagle), schedule())
+    reqs = gen.generate(prompts, N_NEW, greedy)
+    check_one_failed(gen, reqs, expected, "the drafter failed: FloatingPointError: a bad feature")
+    assert len(reqs[BAD].output) >= 2
+    for r, h in zip(reqs, healthy):
+        if r.rid != BAD:
+            assert (r.stats.drafted, r.stats.accepted, r.stats.steps) == (h.stats.drafted, h.stats.accepted,
+                                                                           h.stats.steps), r.rid
+    assert gen.drafter.cache.active_slots == []
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "sampled"])

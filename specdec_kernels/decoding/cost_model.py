@@ -17,7 +17,7 @@ CPU. So the tree-sizing drafters do not use a table measured on one machine; the
   ``rows -> cost relative to a one-row step`` to a drafter (``step_cost=``), or set
   ``Generator.step_cost``.
 
-``ops.skinny_linear_rows`` (which fp32 row counts go to skinny_linear rather than MKL) keeps
+``models.skinny_rows.skinny_linear_rows`` (which fp32 row counts go to skinny_linear) keeps
 its rule: on the default native weights ``ops.linear`` sends every row count to
 ``quantized_linear`` and never consults it; on fp32 weights a per-machine crossover measured
 on a loaded machine could move between runs and silently change which kernel — and so which

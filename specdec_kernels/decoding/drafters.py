@@ -2,7 +2,10 @@
 
 A drafter implements ``propose(gen, requests, lengths) -> list[Draft]``: one tree per request,
 at most ``lengths[b]`` deep (0 = the root alone). Optional hooks: ``start`` (after the
-prefill), ``verified`` (after each step, with the accepted counts) and ``finish``.
+prefill), ``verified`` (after each step, with the accepted counts), ``finish``, and for
+drafters that read the target's hidden states (``uses_hidden``) ``hidden_states``.
+A drafter's random draws for a request come from that request's own Philox counters
+(:func:`draft_uniforms`), so they do not depend on the other requests of the batch.
 
 - :class:`NgramDrafter` — prompt lookup: the continuation of the latest earlier occurrence
   of the last n tokens (no model);
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 
 from .. import ops
+from ..rng import PURPOSE_DRAFT
 from ..medusa import (MedusaHeads, default_medusa_checkpoint, load_medusa_heads, read_medusa_metadata,
                       read_medusa_state_dict)
 from ..models.llama import Batch, Llama, dense, rms_norm
@@ -64,6 +68,7 @@ class Draft:
 class Drafter:
     name = "drafter"
     max_nodes = 16  # most nodes (root included) a draft may have: sizes the caches
+    uses_hidden = False  # whether the Generator hands it the target's hidden states (hidden_states)
 
     def start(self, gen, reqs) -> None:
         """A generation begins: ``reqs`` are its first requests, prefilled (``gen.cache`` is
@@ -76,7 +81,18 @@ class Drafter:
         batching whenever finished requests freed their slots."""
 
     def propose(self, gen, reqs, lengths) -> list:
+        """One Draft per request. A proposal that raises must leave the drafter as it was
+        (commit state only once nothing can fail): the Generator then proposes for each
+        request alone to find the one that fails, and the others must see what they saw."""
         raise NotImplementedError
+
+    def hidden_states(self, gen, req, hidden, tokens) -> None:
+        """Only for a drafter with ``uses_hidden``: ``hidden`` [n, H], the target's pre-norm
+        hidden states that ``req``'s last forward computed for the tokens now in its cache,
+        row i the one that produced ``tokens[i]`` (so the last row produced the root). After
+        the prefill (following ``start`` / ``admit``): the prompt's tokens but the last, tokens
+        = prompt[1:]; after each step (before ``verified``): the root and the accepted nodes,
+        tokens = the emitted ones."""
 
     def verified(self, gen, reqs, num_accepted) -> None:
         pass
@@ -116,17 +132,61 @@ class NgramDrafter(Drafter):
         return [Draft.chain(r.tokens[-1], self.lookup(r.tokens, k) if k > 0 else []) for r, k in zip(reqs, lengths)]
 
 
-def _draw(logits: torch.Tensor, r, gen_torch: torch.Generator):
-    """(token, q) from draft logits fp32 [V] with the request's sampling parameters."""
-    s = r.sampling
-    if s.temperature <= 0:
-        return int(logits.argmax()), None
-    row = (logits / s.temperature)[None].clone()
-    if s.top_k > 0 or s.top_p < 1:
-        row = ops.apply_top_k_top_p(row, torch.tensor([s.top_k], dtype=torch.int32),
-                                     torch.tensor([s.top_p], dtype=torch.float32))
-    q = row[0].softmax(-1)
-    return int(torch.multinomial(q, 1, generator=gen_torch)), q
+class HiddenStateRecorder(Drafter):
+    """Drafts nothing (the loop decodes autoregressively) and keeps what a drafter with
+    ``uses_hidden`` is handed: ``rows[rid]``, the target's pre-norm hidden states of request
+    ``rid``'s tokens, [P - 1 + emitted, H] in the order they were computed (the prompt's but the
+    last, then one per emitted token, the one that produced it). Training data collection."""
+
+    name = "record-hidden"
+    max_nodes = 1
+    uses_hidden = True
+
+    def __init__(self):
+        self.rows: dict = {}
+
+    def propose(self, gen, reqs, lengths):
+        return [Draft.root_only(r.tokens[-1]) for r in reqs]
+
+    def hidden_states(self, gen, req, hidden, tokens):
+        self.rows[req.rid] = hidden if req.rid not in self.rows else torch.cat([self.rows[req.rid], hidden])
+
+
+def draft_uniforms(reqs, num: int) -> torch.Tensor:
+    """fp32 [B, num] in (0, 1]: the drafter's draws of this step for each request, from the
+    request's own seed and Philox offset (``rng.PURPOSE_DRAFT``; the offset moves on every
+    step), so they are the same whatever else is in the batch."""
+    seed = torch.tensor([r.sampling.seed for r in reqs], dtype=torch.int64)
+    offset = torch.tensor([r.offset for r in reqs], dtype=torch.int64)
+    return ops.philox_uniform(seed, offset, 0, PURPOSE_DRAFT, max(1, num))
+
+
+def sample_rows(q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """int64 [R, n]: draws from the rows of q fp32 [R, V] (probabilities, any positive
+    total) by inverse CDF with uniforms u [R, n] in (0, 1]: the first index whose
+    cumulative probability reaches u * total, so an entry of probability 0 is never drawn."""
+    cdf = q.cumsum(-1)
+    return torch.searchsorted(cdf, (u * cdf[:, -1:]).contiguous()).clamp_(max=q.shape[-1] - 1)
+
+
+def draw_tokens(logits: torch.Tensor, reqs, u: torch.Tensor) -> tuple[list, list]:
+    """(tokens, q) from draft logits fp32 [R, V], one row per request of ``reqs``, at each
+    request's temperature / top-k / top-p (``ops.apply_temperature_top_k_top_p``), drawn with
+    uniforms u [R]: the argmax and None for greedy requests, else a draw from q and q [V]."""
+    temperature = torch.tensor([r.sampling.temperature for r in reqs], dtype=torch.float32)
+    sampled = (temperature >= ops.MIN_SAMPLING_TEMPERATURE).tolist()
+    tokens, qs = logits.argmax(-1).tolist(), [None] * len(reqs)
+    if any(sampled):
+        top_k = torch.tensor([r.sampling.top_k for r in reqs], dtype=torch.int32)
+        top_p = torch.tensor([r.sampling.top_p for r in reqs], dtype=torch.float32)
+        filtered = any(r.sampling.top_k > 0 or r.sampling.top_p < 1 for r in reqs)
+        q = ops.apply_temperature_top_k_top_p(logits.float().clone(), temperature, top_k if filtered else None,
+                                              top_p if filtered else None).softmax(-1)
+        drawn = sample_rows(q, u[:, None])[:, 0].tolist()
+        for i, s in enumerate(sampled):
+            if s:
+                tokens[i], qs[i] = drawn[i], q[i]
+    return tokens, qs
 
 
 @dataclass
@@ -176,7 +236,6 @@ class ModelDrafter(Drafter):
         self.vocab_size = model.config.vocab_size
         self.max_nodes = max_k + tree_width
         self.name = name or ("draft-tree" if tree_width > 1 else "draft")
-        self._gen = torch.Generator()
         self.sized = sized
         self.step_cost = as_step_cost(step_cost) if step_cost is not None else None
         self.prior = acceptance if acceptance is not None else float(
@@ -210,7 +269,6 @@ class ModelDrafter(Drafter):
         return best_k
 
     def start(self, gen, reqs):
-        self._gen.manual_seed(int(reqs[0].sampling.seed) if reqs else 0)
         if self.sized:
             if self.step_cost is None:
                 self.step_cost = generator_step_cost(gen)
@@ -257,9 +315,11 @@ class ModelDrafter(Drafter):
             runs.append(ChainRun(b, r, slot, k, committed, pending, feed=pending, pos=committed))
         if not runs:
             return drafts
+        uniforms = draft_uniforms([run.request for run in runs], max(run.length for run in runs))
         for step in range(max(run.length for run in runs)):
             t_step = time.perf_counter()
-            rows = [run for run in runs if step < run.length]
+            live = [i for i, run in enumerate(runs) if step < run.length]
+            rows = [runs[i] for i in live]
             row_positions = [torch.arange(run.pos, run.pos + len(run.feed)) for run in rows]
             indptr = torch.tensor([0] + list(np.cumsum([len(run.feed) for run in rows])), dtype=torch.int32)
             block_table, _ = cache.batch_view([run.slot for run in rows])
@@ -269,8 +329,9 @@ class ModelDrafter(Drafter):
             h = model.forward(tokens, torch.cat(row_positions), cache, batch)
             logits = model.logits(h[indptr[1:].long() - 1])
             vocab = model.draft_vocab  # None, or the target ids of a draft-vocabulary head's rows
+            drawn, drawn_q = draw_tokens(logits, [run.request for run in rows], uniforms[live, step])
             for i, run in enumerate(rows):
-                tok, q = _draw(logits[i], run.request, self._gen)
+                tok, q = drawn[i], drawn_q[i]
                 if step == 0 and self.tree_width > 1:
                     best = logits[i].topk(self.tree_width).indices.tolist()
                     tok, q = best[0], None
@@ -394,6 +455,7 @@ class MedusaDrafter(Drafter):
     matches)."""
 
     name = "medusa"
+    uses_hidden = True  # the heads read the hidden state that produced the root
 
     def __init__(self, target: Llama, heads: MedusaHeads | None = None, choices=None, *,
                  ngram: "NgramDrafter | None" = None):
@@ -411,8 +473,16 @@ class MedusaDrafter(Drafter):
         self.max_nodes = self.tree.num_nodes + (ngram.max_nodes - 1 if ngram is not None else 0)
         self.parents = self.tree.parents.tolist()
         self.depth = self.tree.depth.tolist()
+        self.root_hidden: dict = {}  # rid -> [H], the target's hidden state that produced the root
         if ngram is not None:
             self.name = "medusa+ngram"
+
+    def hidden_states(self, gen, req, hidden, tokens):
+        # A one-token prompt has no state before its root: zeros (the heads still draft).
+        self.root_hidden[req.rid] = hidden[-1] if hidden.shape[0] else hidden.new_zeros(hidden.shape[1])
+
+    def finish(self, gen, req):
+        self.root_hidden.pop(req.rid, None)
 
     @staticmethod
     def merge_chain(parents: list, tokens: list, chain: list) -> tuple[list, list]:
@@ -433,7 +503,7 @@ class MedusaDrafter(Drafter):
 
     @torch.inference_mode()
     def propose(self, gen, reqs, lengths):
-        hidden = torch.stack([r.hidden for r in reqs])
+        hidden = torch.stack([self.root_hidden[r.rid] for r in reqs])
         hidden = rms_norm(hidden, self.target.norm, self.target.config.rms_norm_eps)
         roots = torch.tensor([r.tokens[-1] for r in reqs], dtype=torch.int64)
         ids, _ = self.heads(hidden, self.tree.top_k, root_ids=roots)  # fused specdec::medusa_topk

@@ -4,10 +4,11 @@ Per request the drafter keeps the head's own paged KV cache (one layer, ``PagedK
 entry t holds the head's K/V for (target feature f_t, token t+1). Each step:
 
 1. **Catch up** — the entries the target's last verification made known (root and accepted
-   nodes: their features ``Request.path_hidden`` and the emitted tokens; after the prefill,
-   the prompt's ``Request.prompt_hidden``) go through the head in one causal
-   ``tree_attention`` pass and are committed. The last one's output ``g`` is the depth-1
-   draft state: its logits rank the root's children.
+   nodes: their features, handed over by the Generator's ``hidden_states`` hook, and the
+   emitted tokens; after the prefill, the prompt's) go through the head in one causal
+   ``tree_attention`` pass; they are committed once the step's trees are drafted (a
+   proposal that raises leaves them pending, for the Generator's retry). The last one's
+   output ``g`` is the depth-1 draft state: its logits rank the root's children.
 2. **Expand** (EAGLE-2) — depth 1: the root's top-k children with their log-probabilities.
    Depth d > 1: the ``top_k`` candidates of depth d-1 with the highest *cumulative* draft
    log-probability (the beam) are fed back as (their parent's ``g``, their token); each
@@ -39,7 +40,8 @@ features, which costs one row per accepted token in the next step's catch-up pas
 keeps drafts as good as the head was trained for.
 
 Sampling (temperature > 0): children are drawn i.i.d. from the head's q (softmax of the
-draft logits / T) instead of taken as the top-k, every drawn child is kept (a node's
+draft logits / T; uniforms from the request's own Philox counters, ``draft_uniforms``) instead
+of taken as the top-k, every drawn child is kept (a node's
 children never depend on their own values, which keeps the acceptance exact), and the
 draft's q rows go to ``tree_rejection_sample``. Greedy requests use deterministic top-k
 children (exact: greedy verification follows the target's argmax).
@@ -59,7 +61,7 @@ from .cost_model import StepCost, as_step_cost, step_cost_for
 from ..eagle import EagleHead, eagle_head_for
 from ..kv_cache import PagedKVCache
 from ..tree import eagle_tree_from_expansions
-from .drafters import Draft, Drafter, MedusaDrafter
+from .drafters import Draft, Drafter, MedusaDrafter, draft_uniforms, sample_rows
 
 class EagleDrafter(Drafter):
     """EAGLE-2 dynamic trees from an :class:`~specdec_kernels.eagle.EagleHead` (module
@@ -74,6 +76,7 @@ class EagleDrafter(Drafter):
     """
 
     name = "eagle"
+    uses_hidden = True  # the head's entries are built from the target's features
     CHAIN_PRIOR = 0.5  # a request's prompt-lookup hit rate before any observation (_with_ngram)
 
     def __init__(self, target, head: EagleHead | None = None, *, top_k: int = 8, max_depth: int = 8,
@@ -95,7 +98,6 @@ class EagleDrafter(Drafter):
         self._given_cost, self._step_seconds = verify_cost, step_seconds
         self._verify_cost = None  # (rows, batch) -> relative cost, resolved at first use
         self._depth_seconds = None  # measured: moving average of one expansion depth
-        self._gen = torch.Generator()
         # Drafting statistics: tree sizes and depths, accepted lengths (see ``summary``).
         self.stats = {"steps": 0, "nodes": 0, "depth_hist": {}, "accepted_hist": {}, "skipped_steps": 0}
         self._empty_run, self._skip = 0, 0  # back-off after empty trees (propose)
@@ -134,7 +136,6 @@ class EagleDrafter(Drafter):
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self, gen, reqs):
         h = self.head
-        self._gen.manual_seed(int(reqs[0].sampling.seed) if reqs else 0)
         bs = gen.cache.block_size
         blocks = -(-gen.cache.max_len // bs)
         slots = gen.cache.max_batch
@@ -149,22 +150,23 @@ class EagleDrafter(Drafter):
     def admit(self, gen, reqs):
         for r in reqs:
             self.slot[r.rid] = self.cache.add_request(0)
-            # Entry t = (f_t, token t+1) for t < P-1: the prefill computed f_0..f_{P-2}.
-            self.pending[r.rid] = (r.prompt_hidden, list(r.prompt[1:]))
+            self.pending[r.rid] = (None, [])  # filled by hidden_states
+
+    def hidden_states(self, gen, req, hidden, tokens):
+        """Entries (f_t, the token f_t produced) to catch up: after the prefill the prompt's
+        (entry t = (f_t, token t+1) for t < P-1), after a step the root's and each accepted
+        node's, after any a skipped step left (see ``propose``)."""
+        if req.done:
+            return
+        left_f, left_t = self.pending.get(req.rid, (None, []))
+        if left_f is not None and len(left_t):
+            hidden, tokens = torch.cat([left_f, hidden]), list(left_t) + list(tokens)
+        self.pending[req.rid] = (hidden, list(tokens))
 
     def verified(self, gen, reqs, num_accepted):
         for r, n in zip(reqs, num_accepted):
             self.stats["accepted_hist"][n] = self.stats["accepted_hist"].get(n, 0) + 1
             self._score_chain(r, n)
-            if r.done:
-                continue
-            # Entries (f of the root and of each accepted node, the token it produced),
-            # after any a skipped step left (see ``propose``).
-            feats, toks = r.path_hidden.clone(), r.tokens[len(r.tokens) - (n + 1):]
-            left_f, left_t = self.pending.get(r.rid, (None, []))
-            if left_f is not None and len(left_t):
-                feats, toks = torch.cat([left_f, feats]), list(left_t) + list(toks)
-            self.pending[r.rid] = (feats, toks)
 
     def finish(self, gen, req):
         self.cache.free(self.slot.pop(req.rid))
@@ -180,13 +182,15 @@ class EagleDrafter(Drafter):
 
     # ---- drafting -----------------------------------------------------------------------
     @torch.inference_mode()
-    def catch_up(self, reqs: list) -> dict:
-        """Step 1: run and commit the pending entries; {b: (g [H], draft log-probs [Vd]) of
-        the last entry}."""
+    def catch_up(self, reqs: list) -> tuple[dict, dict]:
+        """Step 1: run the pending entries and write their K/V after each slot's committed
+        ones, without committing them (``commit_caught_up`` does, once the step's trees are
+        drafted). Returns ({b: (g [H], draft log-probs [Vd]) of the last entry}, {b: entries
+        run})."""
         head, cache = self.head, self.cache
         rows = [b for b, r in enumerate(reqs) if self.pending[r.rid][0] is not None and len(self.pending[r.rid][1])]
         if not rows:
-            return {}
+            return {}, {}
         feats, toks, counts = [], [], []
         for b in rows:
             f, t = self.pending[reqs[b].rid]
@@ -206,15 +210,19 @@ class EagleDrafter(Drafter):
                                          new.qo_indptr, None, head.head_dim ** -0.5, attn, None)
         last = new.qo_indptr[1:].long() - 1
         g, logp = head.decode_output(x[last], attn.reshape(attn.shape[0], -1)[last])
-        cache.commit(slots, counts)
-        for b in rows:
-            self.pending[reqs[b].rid] = (None, [])
-        return {b: (g[i], logp[i]) for i, b in enumerate(rows)}
+        return {b: (g[i], logp[i]) for i, b in enumerate(rows)}, dict(zip(rows, counts))
 
-    def _committed_kv(self, slots: list):
-        """Committed K/V of each slot, padded: k, v [B, Lmax, Hkv, D] and valid bool [B, Lmax]."""
+    def commit_caught_up(self, reqs: list, caught: dict) -> None:
+        """Commit the entries ``catch_up`` ran ({b: count}); they are no longer pending."""
+        self.cache.commit([self.slot[reqs[b].rid] for b in caught], list(caught.values()))
+        for b in caught:
+            self.pending[reqs[b].rid] = (None, [])
+
+    def _committed_kv(self, slots: list, caught: list):
+        """K/V of each slot's committed entries and the ``caught[i]`` entries written after
+        them, padded: k, v [B, Lmax, Hkv, D], valid bool [B, Lmax], lengths [B]."""
         cache, h = self.cache, self.head
-        lens = [cache.length(s) for s in slots]
+        lens = [cache.length(s) + n for s, n in zip(slots, caught)]
         Lmax = max(lens)
         B = len(slots)
         k = torch.zeros(B, Lmax, h.num_kv_heads, h.head_dim, dtype=self.target.dtype)
@@ -228,18 +236,19 @@ class EagleDrafter(Drafter):
         valid = torch.arange(Lmax)[None, :] < torch.tensor(lens)[:, None]
         return k, v, valid, torch.tensor(lens)
 
-    def _children(self, logp: torch.Tensor, sampled: torch.Tensor, temps: torch.Tensor, width: int):
+    def _children(self, logp: torch.Tensor, sampled: torch.Tensor, temps: torch.Tensor, width: int,
+                  u: torch.Tensor | None = None):
         """logp [B, M, Vd] -> (child draft ids [B, M, width], child log-prob [B, M, width],
         q [B, M, Vd] or None): top-``width`` for greedy rows, i.i.d. draws from
-        softmax(logits / T) for sampled rows (their scores are log q)."""
+        softmax(logits / T) for sampled rows (their scores are log q), with the uniforms u
+        [B, M * width] (the requests' own, ``draft_uniforms``)."""
         ids = logp.topk(width, dim=-1)
         cid, clp = ids.indices, ids.values
         q = None
         if bool(sampled.any()):
             B, M, Vd = logp.shape
             q = (logp / temps.clamp(min=1e-6)[:, None, None]).softmax(-1)
-            draws = torch.multinomial(q[sampled].reshape(-1, Vd), width, replacement=True,
-                                      generator=self._gen).view(-1, M, width)
+            draws = sample_rows(q[sampled].reshape(-1, Vd), u[sampled].reshape(-1, width)).view(-1, M, width)
             cid = cid.clone()
             clp = clp.clone()
             cid[sampled] = draws
@@ -249,13 +258,20 @@ class EagleDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, gen, reqs, lengths):
         t_start = time.perf_counter()
-        head = self.head
         drafts = [Draft.root_only(r.tokens[-1]) for r in reqs]
         if self._skip > 0:  # back-off after empty trees: no head forward this step
             self._skip -= 1
             self.stats["skipped_steps"] += 1
             return self._with_ngram(reqs, lengths, drafts)
-        roots_g = self.catch_up(reqs)
+        roots_g, caught = self.catch_up(reqs)
+        drafts = self._trees(reqs, lengths, drafts, roots_g, caught, t_start)
+        self.commit_caught_up(reqs, caught)  # only now: nothing after this can fail
+        return drafts
+
+    def _trees(self, reqs, lengths, drafts, roots_g, caught, t_start):
+        """Steps 2-3 (module docstring) for the requests ``catch_up`` gave a draft state,
+        then the prompt-lookup merge; returns every request's draft."""
+        head = self.head
         active = [b for b, k in enumerate(lengths) if k > 0 and b in roots_g]
         if not active:
             return self._with_ngram(reqs, lengths, drafts)
@@ -269,18 +285,24 @@ class EagleDrafter(Drafter):
         # sampled width for all: every drawn child is kept, so it sizes the tree).
         width = self.sample_width if any_sampled else self.top_k
         vocab = head.draft_vocab
+        # Per request: width draws at depth 1, then at most width x width per deeper depth.
+        u = draft_uniforms(sub, width + (self.max_depth - 1) * width * width) if any_sampled else None
+
+        def u_at(depth: int, parents: int):  # the uniforms of the children drawn at ``depth``
+            start = 0 if depth == 1 else width + (depth - 2) * width * width
+            return None if u is None else u[:, start: start + parents * width]
 
         # Depth 1: the root's children.
         g0 = torch.stack([roots_g[b][0] for b in active])  # [B, H]
         logp0 = torch.stack([roots_g[b][1] for b in active])  # [B, Vd]
-        cid, clp, q0 = self._children(logp0[:, None], sampled, temps, width)
+        cid, clp, q0 = self._children(logp0[:, None], sampled, temps, width, u_at(1, 1))
         scores = [clp[:, 0]]  # [B, C_0]
         parents = [None]
         tokens = [vocab[cid[:, 0]]]
         qs = [q0[:, 0] if q0 is not None else None]  # q of the root, per request
         cand_g = g0[:, None].expand(B, width, -1)  # the g each candidate's entry is fed with
         slots = [self.slot[r.rid] for r in sub]
-        ck, cv, cvalid, clen = self._committed_kv(slots)
+        ck, cv, cvalid, clen = self._committed_kv(slots, [caught.get(b, 0) for b in active])
         rep = head.num_heads // head.num_kv_heads
         Hkv, D = head.num_kv_heads, head.head_dim
         sk = torch.zeros(B, 0, Hkv, D, dtype=ck.dtype)
@@ -318,7 +340,7 @@ class EagleDrafter(Drafter):
             attn = F.scaled_dot_product_attention(q.view(B, G, -1, D).transpose(1, 2), keys, vals, attn_mask=mask)
             g, logp = head.decode_output(x, attn.transpose(1, 2).reshape(B * G, -1))
             g, logp = g.view(B, G, -1), logp.view(B, G, -1)
-            cid, clp, qd = self._children(logp, sampled, temps, width)
+            cid, clp, qd = self._children(logp, sampled, temps, width, u_at(d + 1, G))
             beam_score = torch.gather(s_prev, 1, beam)
             scores.append((beam_score[..., None] + clp).reshape(B, G * width))
             parents.append(beam)

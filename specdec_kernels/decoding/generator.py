@@ -28,10 +28,22 @@ under continuous batching, which is how serving engines batch.
 A request that goes wrong fails alone (:meth:`Generator.fail`: ``Request.error`` set, ``done``,
 its cache slot freed); the others go on exactly as they would alone. The failures: NaN target
 logits (the samplers' ``num_accepted = -1``), its drafter raising (the batch's proposal is
-retried request by request to find which; the request fails rather than going on undrafted,
-so that an error in a drafter is seen), or the cache having no blocks for its tree
-(``OutOfBlocksError``). A prompt plus ``max_new_tokens`` beyond the model's context is a
-ValueError from :meth:`Generator.generate` before any work.
+retried request by request to find which — a proposal that raises leaves the drafter as it
+was, ``Drafter.propose`` — and the request fails rather than going on undrafted, so that an
+error in a drafter is seen), or the cache having no blocks for its tree (``OutOfBlocksError``).
+A prompt plus ``max_new_tokens`` beyond the model's context is a ValueError from
+:meth:`Generator.generate` before any work.
+
+Randomness is per request: the verification's Philox draws are keyed by the request's seed
+and counted from its own offset, which moves on by the request's own tree size each step
+(the counters ``tree_rejection_sample`` used for it), and drafters draw from the same
+request's counters (``PURPOSE_DRAFT``). So a seeded request gives the same tokens alone, in
+any batch, at any slot, with or without continuous batching — whenever its drafts are its
+own (drafters that size their trees from the batch or from measured times adapt the tree,
+and the tokens follow it; every output stays exactly distributed).
+
+The target's hidden states are handed only to drafters that ask for them
+(``Drafter.uses_hidden``, ``Drafter.hidden_states``); the request itself keeps none.
 """
 from __future__ import annotations
 
@@ -68,13 +80,7 @@ class Request:
     tokens: list = field(default_factory=list)  # prompt + emitted; tokens[-1] is the root
     output: list = field(default_factory=list)  # emitted tokens
     slot: int = -1
-    offset: int = 0  # Philox counter base
-    hidden: torch.Tensor | None = None  # pre-norm hidden state of the node that produced the root
-    # Pre-norm hidden states for feature-level drafters (EAGLE): of the prompt's tokens but the
-    # last [P-1, H] (after the prefill), then of the root and the accepted nodes of the last step
-    # [n_accepted + 1, H] (row i produced emitted token i).
-    prompt_hidden: torch.Tensor | None = None
-    path_hidden: torch.Tensor | None = None
+    offset: int = 0  # Philox counter base: this request's own, moved on by its own tree size
     done: bool = False
     error: str | None = None  # why the request failed (then done, with the output so far)
     stats: RequestStats = field(default_factory=RequestStats)
@@ -168,7 +174,7 @@ class Generator:
         hand them to the drafter (``start`` for a generation's first requests, ``admit`` for
         those joining a running batch); returns the ones with tokens to generate. Requests
         with nothing to generate are done at once and give their slot back."""
-        admitted = []
+        admitted, hidden = [], []
         while waiting and len(admitted) < n:
             r = waiting.pop()
             t0 = time.perf_counter()
@@ -176,8 +182,6 @@ class Generator:
             r.slot = self.cache.add_request(len(r.prompt))
             # The prompt's last token is the first root: only the tokens before it are cached.
             h = self.model.prefill(torch.tensor(r.prompt[:-1], dtype=torch.int64), self.cache, r.slot)
-            r.hidden = h[-1] if h.shape[0] else torch.zeros(self.model.config.hidden_size, dtype=self.model.dtype)
-            r.prompt_hidden = h
             r.offset = 0
             r.stats.time_prefill = time.perf_counter() - t0
             r.stats.prefill_tokens = len(r.prompt) - 1
@@ -186,8 +190,12 @@ class Generator:
                 self.cache.free(r.slot)
                 continue
             admitted.append(r)
+            hidden.append(h)
         if self.drafter and (admitted or first):
             (self.drafter.start if first else self.drafter.admit)(self, admitted)
+            if self.drafter.uses_hidden:
+                for r, h in zip(admitted, hidden):  # row t produced prompt token t + 1
+                    self.drafter.hidden_states(self, r, h, r.prompt[1:])
         return admitted
 
     @torch.inference_mode()
@@ -220,6 +228,8 @@ class Generator:
             r.stats.time_compact += t4 - t3
         num_accepted = self.commit(reqs, verified, accepted, on_tokens, eos)
         if self.drafter is not None:
+            if self.drafter.uses_hidden:
+                self.hand_hidden_states(reqs, verified, accepted)
             self.drafter.verified(self, reqs, num_accepted)
 
     def draft(self, reqs: list[Request]) -> list[Draft]:
@@ -234,7 +244,8 @@ class Generator:
             if len(reqs) == 1:
                 self.fail(reqs[0], f"the drafter failed: {type(e).__name__}: {e}")
                 return [Draft.root_only(reqs[0].tokens[-1])]
-        # Find the request(s) it fails for: propose again one request at a time.
+        # Find the request(s) it fails for: propose again one request at a time (a proposal
+        # that raised left the drafter as it was, so each retry sees what the batch saw).
         return [self.draft([r])[0] for r in reqs]
 
     def fail(self, r: Request, error: str) -> None:
@@ -286,13 +297,14 @@ class Generator:
         if sampled:
             filt = [b for b in sampled if reqs[b].sampling.top_k > 0 or reqs[b].sampling.top_p < 1]
             if filt:
-                # top-p is defined on softmax(logits / T): filter the scaled rows, mask the raw ones.
-                temp = torch.tensor([reqs[b].sampling.temperature for b in filt], dtype=torch.float32)
-                rows = (logits[filt] / temp[:, None, None]).reshape(len(filt) * N, -1).contiguous()
+                # These rows become logits / T with top-k / top-p applied, sampled at T = 1.
+                rows = logits[filt].reshape(len(filt) * N, -1)
+                temp = temperature[filt]
                 top_k = torch.tensor([reqs[b].sampling.top_k for b in filt for _ in range(N)], dtype=torch.int32)
                 top_p = torch.tensor([reqs[b].sampling.top_p for b in filt for _ in range(N)], dtype=torch.float32)
-                rows = ops.apply_top_k_top_p(rows, top_k, top_p).view(len(filt), N, -1)
-                logits[filt] = logits[filt].masked_fill(rows == float("-inf"), float("-inf"))
+                ops.apply_temperature_top_k_top_p(rows, temp.repeat_interleave(N), top_k, top_p)
+                logits[filt] = rows.view(len(filt), N, -1)
+                temperature[filt] = torch.where(temp >= ops.MIN_SAMPLING_TEMPERATURE, 1.0, temp)
             if any(d.probs is not None for d in drafts):
                 draft_probs = torch.zeros(B, N, logits.shape[-1], dtype=torch.float32)
                 for b, d in enumerate(drafts):
@@ -308,20 +320,16 @@ class Generator:
         """After the cache compaction: append each request's emitted tokens (cut at an EOS
         token and at ``max_new_tokens``), move its root and Philox offset on, record its
         statistics and schedule, stream the new tokens. Returns the accepted counts."""
-        N = v.parents.shape[1]
         n_acc = acc.num_accepted.tolist()
         out_rows = acc.tokens.tolist()
-        indptr = v.qo_indptr.tolist()
         for b, r in enumerate(reqs):
             if n_acc[b] < 0:
                 self.fail(r, "the target logits contain NaN")
                 continue
             emitted = out_rows[b][: n_acc[b] + 1]
-            last_node = int(acc.nodes[b, n_acc[b] - 1]) if n_acc[b] > 0 else 0
-            r.hidden = v.hidden[indptr[b] + last_node]
-            r.path_hidden = v.hidden[indptr[b] + torch.cat([torch.zeros(1, dtype=torch.int64),
-                                                             acc.nodes[b, : n_acc[b]].to(torch.int64)])]
-            r.offset += N
+            # tree_rejection_sample drew this request's numbers at positions 0..sizes[b]-1
+            # (not up to the batch's widest tree N): its next step starts after them.
+            r.offset += v.sizes[b]
             keep = emitted[: r.remaining]
             for i, t in enumerate(keep):
                 if t in eos:
@@ -336,3 +344,15 @@ class Generator:
             if on_tokens is not None and keep:
                 on_tokens(r, keep)
         return n_acc
+
+    def hand_hidden_states(self, reqs: list[Request], v: Verification, acc: Accepted) -> None:
+        """Give the drafter (``uses_hidden``) each request's hidden states of the root and the
+        accepted nodes [n_accepted + 1, H], row i the one that produced emitted token i (the
+        last row produced the new root); requests whose step failed get none."""
+        n_acc = acc.num_accepted.tolist()
+        indptr = v.qo_indptr.tolist()
+        for b, r in enumerate(reqs):
+            if n_acc[b] < 0:
+                continue
+            path = torch.cat([torch.zeros(1, dtype=torch.int64), acc.nodes[b, : n_acc[b]].to(torch.int64)])
+            self.drafter.hidden_states(self, r, v.hidden[indptr[b] + path], r.tokens[len(r.tokens) - (n_acc[b] + 1):])

@@ -25,7 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from .config import LlamaConfig
+from .skinny_rows import skinny_linear_rows
 from .. import ops
+from ..gguf_blocks import QuantizedWeight
 from ..kv_cache import PagedKVCache
 
 
@@ -47,8 +49,8 @@ class Batch:
 
 
 def is_block_weight(w) -> bool:
-    """Whether ``w`` is a gguf_blocks.QuantizedWeight (duck-typed: gguf_blocks imports ops)."""
-    return getattr(w, "block_type", None) is not None and hasattr(w, "blocks")
+    """Whether ``w`` is a gguf_blocks.QuantizedWeight."""
+    return isinstance(w, QuantizedWeight)
 
 
 def dense(w) -> torch.Tensor:
@@ -60,11 +62,16 @@ def dense(w) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w) -> torch.Tensor:
-    """x @ w^T through ops.linear; ``w`` may be a tuple of row blocks kept separate (block
-    weights of different types that cannot be concatenated), whose outputs are concatenated."""
+    """x @ w^T: block weights through ``QuantizedWeight.linear``, tensors through
+    ``ops.linear`` with the model's rule for which row counts go to skinny_linear
+    (``skinny_rows.skinny_linear_rows``); ``w`` may be a tuple of row blocks kept
+    separate (block weights of different types that cannot be concatenated), whose outputs
+    are concatenated."""
     if isinstance(w, tuple):
-        return torch.cat([ops.linear(x, p) for p in w], dim=-1)
-    return ops.linear(x, w)
+        return torch.cat([linear(x, p) for p in w], dim=-1)
+    if isinstance(w, QuantizedWeight):
+        return w.linear(x)  # every row count: the blocks' batch-invariant kernel
+    return ops.linear(x, w, skinny_rows=skinny_linear_rows(x.dtype))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

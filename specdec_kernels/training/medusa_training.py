@@ -62,30 +62,28 @@ def collect_self_distillation(model, prompts: list[list[int]], *, max_new_tokens
     from tqdm import tqdm
 
     from ..decoding import Generator
+    from ..decoding.drafters import HiddenStateRecorder
     from ..models.llama import rms_norm
 
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     hidden_of: dict[int, list] = {}
     tokens_of: dict[int, list] = {}
-    gen = Generator(model, None)
     bar = tqdm(total=len(prompts), desc="self-distillation", unit="prompt", disable=not progress)
     emitted = 0
     for start in range(0, len(order), batch_size):
         ids = order[start: start + batch_size]
-        rows: dict[int, list] = {i: [] for i in range(len(ids))}
-
-        def on_tokens(req, new_ids):
-            # Autoregressive: one token per step, and req.hidden is the state that produced it.
-            assert len(new_ids) == 1
-            rows[req.rid].append(req.hidden.to(torch.float32).clone())
-
-        reqs = gen.generate([prompts[i] for i in ids], max_new_tokens, on_tokens=on_tokens)
+        # Autoregressive decoding that keeps the hidden states: the last len(output) rows of
+        # a request are the states that produced its output tokens.
+        recorder = HiddenStateRecorder()
+        reqs = Generator(model, recorder).generate([prompts[i] for i in ids], max_new_tokens)
         for j, r in enumerate(reqs):
             if not r.output:
                 continue
-            if len(rows[j]) != len(r.output):
-                raise RuntimeError(f"captured {len(rows[j])} hidden states for {len(r.output)} tokens")
-            h = torch.stack(rows[j])
+            rows = recorder.rows[j]
+            if rows.shape[0] != len(r.prompt) - 1 + len(r.output):
+                raise RuntimeError(f"captured {rows.shape[0]} hidden states for {len(r.prompt) - 1} prompt and "
+                                   f"{len(r.output)} output tokens")
+            h = rows[len(r.prompt) - 1:].to(torch.float32)
             hidden_of[ids[j]] = rms_norm(h, model.norm.float(), model.config.rms_norm_eps).to(torch.float16)
             tokens_of[ids[j]] = torch.tensor(r.output, dtype=torch.int64)
             emitted += len(r.output)

@@ -107,20 +107,19 @@ def sample(metadata, draft_probs, logits, sampling_metadata) -> torch.Tensor:
     else:
         temperature = sm.temperature[:batch].to(torch.float32)
         if sm.top_k is not None or sm.top_p is not None:
-            # vLLM applies top-k / top-p to logits / T: scale the rows, mask them, and
-            # sample the scaled rows at temperature 1 (greedy rows stay at 1 / 0).
-            greedy = ~(temperature >= ops.MIN_SAMPLING_TEMPERATURE)  # the op's rule (NaN too)
+            # vLLM applies top-k / top-p to logits / T: the rows become logits / T, masked,
+            # sampled at temperature 1 (greedy rows keep their values and temperature).
             rows_per_request = torch.tensor(num_draft_tokens, device=device) + 1
-            scale = torch.where(greedy, torch.ones_like(temperature), temperature)
-            scale = scale.repeat_interleave(rows_per_request, output_size=logits.shape[0])
+
+            def per_row(t):
+                return t[:batch].repeat_interleave(rows_per_request, output_size=logits.shape[0])
+
             if logits.dtype != torch.float32:
                 logits = logits.to(torch.float32)
-            logits.div_(scale.unsqueeze(1))
-            top_k = None if sm.top_k is None else sm.top_k[:batch].to(torch.int32).repeat_interleave(
-                rows_per_request, output_size=logits.shape[0])
-            top_p = None if sm.top_p is None else sm.top_p[:batch].to(torch.float32).repeat_interleave(
-                rows_per_request, output_size=logits.shape[0])
-            ops.apply_top_k_top_p(logits, top_k, top_p)
+            ops.apply_temperature_top_k_top_p(logits, per_row(temperature),
+                                              None if sm.top_k is None else per_row(sm.top_k.to(torch.int32)),
+                                              None if sm.top_p is None else per_row(sm.top_p.to(torch.float32)))
+            greedy = ~(temperature >= ops.MIN_SAMPLING_TEMPERATURE)  # the op's rule (NaN too)
             temperature = torch.where(greedy, temperature, torch.ones_like(temperature))
     if draft_probs is not None and draft_probs.dtype != torch.float32:
         draft_probs = draft_probs.to(torch.float32)
