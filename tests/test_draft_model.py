@@ -4,7 +4,6 @@
 sampled output follows the target with a draft vocabulary smaller than the target's),
 chain sizing by the step-cost curve, training that raises agreement, and the shipped files
 on the real model."""
-import os
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from specdec_kernels.models.llama import dense
 from specdec_kernels.training.draft_training import (DraftLM, ExitHead, Sequences, agreement, chain_speedup,
                                                      distill_loss, train)
 
-from tests.helpers import exact_pair_probs, pair_chisquare_pvalue
+from tests.helpers import exact_pair_probs, pair_chisquare_pvalue, real_model, require_real_model
 
 FREE = StepCost({1: {1: 1.0, 64: 1.0}, 4: {4: 1.0, 256: 1.0}})  # extra verified rows cost nothing
 TOL = {None: 1e-4, "Q8_0": 0.05}  # logits: fp32 exact up to summation order; Q8_0 within its rounding
@@ -244,7 +243,7 @@ def test_exit_head_training_raises_agreement(model):
     assert result["best"] >= result["before"] + 0.1, result
 
 
-@pytest.mark.skipif(os.environ.get("SPECDEC_SKIP_REAL_MODEL") == "1", reason="real-model tests disabled")
+@real_model
 @pytest.mark.parametrize("drafter_name, floor", [("draft", 1.2), ("self-spec", 1.1)])
 def test_shipped_drafts_on_the_real_model(drafter_name, floor):
     """The shipped distilled draft and exit head on SmolLM2-135M: greedy output equals
@@ -256,6 +255,7 @@ def test_shipped_drafts_on_the_real_model(drafter_name, floor):
     from specdec_kernels.draft_model import default_draft_checkpoint, default_exit_checkpoint
     from specdec_kernels.models import load_model
 
+    require_real_model()
     shipped = default_draft_checkpoint if drafter_name == "draft" else default_exit_checkpoint
     if shipped("smollm2-135m") is None:
         pytest.fail(f"no {drafter_name} file ships for smollm2-135m")

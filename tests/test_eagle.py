@@ -1,7 +1,6 @@
 """EAGLE drafting: exactness (greedy equals autoregressive, sampled output follows the target),
 the dynamic tree against a brute-force reference, the head's file round trip, the trainer's
 unrolled forward against step-by-step drafting, and the shipped head's acceptance."""
-import os
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from specdec_kernels.decoding.eagle_drafter import EagleDrafter
 from specdec_kernels.eagle import EagleHead, attention_reference, load_eagle_head, save_eagle_head
 from specdec_kernels.models import Llama, tiny_config
 
-from tests.helpers import exact_pair_probs, pair_chisquare_pvalue
+from tests.helpers import exact_pair_probs, pair_chisquare_pvalue, real_model, require_real_model
 
 FREE = {r: 1.0 for r in range(1, 129)}  # verification cost table: every row free (keep all nodes)
 SLOW_STEP = 1e6  # seconds of a one-row verification: drafting is free next to it (expand every depth)
@@ -241,8 +240,10 @@ def test_back_off_after_empty_trees_keeps_the_head_cache_whole(model, prompts):
 
     def spy(reqs):
         out = original(reqs)
-        for r in reqs:  # after a catch-up pass: entries t = 0..len(tokens)-2 of the sequence
-            seen.setdefault(r.rid, []).append(drafter.cache.length(drafter.slot[r.rid]) == len(r.tokens) - 1)
+        caught = out[1]  # entries the pass ran, committed once the step's trees are drafted
+        for b, r in enumerate(reqs):  # committed + caught up: entries t = 0..len(tokens)-2 of the sequence
+            seen.setdefault(r.rid, []).append(
+                drafter.cache.length(drafter.slot[r.rid]) + caught.get(b, 0) == len(r.tokens) - 1)
         return out
 
     drafter.catch_up = spy
@@ -378,7 +379,7 @@ def test_unrolled_training_forward_matches_drafting(model):
                 assert torch.allclose(outs[j - 1][0, t], g, atol=1e-4), (j, t)
 
 
-@pytest.mark.skipif(os.environ.get("SPECDEC_SKIP_REAL_MODEL") == "1", reason="real-model tests disabled")
+@real_model
 def test_shipped_head_accepts_on_the_real_model():
     """The shipped head on SmolLM2-135M with the same fixed-size trees for both heads (16
     nodes, depth <= 4; free verification rows, so the machine's cost curve does not decide
@@ -387,6 +388,7 @@ def test_shipped_head_accepts_on_the_real_model():
     (1.39 for the first head), 1.00 untrained (which accepted nothing in 484 drafted nodes)."""
     from specdec_kernels.eagle import default_eagle_checkpoint, eagle_head_for
 
+    require_real_model()
     if default_eagle_checkpoint("smollm2-135m") is None:
         pytest.fail("no EAGLE head ships for smollm2-135m")
     from specdec_kernels.models import load_model

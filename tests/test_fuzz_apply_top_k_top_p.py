@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import specdec_kernels  # noqa: F401
 from python_ref import rejection_sampling as ref
 from specdec_kernels import ops
-from tests.helpers import assert_guard_intact, guarded, requires_triton
+from tests.helpers import assert_guard_intact, assert_same, guarded, requires_triton
 from tests.fuzzing import call_or_clear_error, fuzz_settings
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -85,11 +85,6 @@ def run_backend(backend, case):
             assert_guard_intact(p)
             assert torch.equal(p.nan_to_num(), original.nan_to_num())
     return logits.clone()
-
-
-def assert_same(got, expected, case):
-    same = (got == expected) | (got.isnan() & expected.isnan())
-    assert bool(same.all()), f"\ngot      {got}\nexpected {expected}\ncase {case}"
 
 
 @fuzz_settings(30)

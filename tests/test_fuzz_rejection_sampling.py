@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import specdec_kernels  # noqa: F401  (registers the ops)
 from python_ref import rejection_sampling as ref
 from specdec_kernels import ops
-from tests.helpers import assert_guard_intact, guarded, requires_triton
+from tests.helpers import assert_guard_intact, assert_same, guarded, requires_triton
 from tests.fuzzing import call_or_clear_error, fuzz_settings
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -203,11 +203,6 @@ def run_guarded(launch, case, input_names, outputs):
             assert torch.equal(t, b) or (t.is_floating_point() and torch.equal(t.isnan(), b.isnan())
                                          and torch.equal(t.nan_to_num(), b.nan_to_num())), "an input was modified"
     return tuple(o.clone() for o in outs)
-
-
-def assert_same(got, expected, case):
-    for g, e in zip(got, expected):
-        assert torch.equal(g, e), f"\ngot      {g}\nexpected {e}\ncase {case}"
 
 
 def triton_rs():

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from python_ref import linear as ref
 from specdec_kernels import ops
-from tests.helpers import assert_cpu_paths_agree, cpu_flags, requires_triton
+from tests.helpers import assert_cpu_paths_agree, cpu_flags, require_real_model, requires_triton
 
 # fp32 accumulation of H products: compare with a tolerance that grows with H.
 def tol(H, out_dtype=torch.float32):
@@ -582,13 +582,7 @@ def test_quantized_cpu_paths_give_identical_bits(tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm2_reader():
-    from specdec_kernels.models.registry import smollm2_gguf_path
-
-    try:
-        path = smollm2_gguf_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    return gguf.GGUFReader(path)
+    return gguf.GGUFReader(require_real_model())
 
 
 def _tensor(reader, name):

