@@ -11,10 +11,10 @@ specdec_kernels`` loads only the ops): ``load_model(name_or_path) -> (Llama, Tok
 ``generate(model, tokenizer, prompt) -> str``, ``Generator``, ``make_drafter``,
 ``SamplingParams``.
 """
-from . import _platform
-from ._platform import missing_cpu_features
-
 try:
+    from . import _platform
+    from ._platform import missing_cpu_features
+
     import torch as _torch  # loads libtorch, which _C links against
 
     _platform.check_cpu_features()  # an ImportError naming the missing feature, not SIGILL mid-run
@@ -28,7 +28,9 @@ try:
         # (Bound under another name: `triton` would read as the top-level package.)
         from . import triton as _triton_kernels  # noqa: F401  (registers the CUDA kernels)
 except KeyboardInterrupt:
-    _platform.exit_if_command_line()  # Ctrl-C while `specdec` starts: exit 130, no traceback
+    from ._platform import exit_if_command_line
+
+    exit_if_command_line()  # Ctrl-C while `specdec` starts: exit 130, no traceback
     raise
 
 

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -401,6 +402,7 @@ def test_ctrl_c_while_the_package_loads_is_one_line(tmp_path, env):
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert p.stderr.readline() == b"importing\n"
+        time.sleep(0.3)  # past the script's own lines, inside `import torch` (which takes over a second here)
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=120)
     finally:
