@@ -88,13 +88,15 @@ def main(argv=None) -> int:
     p.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated methods (module docstring)")
     p.add_argument("--model", default="smollm2-135m", help="target model")
     p.add_argument("--weights", default="native", choices=WEIGHT_FORMATS, help="target weight format")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = the cores not busy with other work (specdec_kernels.threads)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "e2e_draft.json"), help="JSON output")
     p.add_argument("--recalibrate", action="store_true",
                    help="measure the target's step-cost curve again (and cache it) before the runs: the sizing "
                         "of every drafter follows it, and a curve cached on a loaded machine misleads it")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    from specdec_kernels.threads import apply_threads
+
+    args.threads = apply_threads(args.threads).threads  # the one default: the cores not busy
     from tqdm import tqdm
 
     from bench.bench_e2e import load_prompts

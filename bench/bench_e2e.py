@@ -203,8 +203,8 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
     p.add_argument("--llama-python", default=sys.executable,
                    help="interpreter that runs llama-cpp-python for the llama.cpp baseline (default: this one)")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp baseline")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (1: on a shared machine more threads stall in barriers)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads; 0 = the cores not busy with other work (specdec_kernels.threads)")
     p.add_argument("--out-dir", default=str(default_out_dir), help="folder of the results")
     p.add_argument("--out-name", default=None,
                    help="results name: OUT_DIR/NAME.json and NAME_speedup.png (default: e2e for the "
@@ -217,7 +217,9 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
 
     from tqdm import tqdm
 
-    torch.set_num_threads(args.threads)
+    from specdec_kernels.threads import apply_threads
+
+    args.threads = apply_threads(args.threads).threads  # the one default: the cores not busy
     t0 = time.perf_counter()
     model, tok = load_model(args.model, weights=args.weights)
     load_s = time.perf_counter() - t0

@@ -126,11 +126,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="30-second smoke run")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "uint8"])
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = the cores not busy with other work (specdec_kernels.threads)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from specdec_kernels.threads import apply_threads
+
+    args.threads = apply_threads(args.threads).threads  # the one default: the cores not busy
 
     # (tree nodes, accepted, chain)
     shapes = [(16, 1, False), (16, 4, False), (64, 4, False), (64, 8, False), (8, 7, True)]

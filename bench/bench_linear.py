@@ -152,10 +152,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a ~30 s smoke run (no cold-weight timings)")
     parser.add_argument("--threads", type=int, default=0,
-                        help="torch threads (default: torch's default); 1 gives stable numbers on a busy machine")
+                        help="torch threads; 0 = the cores not busy with other work (specdec_kernels.threads); 1 gives stable numbers on a busy machine")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from specdec_kernels.threads import apply_threads
+
+    args.threads = apply_threads(args.threads).threads  # the one default: the cores not busy
 
     if args.quick:
         skinny_shapes = [(1536, 576), (576, 1536)]

@@ -113,10 +113,11 @@ def main():
     parser.add_argument("--quick", action="store_true", help="a ~30 s smoke run")
     parser.add_argument("--no-vicuna", action="store_true", help="skip the Vicuna-7B shapes (0.9 GB of weights)")
     parser.add_argument("--threads", type=int, default=0,
-                        help="torch threads (default: torch's default); 1 gives stable numbers on a busy machine")
+                        help="torch threads; 0 = the cores not busy with other work (specdec_kernels.threads); 1 gives stable numbers on a busy machine")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from specdec_kernels.threads import apply_threads
+
+    args.threads = apply_threads(args.threads).threads  # the one default: the cores not busy
 
     smol = dict(K=4, L=1, H=576, V=49152)
     vic = dict(K=5, L=1, H=4096, V=32000)

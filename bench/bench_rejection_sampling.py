@@ -81,10 +81,11 @@ def make_inputs(batch, k, vocab, gen):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few cases, few repetitions")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = the cores not busy with other work (specdec_kernels.threads)")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from specdec_kernels.threads import apply_threads
+
+    args.threads = apply_threads(args.threads).threads  # the one default: the cores not busy
     if args.quick:
         cases = [(1, 5, 32000), (8, 5, 49152), (32, 5, 128256)]
     else:

@@ -34,10 +34,12 @@ def main(argv=None) -> int:
     p.add_argument("--formats", nargs="+", default=["native", "native-int8act"], choices=WEIGHT_FORMATS)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--reps", type=int, default=3, help="rounds over all formats")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = the cores not busy with other work (specdec_kernels.threads)")
     p.add_argument("--out-name", default="weight_formats")
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    from specdec_kernels.threads import apply_threads
+
+    args.threads = apply_threads(args.threads).threads  # the one default: the cores not busy
 
     from bench.bench_e2e import load_prompts
     from specdec_kernels.decoding import Generator

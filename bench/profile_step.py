@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--weights", default="native", choices=WEIGHT_FORMATS)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = the cores not busy with other work (specdec_kernels.threads)")
     p.add_argument("--tokens", type=int, default=32, help="decode steps profiled")
     p.add_argument("--prompt", default="Explain how a hash map works, with an example.")
     args = p.parse_args(argv)
@@ -58,7 +58,9 @@ def main(argv=None) -> int:
     from specdec_kernels.decoding import Generator
     from specdec_kernels.models import load_model
 
-    torch.set_num_threads(args.threads)
+    from specdec_kernels.threads import apply_threads
+
+    args.threads = apply_threads(args.threads).threads  # the one default: the cores not busy
     model, tok = load_model(args.model, weights=args.weights)
     ids = tok.chat_prompt(args.prompt)
     gen = Generator(model)

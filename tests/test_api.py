@@ -275,6 +275,44 @@ def test_mask_with_too_few_rows_is_reported_as_tree_mask():
                                        c["qo_indptr"], ragged[:5])
 
 
+def test_too_few_query_rows_name_q_and_the_node_count():
+    """With num_nodes the caller never saw a qo_indptr: the message is about q's rows."""
+    c = _attention_case()
+    says = r"q must have a row for every node: the requests have 8 nodes in all .*num_nodes.* has T = 6 rows"
+    with pytest.raises(RuntimeError, match=says):
+        specdec_kernels.tree_attention(c["q"][:6], c["k_cache"], c["v_cache"], c["block_table"], c["prefix_lens"],
+                                       num_nodes=c["num_nodes"])
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["wrapper", "torch.ops"])
+def test_head_dim_mismatch_names_q_and_k_cache(raw):
+    """Either may be the wrong one: a q of head dimension 32 over a cache of 16 names both."""
+    c = _attention_case()
+    q = torch.randn(8, 4, 32)
+    says = r"q and k_cache must have the same head dimension D, got q \[T, Hq, D\] = \[8, 4, 32\] and k_cache"
+    if raw:
+        with pytest.raises(RuntimeError, match=says):
+            torch.ops.specdec.tree_attention(q, c["k_cache"], c["v_cache"], c["block_table"], c["prefix_lens"],
+                                             c["qo_indptr"], None, 0.25, torch.empty_like(q), None)
+    else:
+        with pytest.raises(ValueError, match=says):
+            specdec_kernels.tree_attention(q, c["k_cache"], c["v_cache"], c["block_table"], c["prefix_lens"],
+                                           c["qo_indptr"])
+
+
+def test_an_index_tensor_of_another_dtype_names_both_widths():
+    """The wrappers take int32 or int64: a float count says so (the raw op takes int32 only)."""
+    drafts, num_drafts, logits = _chain_batch()
+    with pytest.raises(ValueError, match=r"num_draft_tokens must have dtype torch.int32 or torch.int64, "
+                                         r"got torch.float32"):
+        specdec_kernels.chain_rejection_sample(drafts, num_drafts.float(), logits, temperature=0.0)
+    with pytest.raises(ValueError, match=r"draft_token_ids must have dtype torch.int64 or torch.int32, got torch.float32"):
+        specdec_kernels.chain_rejection_sample(drafts.float(), num_drafts, logits, temperature=0.0)
+    parents, tokens, num_nodes, tlogits = _tree_batch()
+    with pytest.raises(ValueError, match=r"num_nodes must have dtype torch.int32 or torch.int64, got torch.bool"):
+        specdec_kernels.tree_rejection_sample(parents, tokens, num_nodes.bool(), tlogits, temperature=0.0)
+
+
 # ---------------------------------------------------------------------------------------
 # The namespace: the API only, __all__, the op listing.
 # ---------------------------------------------------------------------------------------

@@ -6,11 +6,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from specdec_kernels.cli import number, slower_than_autoregressive
+from specdec_kernels.decoding.registry import DRAFTERS
 from specdec_kernels.decoding.stats import RequestStats
 
 from tests.helpers import real_model, require_real_model
@@ -79,7 +81,7 @@ def test_generate_tiny_model(tiny_dir, env):
     assert "Traceback" not in err
     assert f"[loaded {tiny_dir.name} (safetensors, float32 weights, running as fp32) in " in err
     # Each drafter's own schedule by default; decode and prefill rates apart.
-    assert "[ngram, schedule heuristic] 12 tokens in" in err
+    assert "[ngram, schedule heuristic, " in err and "] 12 tokens in" in err
     assert "decode " in err and " tokens/s, prefill " in err and "prompt tokens in" in err
     assert r.stdout  # the streamed text
 
@@ -88,7 +90,7 @@ def test_default_drafter_is_ngram_tree_with_max(tiny_dir, env):
     r = specdec(["generate", "--model", str(tiny_dir), "--prompt", "a b a b", "--max-new-tokens", "4",
                  "--no-ar-check"], env)
     assert r.returncode == 0, r.stderr.decode()
-    assert "[ngram-tree, schedule max] 4 tokens" in r.stderr.decode()
+    assert "[ngram-tree, schedule max, " in r.stderr.decode()
 
 
 @pytest.mark.parametrize("flag,value,says", [
@@ -186,7 +188,7 @@ def test_ctrl_c_stops_cleanly(tiny_dir, env):
     assert p.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     (line,) = [x for x in err.splitlines() if "interrupted" in x]
-    assert line.startswith("[none, schedule constant] interrupted after ") and "decode " in line
+    assert line.startswith("[none, schedule constant, ") and "] interrupted after " in line and "decode " in line
 
 
 def test_bench_writes_to_user_cache_not_tracked_files(tiny_dir, env, tmp_path):
@@ -223,7 +225,7 @@ def test_generate_help_shows_defaults():
     for action in sub._actions:
         if action.option_strings and action.dest != "help":
             assert action.help, action.option_strings  # one line of help per flag
-    assert "(default: ngram-tree)" in " ".join(text.split()) and "(default: 128)" in text
+    assert "(ngram-tree for smollm2-135m" in " ".join(text.split()) and "(default: 128)" in text
 
 
 def test_train_medusa_refuses_to_overwrite(env):
@@ -332,3 +334,93 @@ def test_train_draft_end_to_end(tiny_dir, env, tmp_path, kind):
     assert g.returncode == 0, g.stderr.decode()[-2000:]
     again = specdec(args, env)
     assert again.returncode == 2 and "--overwrite" in again.stderr.decode()
+
+
+def test_threads_show_on_the_stats_line(tiny_dir, env):
+    args = ["generate", "--model", str(tiny_dir), "--prompt", "a b a b", "--max-new-tokens", "3", "--no-ar-check"]
+    err = specdec(args + ["--threads", "1"], env).stderr.decode()
+    assert "[ngram-tree, schedule max, 1 thread (--threads)] 3 tokens in" in err, err
+    err = specdec(args, env).stderr.decode()  # chosen: "N threads (M allowed, K busy by probe)"
+    assert " allowed, " in err and " busy by " in err and "] 3 tokens in" in err, err
+
+
+def test_empty_prompt_without_raw_is_an_error(tiny_dir, env):
+    """The chat template around an empty message is not a question: no generic reply."""
+    one_error_line(specdec(["generate", "--model", str(tiny_dir), "--prompt", ""], env),
+                   "the prompt is empty", "--prompt TEXT")
+    one_error_line(specdec(["generate", "--model", str(tiny_dir), "--prompt-file", "-"], env, input=b"\n"),
+                   "the prompt is empty")
+
+
+def test_prompt_from_stdin_answers_as_the_same_prompt_given_inline(tiny_dir, env):
+    """`echo TEXT | specdec generate --prompt-file -`: echo's newline is not part of the prompt."""
+    args = ["generate", "--model", str(tiny_dir), "--max-new-tokens", "6", "--drafter", "none", "--no-ar-check"]
+    inline = specdec(args + ["--prompt", "say hi"], env)
+    piped = specdec(args + ["--prompt-file", "-"], env, input=b"say hi\n")
+    assert inline.returncode == piped.returncode == 0, piped.stderr.decode()
+    assert piped.stdout == inline.stdout
+
+
+@pytest.mark.parametrize("data,text", [(b"say hi\n", "say hi"), (b"say hi\r\n", "say hi"), (b"a\n\nb\n\n", "a\n\nb"),
+                                       (b"  indented  ", "  indented  ")])
+def test_prompt_file_drops_only_its_final_newlines(data, text, tmp_path):
+    from argparse import Namespace
+
+    from specdec_kernels.cli import read_prompt
+
+    path = tmp_path / "prompt.txt"
+    path.write_bytes(data)
+    assert read_prompt(Namespace(prompt=None, prompt_file=str(path))) == text
+
+
+def test_a_prompt_longer_than_the_context_says_shorten_it(tiny_dir, env, tmp_path):
+    long = tmp_path / "long.txt"
+    long.write_text("x" * 9000)  # byte-level tokenizer: 9000 tokens, past the 8192-position context
+    line = one_error_line(specdec(["generate", "--model", str(tiny_dir), "--prompt-file", str(long)], env),
+                          "shorten the prompt")
+    assert "--max-new-tokens" not in line
+    line = one_error_line(specdec(["generate", "--model", str(tiny_dir), "--prompt", "go", "--max-new-tokens",
+                                   "9000"], env), "--max-new-tokens")
+    assert "or less" in line
+
+
+def test_help_lists_the_drafters_a_line_each(env):
+    text = specdec(["generate", "--help"], env).stdout.decode()
+    listing = text.split("drafters (default schedule):", 1)[1].strip().splitlines()
+    assert [line.split(" (", 1)[0].strip() for line in listing] == list(DRAFTERS)
+
+
+def test_ctrl_c_while_the_package_loads_is_one_line(tmp_path, env):
+    """Ctrl-C while `specdec` is still importing torch: exit 130 and one line, no traceback.
+    The script is the installed console script's body, with a line before the import so the
+    signal lands inside it."""
+    script = tmp_path / "specdec"
+    script.write_text("import sys\nsys.stderr.write('importing\\n'); sys.stderr.flush()\n"
+                      "from specdec_kernels.cli import main\nsys.exit(main())\n")
+    p = subprocess.Popen([sys.executable, str(script), "generate", "--prompt", "hi"], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert p.stderr.readline() == b"importing\n"
+        time.sleep(0.3)  # past the script's own lines, inside `import torch` (which takes over a second here)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    err = err.decode("utf-8", "replace")
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert [line for line in err.splitlines() if line.strip()] == ["[interrupted]"]
+
+
+def test_calibrate_shows_the_curve_and_generate_recalibrates(tiny_dir, env):
+    r = specdec(["calibrate", "--model", str(tiny_dir), "--threads", "1"], env)
+    out, err = r.stdout.decode(), r.stderr.decode()
+    assert r.returncode == 0, err
+    assert "1 thread (--threads)" in out and "batch  rows  ms/step" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert {(b, n) for b, n, *_ in rows} >= {("1", "1"), ("1", "64"), ("4", "4"), ("4", "64")}
+    assert "cached in " in out or "not cached: the measurement failed its own checks" in out
+    assert "[measuring the step cost of" in err  # the progress line (one line when stderr is not a terminal)
+    r = specdec(["generate", "--model", str(tiny_dir), "--prompt", "a b a b", "--max-new-tokens", "3",
+                 "--threads", "1", "--recalibrate", "--no-ar-check"], env)
+    assert r.returncode == 0 and "[measuring the step cost of" in r.stderr.decode(), r.stderr.decode()

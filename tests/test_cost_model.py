@@ -42,21 +42,54 @@ def test_as_step_cost_accepts_tables_and_callables():
     assert as_step_cost(c) is c
 
 
-def test_calibration_times_real_forwards_and_is_cached_per_machine(tmp_path, monkeypatch):
+def fake_point(seconds_per_row=1e-3, noisy=()):
+    """A stand-in for ``cost_model._time_point``: five repeats of a deterministic cost linear
+    in the rows (``noisy``: (batch, rows per request) whose repeats disagree), and the calls."""
+    calls = []
+
+    def time_point(model, batch, r, context, repeats):
+        calls.append((batch, r))
+        t = seconds_per_row * (1 + 0.1 * (batch * r - 1))
+        return [t, 5 * t, t, 9 * t, t / 3] if (batch, r) in noisy else [t] * 5
+
+    return time_point, calls
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty per-user cost cache and memo."""
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cost_model, "_MEMO", {})
+    return tmp_path / "cost"
+
+
+def test_calibration_times_real_forwards(monkeypatch):
     monkeypatch.setattr(cost_model, "CALIBRATION_BUDGET_S", 600.0)  # every point, however loaded the machine
     model = Llama.random(tiny_config(num_layers=2), seed=0)
     calls = []
-    real = cost_model._time_step
-    monkeypatch.setattr(cost_model, "_time_step", lambda *a, **k: calls.append(a[1:3]) or real(*a, **k))
-    cost = step_cost_for(model)
-    assert calls == list(cost_model.CALIBRATION_POINTS)  # (batch, rows per request), all of them
+    real = cost_model._time_point
+    monkeypatch.setattr(cost_model, "_time_point", lambda *a, **k: calls.append(a[1:3]) or real(*a, **k))
+    lines = []
+    cost = calibrate(model, progress=lines.append)
+    # Every point once (a point the checks reject on this machine is measured once more).
+    assert calls[: len(cost_model.CALIBRATION_POINTS)] == list(cost_model.CALIBRATION_POINTS)
+    assert len(calls) <= 2 * len(cost_model.CALIBRATION_POINTS)
     assert all(s > 0 for pts in cost.table.values() for _, s in pts)
     assert sorted(cost.table) == [1, 4] and [r for r, _ in cost.table[4]] == [4, 16, 64]
     assert [r for r, _ in cost.table[1]] == [1, 2, 4, 8, 16, 32, 64]
-    assert cost.meta["threads"] == torch.get_num_threads() and cost.meta["cpu"] == cost_model.cpu_model()
-    files = os.listdir(tmp_path / "cost")
+    m = cost.meta
+    assert m["threads"] == torch.get_num_threads() and m["cpu"] == cost_model.cpu_model() and m["measured"]
+    assert m["noise"] >= 0 and m["created"].endswith("Z") and m["seconds"] > 0
+    assert lines and "points in" in lines[-1]
+
+
+def test_curve_is_cached_per_machine(cache, monkeypatch):
+    fake, calls = fake_point()
+    monkeypatch.setattr(cost_model, "_time_point", fake)
+    model = Llama.random(tiny_config(num_layers=2), seed=0)
+    cost = step_cost_for(model, progress=False)
+    assert cost.meta["cached"] and "problems" not in cost.meta
+    files = os.listdir(cache)
     assert files == [cost_model.cost_key(model) + ".json"]
     assert model.name in files[0] and f"-t{torch.get_num_threads()}-" in files[0]
     # The same process: the memo; a new process (memo cleared): the file, no new measurement.
@@ -66,10 +99,109 @@ def test_calibration_times_real_forwards_and_is_cached_per_machine(tmp_path, mon
     again = step_cost_for(model)
     assert len(calls) == n and again.table == cost.table
     # A corrupt file is measured again.
-    (tmp_path / "cost" / files[0]).write_text("{not json")
+    (cache / files[0]).write_text("{not json")
     monkeypatch.setattr(cost_model, "_MEMO", {})
-    step_cost_for(model)
+    step_cost_for(model, progress=False)
     assert len(calls) > n
+    # --recalibrate measures again whatever is cached, into the object every caller holds.
+    held, n = step_cost_for(model), len(calls)
+    assert step_cost_for(model, recalibrate=True, progress=False) is held and len(calls) > n
+
+
+@pytest.mark.parametrize("poison", ["non-monotone", "other threads", "other cpu", "failed its checks"])
+def test_a_poisoned_cache_entry_is_detected_on_load(cache, monkeypatch, poison):
+    fake, calls = fake_point()
+    monkeypatch.setattr(cost_model, "_time_point", fake)
+    model = Llama.random(tiny_config(num_layers=2), seed=0)
+    path = cache / (cost_model.cost_key(model) + ".json")
+    data = step_cost_for(model, progress=False).to_json()
+    if poison == "non-monotone":  # the curve issue 28 found cached: 1 row 1.18 s, 4 rows 0.135 s, 64 rows 1.75 s
+        data["table"] = {"1": {"1": 1.18, "4": 0.135, "64": 1.75}}
+    elif poison == "other threads":
+        data["meta"]["threads"] += 1
+    elif poison == "other cpu":
+        data["meta"]["cpu"] = "another CPU"
+    else:
+        data["meta"]["problems"] = ["batch 1, 1 rows: repeats disagree by 900%"]
+    path.write_text(json.dumps(data))
+    monkeypatch.setattr(cost_model, "_MEMO", {})
+    n = len(calls)
+    cost = step_cost_for(model, progress=False)
+    assert len(calls) > n  # measured again
+    assert cost.seconds(1) == pytest.approx(1e-3) and json.loads(path.read_text())["table"] == cost.to_json()["table"]
+
+
+def test_calibration_checks_itself(cache, monkeypatch):
+    model = Llama.random(tiny_config(num_layers=1), seed=0)
+    # A point whose repeats disagree is measured again; when it agrees then, the curve is cached.
+    fake, calls = fake_point()
+    flaky = {"left": 1}
+
+    def once_noisy(model, batch, r, context, repeats):
+        if (batch, r) == (1, 4) and flaky["left"]:
+            flaky["left"] -= 1
+            calls.append((batch, r))
+            return [1e-3, 9e-3, 1e-3, 8e-3, 3e-4]
+        return fake(model, batch, r, context, repeats)
+
+    monkeypatch.setattr(cost_model, "_time_point", once_noisy)
+    cost = step_cost_for(model, progress=False)
+    assert calls.count((1, 4)) == 2 and "problems" not in cost.meta and cost.meta["cached"]
+    # A point that never agrees: the curve says why, is used in this process, never cached.
+    monkeypatch.setattr(cost_model, "_MEMO", {})
+    for f in cache.iterdir():
+        f.unlink()
+    fake, calls = fake_point(noisy={(1, 16)})
+    monkeypatch.setattr(cost_model, "_time_point", fake)
+    cost = step_cost_for(model, progress=False)
+    assert cost.meta["problems"][0].startswith("batch 1, 16 rows: repeats disagree by")
+    assert cost.meta["cached"] is False and list(cache.iterdir()) == []
+    assert calls.count((1, 16)) == cost_model.CALIBRATION_ATTEMPTS
+    assert cost.meta["noise"] > cost_model.NOISE_LIMIT
+
+
+def test_curve_checks():
+    assert cost_model.curve_problems({1: {1: 0.01, 4: 0.012, 16: 0.03}, 4: {4: 0.02, 16: 0.03}}) == []
+    issue = cost_model.curve_problems({1: {1: 1.18, 4: 0.135, 64: 1.75}})
+    assert issue == ["batch 1: 4 rows (135.0 ms) faster than 1 (1180.0 ms)"]
+    assert cost_model.curve_problems({1: {1: 0.01, 2: 0.0095}}) == []  # within the timer's noise
+    assert cost_model.curve_problems({1: {1: 0.01, 4: 0.1}}) == [
+        "batch 1: 4 rows (100.0 ms) cost more than 4 steps of 1 (10.0 ms)"]
+    assert cost_model.curve_problems({1: {1: 0.01}}, {(1, 1): 0.8}) == ["batch 1, 1 rows: repeats disagree by 80%"]
+    assert cost_model.spread([1.0, 1.0, 1.0, 1.0, 50.0]) == 0.0  # one preempted run of five is not disagreement
+    assert cost_model.spread([1.0, 2.0]) == pytest.approx(2 / 3)
+
+
+def test_a_poisoned_cache_is_refreshed_by_live_step_times(cache, monkeypatch):
+    """A cached curve that passes every check but is 100x too slow (measured while the
+    machine was busy, or written by hand): the Generator's verification steps disagree with
+    it, so it is measured again, in place, and the cache file is rewritten."""
+    model = Llama.random(tiny_config(num_layers=2), seed=0)
+    path = cache / (cost_model.cost_key(model) + ".json")
+    fake, calls = fake_point(seconds_per_row=1.0)  # 1 s a row: ~1000x what a tiny model's step takes
+    monkeypatch.setattr(cost_model, "_time_point", fake)
+    poisoned = step_cost_for(model, progress=False)
+    assert path.exists() and poisoned.seconds(1) == pytest.approx(1.0)
+    monkeypatch.setattr(cost_model, "_MEMO", {})
+    fake, calls = fake_point(seconds_per_row=2e-4)  # what the refresh measures
+    monkeypatch.setattr(cost_model, "_time_point", fake)
+    gen = Generator(model, NgramTreeDrafter(), SpecSchedule("max"))
+    prompt = [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
+    ar = Generator(model).generate([prompt], 24)[0].output
+    out = gen.generate([prompt], 24)[0]
+    assert out.output == ar
+    assert calls, "the poisoned curve was not measured again"
+    cost = gen.step_cost
+    assert cost.seconds(1) == pytest.approx(2e-4) and "live steps took" in cost.meta["refreshed_because"]
+    assert json.loads(path.read_text())["meta"]["refreshed_because"] == cost.meta["refreshed_because"]
+    # At most one refresh per interval: the next disagreement (fake vs real times) measures nothing.
+    n = len(calls)
+    gen.generate([prompt], 24)
+    assert len(calls) == n
+    # A curve the caller gave is theirs: never checked or replaced.
+    given = StepCost({1: {1: 5.0, 64: 5.0}})
+    Generator(model, NgramTreeDrafter(), SpecSchedule("max"), step_cost=given).generate([prompt], 24)
+    assert given.seconds(1) == 5.0 and len(calls) == n
 
 
 def test_cache_dir_follows_xdg(monkeypatch, tmp_path):
@@ -80,7 +212,8 @@ def test_cache_dir_follows_xdg(monkeypatch, tmp_path):
     assert cost_model.cache_dir() == os.path.join(os.path.expanduser("~"), ".cache", "specdec_kernels", "cost")
 
 
-def test_calibration_stops_at_its_time_budget():
+def test_calibration_stops_at_its_time_budget(monkeypatch):
+    monkeypatch.setattr(cost_model, "_time_point", fake_point()[0])  # the budget, not the checks, here
     model = Llama.random(tiny_config(num_layers=1), seed=0)
     # A spent budget still measures the minimum points: the curve keeps its shape.
     cost = calibrate(model, budget_s=0.0, repeats=1)

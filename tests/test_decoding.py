@@ -7,6 +7,7 @@ from scipy.stats import chisquare
 
 from specdec_kernels.decoding import (Generator, MedusaDrafter, ModelDrafter, NgramDrafter, NgramTreeDrafter,
                                       SamplingParams, SelfSpecDrafter, SpecSchedule)
+from specdec_kernels.decoding.cost_model import StepCost
 from specdec_kernels.decoding.stats import RequestStats
 from specdec_kernels.models import Llama, tiny_config
 
@@ -387,3 +388,59 @@ def test_ngram_tree_accepts_repeated_text(model, prompts):
     spec = Generator(model, NgramTreeDrafter(step_cost=STEP_COST), SpecSchedule("max")).generate([prompt], 30)[0]
     assert spec.output == base
     assert spec.stats.drafted > 0
+
+
+def permutation_model(perm: list) -> Llama:
+    """A Llama whose greedy next token after x is ``perm[x]``, whatever came before: one-hot
+    embeddings, layers that add nothing (zero output projections), an LM head that maps
+    x's embedding to perm[x]'s logit."""
+    V = len(perm)
+    model = Llama.random(tiny_config(vocab_size=V, hidden_size=V, num_layers=1), seed=0)
+    model.embed.copy_(torch.eye(V))
+    for layer in model.layers:
+        layer["wo"].zero_()
+        layer["w_down"].zero_()
+    lm_head = torch.zeros(V, V)
+    lm_head[torch.tensor(perm), torch.arange(V)] = 10.0
+    model.lm_head.copy_(lm_head)
+    return model
+
+
+def test_ngram_tree_stops_drafting_where_nothing_is_copied():
+    """A prompt whose n-grams all continue differently from the model (each pair (x, perm[x])
+    is followed by a token other than perm[perm[x]]): at every step the trie has a two-token
+    match the tables rate at ~0.23, enough for a row that costs 16% of a step (the measured
+    native-weights curve), and every such draft is rejected. The per-request scale switches
+    drafting off after the first rejections, so the run costs what autoregressive decoding
+    costs, step for step; with the tables trusted as they are it drafts at every step."""
+    V = 64
+    perm = [(5 * x + 3) % V for x in range(V)]  # one cycle of length 64 (Hull-Dobell): 48 new tokens never repeat
+    model = permutation_model(perm)
+    start = 5
+    prompt = []
+    for x in np.random.default_rng(0).permutation(V).tolist():
+        junk = (perm[perm[x]] + 1 + x) % V
+        prompt += [x, perm[x], junk if junk != perm[perm[x]] else (junk + 1) % V]
+    prompt.append(start)
+    native_curve = StepCost({1: {1: 1.0, 2: 1.16, 4: 1.39, 8: 2.2, 16: 3.7}})
+    ar = Generator(model).generate([prompt], 48)[0]
+    assert ar.output[:3] == [perm[start], perm[perm[start]], perm[perm[perm[start]]]]
+
+    def run(drafter):
+        drafted = []
+        propose = drafter.propose
+        drafter.propose = lambda gen, reqs, lengths: [drafted.append(len(d.tokens) - 1) or d
+                                                      for d in propose(gen, reqs, lengths)]
+        req = Generator(model, drafter, SpecSchedule("max")).generate([prompt], 48)[0]
+        assert req.output == ar.output
+        return req, drafted
+
+    trusting = NgramTreeDrafter(step_cost=native_curve)
+    trusting.scale = lambda rid: 1.0  # the tables as they are, for comparison
+    req, drafted = run(trusting)
+    assert sum(n > 0 for n in drafted) >= 40 and req.stats.accepted == 0  # a draft every step, all rejected
+
+    req, drafted = run(NgramTreeDrafter(step_cost=native_curve))
+    assert req.stats.steps == ar.stats.steps == 48 and req.stats.accepted == 0
+    assert all(n == 0 for n in drafted[3:]), drafted  # off within three steps, and it stays off
+    assert req.stats.drafted <= 3

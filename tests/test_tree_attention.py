@@ -251,7 +251,8 @@ WRAPPER_ERRORS = [
     (lambda c: dict(q=c["q"][0]), "q must have 3 dimensions"),
     (lambda c: dict(k_cache=c["k_cache"].half()), "k_cache must have dtype"),
     (lambda c: dict(v_cache=c["v_cache"][:, :2]), "v_cache must have shape"),
-    (lambda c: dict(k_cache=c["k_cache"][..., :32], v_cache=c["v_cache"][..., :32]), "k_cache must have shape"),
+    (lambda c: dict(k_cache=c["k_cache"][..., :32], v_cache=c["v_cache"][..., :32]),
+     "q and k_cache must have the same head dimension"),
     (lambda c: dict(q=c["q"][:, :3]), "multiple of k_cache"),
     # (int64 index tensors are cast by the wrapper: tests/test_api.py)
     (lambda c: dict(block_table=c["block_table"].to(torch.int16)), "block_table must have dtype torch.int32"),
@@ -282,7 +283,7 @@ KERNEL_ERRORS = [
     (lambda c: dict(block_table=c["block_table"].index_fill(1, torch.tensor([0]), 99)), "out of range"),
     (lambda c: dict(block_table=c["block_table"].index_fill(1, torch.tensor([0]), -1)), "out of range"),
     (lambda c: dict(qo_indptr=torch.tensor([0, 5, 4], dtype=torch.int32)), "non-decreasing"),
-    (lambda c: dict(qo_indptr=torch.tensor([0, 4, 9], dtype=torch.int32)), "exceeds the number of query rows"),
+    (lambda c: dict(qo_indptr=torch.tensor([0, 4, 9], dtype=torch.int32)), "q must have a row for every node"),
     (lambda c: dict(qo_indptr=torch.tensor([-1, 4, 7], dtype=torch.int32)), r"qo_indptr\[0\] must be >= 0"),
     (lambda c: dict(prefix_lens=torch.tensor([5, -2], dtype=torch.int32)), r"prefix_lens\[1\] must be >= 0"),
     (lambda c: dict(prefix_lens=torch.tensor([5, 1000], dtype=torch.int32)), "cache positions"),

@@ -368,7 +368,9 @@ void tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at
               ", got ", v_cache.sizes());
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), Hkv = k_cache.size(2);
   TORCH_CHECK(block_size >= 1, "k_cache must have block_size >= 1, got shape ", k_cache.sizes());
-  check_size(k_cache, 3, D, "k_cache (the head dim of q)");
+  // Neither q nor the cache is known to be right: name both head dimensions.
+  TORCH_CHECK(k_cache.size(3) == D, "q and k_cache must have the same head dimension D, got q [T, Hq, D] = ",
+              q.sizes(), " and k_cache [num_blocks, block_size, Hkv, D] = ", k_cache.sizes());
   TORCH_CHECK(Hkv >= 1 && Hq % Hkv == 0, "q's number of heads (", Hq, ") must be a multiple of k_cache's (", Hkv,
               ")");
   TORCH_CHECK(out.sizes() == q.sizes(), "out must have the shape of q ", q.sizes(), ", got ", out.sizes());
@@ -415,7 +417,10 @@ void tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache, const at
     TORCH_CHECK(qi_p[b + 1] >= qi_p[b], "qo_indptr must be non-decreasing, got qo_indptr[", b, "] = ", qi_p[b],
                 " > qo_indptr[", b + 1, "] = ", qi_p[b + 1]);
   }
-  TORCH_CHECK(qi_p[B] <= T, "qo_indptr[", B, "] = ", qi_p[B], " exceeds the number of query rows T = ", T);
+  // Named for the caller, who may have passed num_nodes (the wrapper makes qo_indptr from it).
+  TORCH_CHECK(qi_p[B] <= T, "q must have a row for every node: the requests have ", qi_p[B],
+              " nodes in all (qo_indptr[", B, "], the sum of num_nodes) but q [T, Hq, D] = ", q.sizes(), " has T = ",
+              T, " rows");
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = qi_p[b + 1] - qi_p[b];
     if (n == 0) continue;

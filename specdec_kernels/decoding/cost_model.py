@@ -8,14 +8,21 @@ CPU. So the tree-sizing drafters do not use a table measured on one machine; the
 
 - ``calibrate(model)`` times real target forwards (+ LM head) of R rows per request over a
   few R and batch sizes (medians of a few repeats; six points always, more while ~2 s
-  last) and interpolates;
+  last; a status line on stderr while it runs) and interpolates;
 - ``step_cost_for(model)`` returns the curve for the model, weight format, torch thread count
   and CPU, cached per process and on disk in the user's cache directory
   (``$XDG_CACHE_HOME/specdec_kernels/cost/<key>.json``, ``~/.cache`` by default;
   ``SPECDEC_CACHE_DIR`` overrides the root), so calibration runs once per machine;
 - or pass your own: ``StepCost({1: {1: 0.010, 8: 0.012}})`` or any callable
-  ``rows -> cost relative to a one-row step`` to a drafter (``step_cost=``), or set
-  ``Generator.step_cost``.
+  ``rows -> cost relative to a one-row step`` to a drafter (``step_cost=``), or to the
+  Generator (``Generator(..., step_cost=)``, the one place drafters read it from).
+
+A curve measured on a busy machine can be nonsense (issue 28: 1 row 1.18 s, 4 rows 0.135 s,
+64 rows 1.75 s, cached and reused forever). So: a calibration checks its own measurements
+(``curve_problems``) and measures the failing points again, and only a curve that passes is
+cached; a cached entry is checked again when read (``_read_cached``); and ``LiveCheck``
+compares the verification steps a Generator times with the curve and measures it again,
+in place, when they disagree. Each entry records when it was made and how noisy it was.
 
 ``models.skinny_rows.skinny_linear_rows`` (which fp32 row counts go to skinny_linear) keeps
 its rule: on the default native weights ``ops.linear`` sends every row count to
@@ -37,8 +44,8 @@ from typing import Callable, Mapping
 
 import torch
 
-__all__ = ["StepCost", "calibrate", "step_cost_for", "cache_dir", "cost_key", "cpu_model", "as_step_cost",
-           "draft_token_seconds"]
+__all__ = ["StepCost", "calibrate", "step_cost_for", "cache_dir", "cache_path", "cost_key", "cpu_model",
+           "as_step_cost", "curve_problems", "LiveCheck", "draft_token_seconds"]
 
 # (batch, rows per request) timed, in this order: the first CALIBRATION_MIN_POINTS always
 # (the curve's shape: one row, a small tree, a large one, and batch 4), the rest while the
@@ -46,7 +53,11 @@ __all__ = ["StepCost", "calibrate", "step_cost_for", "cache_dir", "cost_key", "c
 CALIBRATION_POINTS = ((1, 1), (1, 16), (1, 4), (1, 64), (4, 1), (4, 4), (1, 8), (1, 2), (1, 32), (4, 16))
 CALIBRATION_MIN_POINTS = 6
 CALIBRATION_BUDGET_S = 2.0  # seconds of timed forwards at most (one more point may start before it ends)
-POINT_BUDGET_S = 0.25  # past this, a point stops repeating (at least one timed run after the warm-up)
+POINT_BUDGET_S = 0.25  # past this, a point stops repeating (at least two timed runs after the warm-up)
+CALIBRATION_ATTEMPTS = 2  # rounds of measuring the points a check rejects (the first included)
+NOISE_LIMIT = 0.5  # a point whose repeats spread more than this (spread(): middle range / median) is noise
+MONOTONE_SLACK = 0.15  # more rows may cost this much less than fewer (timer noise), no more
+SUPERLINEAR_LIMIT = 1.5  # R rows may cost this much more than R one-row steps, no more
 
 
 class StepCost:
@@ -140,11 +151,13 @@ def as_step_cost(cost) -> Callable:
 
 
 # ---- calibration ------------------------------------------------------------------------
-def _time_step(model, batch: int, rows_per_request: int, context: int, repeats: int) -> float:
-    """Median seconds of forward + logits of ``rows_per_request`` new rows (a chain, causal)
-    for ``batch`` requests (``repeats`` timed runs after a warm-up, fewer once the point has
-    taken POINT_BUDGET_S) with ``context`` cached positions each (the cached K/V are whatever
-    the fresh cache holds: the cost does not depend on their values)."""
+def _time_point(model, batch: int, rows_per_request: int, context: int, repeats: int) -> list:
+    """Seconds of each timed forward + logits of ``rows_per_request`` new rows (a chain,
+    causal) for ``batch`` requests, with ``context`` cached positions each (the cached K/V
+    are whatever the fresh cache holds: the cost does not depend on their values). A warm-up
+    run first (caches, allocations), then ``repeats`` timed runs, at least two however long
+    they take (two are needed to see whether they agree), fewer than ``repeats`` once the
+    point has taken POINT_BUDGET_S."""
     from ..models.llama import Batch
 
     cache = model.new_cache(batch, context + rows_per_request + 1)
@@ -157,38 +170,130 @@ def _time_step(model, batch: int, rows_per_request: int, context: int, repeats: 
     times = []
     start = time.perf_counter()
     with torch.inference_mode():
-        for i in range(repeats + 1):
-            if len(times) >= 1 and time.perf_counter() - start > POINT_BUDGET_S:
-                break  # a large step measured once is enough: its noise is small against its length
+        for i in range(max(repeats, 2) + 1):
+            if len(times) >= 2 and time.perf_counter() - start > POINT_BUDGET_S:
+                break  # a large step measured twice is enough: its noise is small against its length
             new = cache.append_slots(slots, [rows_per_request] * batch)
             block_table, prefix_lens = cache.batch_view(slots)
             t0 = time.perf_counter()
             hidden = model.forward(tokens, positions, cache, Batch(block_table, prefix_lens, new.qo_indptr,
                                                                    new.slot_mapping, None))
             model.logits(hidden)
-            if i > 0:  # the first run warms caches/allocations
+            if i > 0:
                 times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
 
 
-def calibrate(model, *, points=None, context: int = 64, repeats: int = 3, budget_s: float | None = None,
-              min_points: int | None = None) -> StepCost:
+def _time_step(model, batch: int, rows_per_request: int, context: int, repeats: int) -> float:
+    """Median seconds of one point (:func:`_time_point`)."""
+    return statistics.median(_time_point(model, batch, rows_per_request, context, repeats))
+
+
+def spread(times: list) -> float:
+    """How much repeated timings of one point disagree, relative to their median: the range
+    of the middle half for four or more (one preempted run on a shared machine is not
+    disagreement), of all of them for two or three."""
+    if len(times) < 2:
+        return 0.0
+    t, cut = sorted(times), (len(times) // 4 if len(times) >= 4 else 0)
+    return (t[len(t) - 1 - cut] - t[cut]) / statistics.median(t)
+
+
+def curve_problems(table: Mapping, spreads: Mapping | None = None) -> list:
+    """Why a measured table {batch: {rows: seconds}} is not to be trusted ([] if it is):
+
+    - repeats of a point disagree by more than NOISE_LIMIT (``spreads``: {(batch, rows):
+      spread}, see :func:`spread`);
+    - more rows cost less than fewer, beyond MONOTONE_SLACK (a verification step does all
+      the work of a smaller one, and more);
+    - R rows cost more than SUPERLINEAR_LIMIT x R separate one-row steps (a forward over R
+      rows reads every weight once, not R times).
+    The issue that added these checks saw 1 row 1.18 s, 4 rows 0.135 s, 64 rows 1.75 s on a
+    machine with a busy core: the first two checks reject it."""
+    problems = []
+    for (b, r), sp in sorted((spreads or {}).items()):
+        if sp > NOISE_LIMIT:
+            problems.append(f"batch {b}, {r} rows: repeats disagree by {sp:.0%}")
+    for b, points in sorted(table.items()):
+        pts = sorted((int(r), float(sec)) for r, sec in points.items())
+        for (r0, s0), (r1, s1) in zip(pts, pts[1:]):
+            if s1 < s0 * (1 - MONOTONE_SLACK):
+                problems.append(f"batch {b}: {r1} rows ({s1 * 1e3:.1f} ms) faster than {r0} ({s0 * 1e3:.1f} ms)")
+        r0, s0 = pts[0]
+        for r1, s1 in pts[1:]:
+            if s1 > SUPERLINEAR_LIMIT * (r1 / r0) * s0:
+                problems.append(f"batch {b}: {r1} rows ({s1 * 1e3:.1f} ms) cost more than {r1 / r0:.0f} steps of "
+                                f"{r0} ({s0 * 1e3:.1f} ms)")
+    return problems
+
+
+def _monotone(table: dict) -> dict:
+    """The table with each batch's seconds made non-decreasing in the rows (running max):
+    what a curve that failed its checks is used as, in this process only."""
+    out = {}
+    for b, points in table.items():
+        top, out[b] = 0.0, {}
+        for r in sorted(points):
+            top = max(top, points[r])
+            out[b][r] = top
+    return out
+
+
+def calibrate(model, *, points=None, context: int = 64, repeats: int = 5, budget_s: float | None = None,
+              min_points: int | None = None, attempts: int | None = None, progress=None) -> StepCost:
     """Measure ``model``'s step cost: for each (batch size, rows per request) in ``points``
     (default CALIBRATION_POINTS), the median of ``repeats`` forwards + LM head. The first
     ``min_points`` (default CALIBRATION_MIN_POINTS) are always measured; later ones only while
-    fewer than ``budget_s`` seconds (default CALIBRATION_BUDGET_S) have been spent."""
+    fewer than ``budget_s`` seconds (default CALIBRATION_BUDGET_S) have been spent.
+
+    Then the measurements check themselves (:func:`curve_problems`): the points at fault are
+    measured again, up to ``attempts`` (default CALIBRATION_ATTEMPTS) rounds in all. A curve
+    that still fails has ``meta["problems"]`` (and is made monotone so that it can be used);
+    ``step_cost_for`` does not cache it. ``meta`` records when the curve was made
+    (``created``), how noisy it was (``noise``: the largest spread of a point's repeats) and
+    how long it took. ``progress(text)``: called with a short status line now and then."""
     points = points or CALIBRATION_POINTS
     budget_s = CALIBRATION_BUDGET_S if budget_s is None else budget_s
     min_points = CALIBRATION_MIN_POINTS if min_points is None else min_points
+    attempts = CALIBRATION_ATTEMPTS if attempts is None else attempts
     start = time.perf_counter()
     table: dict = {}
+    spreads: dict = {}
+
+    def measure(batch, r):
+        times = _time_point(model, batch, r, context, repeats)
+        table.setdefault(batch, {})[batch * r] = statistics.median(times)
+        spreads[(batch, batch * r)] = spread(times)
+
+    measured = []
     for i, (batch, r) in enumerate(points):
         if i >= max(min_points, 1) and time.perf_counter() - start > budget_s:
             break
-        table.setdefault(batch, {})[batch * r] = _time_step(model, batch, r, context, repeats)
+        measure(batch, r)
+        measured.append((batch, r))
+        if progress is not None:
+            progress(f"{len(measured)} points, {time.perf_counter() - start:.1f} s")
+    problems = curve_problems(table, spreads)
+    for attempt in range(1, attempts):
+        if not problems:
+            break
+        # Measure again every point a problem names (cheap ones are noisy, so all of a failing batch).
+        bad = {(b, r) for b, r in measured if any(p.startswith((f"batch {b},", f"batch {b}:")) for p in problems)}
+        if progress is not None:
+            progress(f"measuring {len(bad)} points again ({problems[0]})")
+        for b, r in sorted(bad):
+            measure(b, r)
+        problems = curve_problems(table, spreads)
     meta = {"model": model.name, "weights": weight_format(model), "threads": torch.get_num_threads(),
             "cpu": cpu_model(), "torch": torch.__version__, "context": context, "repeats": repeats,
-            "seconds": round(time.perf_counter() - start, 3), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "seconds": round(time.perf_counter() - start, 3), "noise": round(max(spreads.values(), default=0.0), 4),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "measured": True}
+    if problems:
+        meta["problems"] = problems
+        table = _monotone(table)
+    if progress is not None:
+        progress(f"{len(table and measured)} points in {meta['seconds']:.1f} s"
+                 + (f"; it failed its checks ({problems[0]}), so it is not cached" if problems else ""))
     return StepCost(table, meta=meta)
 
 
@@ -210,7 +315,7 @@ def weight_format(model) -> str:
 
 
 def cost_key(model) -> str:
-    """File-name-safe key: model name, weight format, torch threads, a hash of the CPU model."""
+    """File-name-safe key: model name, weight format, torch threads, device, a hash of the CPU model."""
     cpu = hashlib.sha1(cpu_model().encode()).hexdigest()[:10]
     name = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(model.name))
     return f"{name}-{weight_format(model)}-t{torch.get_num_threads()}-{model.device.type}-{cpu}"
@@ -226,37 +331,154 @@ def cache_dir() -> str:
     return os.path.join(root, "cost")
 
 
+def cache_path(model) -> str:
+    return os.path.join(cache_dir(), cost_key(model) + ".json")
+
+
+def _read_cached(model, path: str) -> StepCost | None:
+    """The cached curve at ``path`` if it is one to trust: readable, for this model, weight
+    format, thread count and CPU, made by a calibration that passed its checks, and passing
+    them again (a file edited or written by an older version is measured again)."""
+    try:
+        with open(path) as f:
+            cost = StepCost.from_json(json.load(f))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    m = cost.meta
+    same = (m.get("threads") == torch.get_num_threads() and m.get("cpu") == cpu_model()
+            and m.get("weights") == weight_format(model) and m.get("model") == model.name)
+    table = {b: dict(pts) for b, pts in cost.table.items()}
+    if not same or not m.get("measured") or m.get("problems") or curve_problems(table):
+        return None
+    return cost
+
+
+def _save(cost: StepCost, path: str) -> bool:
+    """Write ``cost`` to ``path`` atomically; False (kept in memory only) if it failed its
+    checks or the folder cannot be written."""
+    if cost.meta.get("problems"):
+        return False
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(cost.to_json(), f, indent=1)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        return False
+
+
+class StderrProgress:
+    """A ``progress`` callback for :func:`calibrate`: one status line on stderr, rewritten in
+    place on a terminal; elsewhere (a log) only the last status, once, at ``done``."""
+
+    def __init__(self, model):
+        import sys
+
+        self.stream = sys.stderr
+        self.tty = getattr(self.stream, "isatty", lambda: False)()
+        self.label = (f"[measuring the step cost of {model.name} at {torch.get_num_threads()} threads "
+                      f"(once per machine, cached in {cache_dir()}): ")
+        self.last = ""
+
+    def __call__(self, text: str) -> None:
+        self.last = text
+        if self.tty:
+            self.stream.write(f"\r{self.label}{text}]\033[K")
+            self.stream.flush()
+
+    def done(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+        elif self.last:
+            self.stream.write(f"{self.label}{self.last}]\n")
+        self.stream.flush()
+
+
 _MEMO: dict = {}
 
 
-def step_cost_for(model, *, recalibrate: bool = False) -> StepCost:
+def step_cost_for(model, *, recalibrate: bool = False, progress=None) -> StepCost:
     """The step-cost curve of ``model`` (its weights, this thread count and CPU): from this
-    process's memo, else the user's cache directory, else measured now (``calibrate``, ~2 s)
-    and saved there. A cache file that cannot be read is measured again; one that cannot be
-    written is only kept in memory."""
+    process's memo, else the user's cache directory (if the entry passes its checks,
+    ``_read_cached``), else measured now (``calibrate``, ~2 s) and saved there if the
+    measurement passed its own checks. ``recalibrate``: measure again whatever is cached.
+    ``progress``: a callback for status lines (default: one line on stderr while measuring,
+    :class:`StderrProgress`; ``False``: none). The returned object is the one every caller
+    shares: a refresh (:class:`LiveCheck`) updates it in place."""
     key = cost_key(model)
     if not recalibrate and key in _MEMO:
         return _MEMO[key]
     path = os.path.join(cache_dir(), key + ".json")
-    cost = None
-    if not recalibrate and os.path.exists(path):
-        try:
-            with open(path) as f:
-                cost = StepCost.from_json(json.load(f))
-        except (OSError, ValueError, KeyError, TypeError):
-            cost = None
+    cost = None if recalibrate else _read_cached(model, path)
     if cost is None:
-        cost = calibrate(model)
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(cost.to_json(), f, indent=1)
-            os.replace(tmp, path)
-        except OSError:
-            pass
+        show = StderrProgress(model) if progress is None else (progress or None)
+        fresh = calibrate(model, progress=show)
+        if isinstance(show, StderrProgress):
+            show.done()
+        fresh.meta["cached"] = _save(fresh, path)
+        cost = _MEMO.get(key)
+        if cost is None:
+            cost = fresh
+        else:  # keep the object others hold
+            cost.table, cost.meta = fresh.table, fresh.meta
     _MEMO[key] = cost
     return cost
+
+
+class LiveCheck:
+    """Compares a measured curve with the verification steps Generators time, and measures
+    the curve again when they disagree: the median ratio of the last WINDOW steps' seconds to
+    the curve's is outside [1 / LIVE_TOLERANCE, LIVE_TOLERANCE] (a curve measured while the
+    machine was busier or quieter than now, or written by hand into the cache). The refresh
+    updates the shared curve in place (every drafter holding it sees the new one) and
+    rewrites the cache file. After a refresh, another one needs the live steps to have
+    agreed with the new curve first and REFRESH_INTERVAL_S to have passed: a difference the
+    new curve shows too (e.g. a context far longer than the 64 positions it is measured at)
+    is not staleness, and must not make calibration a recurring cost. One check per curve
+    object (:meth:`for_cost`), shared by the Generators that use it."""
+
+    WINDOW = 6
+    LIVE_TOLERANCE = 2.5
+    REFRESH_INTERVAL_S = 60.0
+    _BY_CURVE: dict = {}  # id(curve) -> (curve, its LiveCheck)
+
+    def __init__(self, cost: StepCost, model):
+        self.cost, self.model = cost, model
+        self.ratios: list = []
+        self.refreshes = 0
+        self.refreshed_at = None
+        self.agreed = True  # since the last refresh (vacuously before the first)
+
+    @classmethod
+    def for_cost(cls, cost: StepCost, model) -> "LiveCheck":
+        held = cls._BY_CURVE.get(id(cost))
+        if held is None or held[0] is not cost:
+            held = cls._BY_CURVE[id(cost)] = (cost, cls(cost, model))
+        return held[1]
+
+    def observe(self, rows: int, batch: int, seconds: float) -> bool:
+        """Record one step (``rows`` verified rows in all for ``batch`` requests took
+        ``seconds``); True when this made the curve be measured again."""
+        self.ratios = (self.ratios + [seconds / self.cost.seconds(rows, batch)])[-self.WINDOW:]
+        if len(self.ratios) < self.WINDOW:
+            return False
+        ratio = statistics.median(self.ratios)
+        if 1 / self.LIVE_TOLERANCE <= ratio <= self.LIVE_TOLERANCE:
+            self.agreed = True
+            return False
+        if not self.agreed or (self.refreshed_at is not None
+                               and time.monotonic() - self.refreshed_at < self.REFRESH_INTERVAL_S):
+            return False
+        made = self.cost.meta.get("created", "?")
+        fresh = calibrate(self.model, progress=None)
+        fresh.meta["refreshed_because"] = f"live steps took {ratio:.2f}x the curve's time (curve made {made})"
+        fresh.meta["cached"] = _save(fresh, cache_path(self.model))
+        self.cost.table, self.cost.meta = fresh.table, fresh.meta
+        self.ratios, self.agreed, self.refreshed_at = [], False, time.monotonic()
+        self.refreshes += 1
+        return True
 
 
 def draft_token_seconds(model, *, context: int = 64, repeats: int = 9) -> float:

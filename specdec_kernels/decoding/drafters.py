@@ -32,14 +32,13 @@ from ..rng import PURPOSE_DRAFT
 from ..medusa import (MedusaHeads, default_medusa_checkpoint, load_medusa_heads, read_medusa_metadata,
                       read_medusa_state_dict)
 from ..models.llama import Batch, Llama, dense, rms_norm
-from .cost_model import as_step_cost, step_cost_for
+from .cost_model import as_step_cost
 
 
 def generator_step_cost(gen):
-    """The step cost a drafter weighs drafts against: the Generator's ``step_cost`` if it has
-    one, else the target's measured curve (``cost_model.step_cost_for``)."""
-    given = getattr(gen, "step_cost", None)
-    return as_step_cost(given) if given is not None else step_cost_for(gen.model)
+    """The step cost a drafter weighs drafts against when it was given none: the Generator's
+    declared ``step_cost`` (``Generator.step_cost``: given, or the target's measured curve)."""
+    return as_step_cost(gen.step_cost)
 
 
 @dataclass
@@ -224,8 +223,8 @@ class ModelDrafter(Drafter):
                  name: str | None = None, sized: bool = False, step_cost=None, acceptance: float | None = None):
         """``sized``: the schedule's length is a cap and each step drafts the chain length
         that maximises expected tokens per unit time (:meth:`chain_length`), from the
-        target's measured step-cost curve (``step_cost``, default the Generator's or
-        ``cost_model.step_cost_for``), the draft's measured time per token and the request's
+        target's step-cost curve (``step_cost``, default the Generator's ``step_cost``:
+        the target's measured curve unless it was given one), the draft's measured time per token and the request's
         running acceptance rate (each request starts from ``acceptance``, default the
         held-out agreement the draft's file records, else 0.5: how predictable a request is
         varies a lot — code and arithmetic accept several times more than open writing — so
@@ -574,6 +573,17 @@ class NgramTreeDrafter(Drafter):
     plain autoregressive one (no extra rows); at batch B > 1 the few nodes that still pay go
     to the requests with the most probable drafts.
 
+    Per request, the tables are checked against what the target emits (:meth:`verified`):
+    every step, drafted or not, the probability the trie gave its most probable node (a
+    first-level one) is compared with whether the emitted token was that node's, and the
+    request's probabilities
+    are scaled by (hits + PRIOR) / (expected hits + PRIOR) over a decaying window (DECAY). On a
+    prompt with nothing to copy (open questions: the matches are common words and
+    punctuation) the tables promise hits that never come, the scale falls within a few steps,
+    no node pays for its row, and the steps are plain autoregressive ones — so the default
+    drafter costs nothing measurable where it cannot help; when the output starts copying,
+    the hits raise the scale again.
+
     Deterministic drafts (no ``probs``): greedy decoding is exact, and sampling stays exact
     because ``tree_rejection_sample`` treats deterministic siblings as one-hot proposals
     (the trie has distinct sibling tokens).
@@ -588,22 +598,52 @@ class NgramTreeDrafter(Drafter):
     FIRST = (0.10, 0.23, 0.45, 0.49, 0.49, 0.85)
     NEXT = (0.60, 0.68, 0.72, 0.75, 0.78, 0.86)
     RANK = (1.0, 0.85, 0.75, 0.55)
+    DECAY = 0.85  # per step: the scale follows about the last 7 steps
+    PRIOR = 0.5  # expected hits the tables are trusted for before any evidence (small: a wrong draft costs a row)
+    MAX_SCALE = 1.25  # the tables were fitted to this model family: evidence may raise them a little
+
     def __init__(self, max_ngram: int = 6, max_k: int = 16, *, max_nodes: int = 16, max_matches: int = 8,
                  step_cost=None, verify_cost=None):
         """``step_cost``: a ``cost_model.StepCost``, a callable ``rows -> cost relative to a
         one-row step``, or a sequence of those relative costs at 1, 2, ... rows
         (``verify_cost`` is the older name of the same argument); default: the Generator's
-        ``step_cost`` if it has one, else ``cost_model.step_cost_for(target)`` at ``start``."""
+        ``step_cost`` (the target's measured curve unless it was given one), read at ``start``."""
         self.max_ngram, self.max_k, self.max_matches = max_ngram, max_k, max_matches
         given = step_cost if step_cost is not None else verify_cost
         self.step_cost = as_step_cost(given) if given is not None else None
         self._measured = None
         self.max_nodes = max_nodes  # per request, root included
+        self._seen: dict = {}  # rid -> [hits, expected hits] of first-level tokens, decayed
+        self._guess: dict = {}  # rid -> (root's position + 1, {most probable token: its raw probability})
 
     def start(self, gen, reqs):
         if self.step_cost is None:
             self._measured = generator_step_cost(gen)
         self.admit(gen, reqs)
+
+    def admit(self, gen, reqs):
+        for r in reqs:
+            self._seen[r.rid] = [0.0, 0.0]
+            self._guess.pop(r.rid, None)
+
+    def scale(self, rid) -> float:
+        """Request ``rid``'s factor on the tables' probabilities: (hits + PRIOR) / (expected + PRIOR)."""
+        hits, expected = self._seen.get(rid, (0.0, 0.0))
+        return min(self.MAX_SCALE, (hits + self.PRIOR) / (expected + self.PRIOR))
+
+    def verified(self, gen, reqs, num_accepted):
+        for r in reqs:
+            guess = self._guess.pop(r.rid, None)
+            if guess is None or r.rid not in self._seen or len(r.tokens) <= guess[0]:
+                continue
+            pos, first = guess
+            seen = self._seen[r.rid]
+            seen[0] = self.DECAY * seen[0] + (1.0 if r.tokens[pos] in first else 0.0)
+            seen[1] = self.DECAY * seen[1] + sum(first.values())
+
+    def finish(self, gen, req):
+        self._seen.pop(req.rid, None)
+        self._guess.pop(req.rid, None)
 
     def cost(self, rows: int, batch: int = 1) -> float:
         """Step cost over ``rows`` verified rows in all at batch ``batch``, relative to a step of
@@ -634,9 +674,10 @@ class NgramTreeDrafter(Drafter):
         order = np.lexsort((-end, -length))[: self.max_matches]
         return end[order], length[order]
 
-    def candidates(self, tokens: list, k: int) -> Candidates:
+    def candidates(self, tokens: list, k: int, scale: float = 1.0) -> Candidates:
         """The trie of a request's matches, at most ``k`` deep, its nodes ranked by
-        probability (see :class:`Candidates`)."""
+        probability (see :class:`Candidates`), each probability times ``scale`` (the
+        request's, :meth:`scale`; at most 0.99)."""
         root = tokens[-1]
         if k <= 0 or len(tokens) < 2 or self.max_nodes < 2:
             return Candidates([root], [-1], [0], [])
@@ -665,7 +706,7 @@ class NgramTreeDrafter(Drafter):
                 node = child
         depth = Draft(par, tok).depths()
         order = sorted(range(1, len(tok)), key=lambda i: (miss[i], depth[i], i))[: self.max_nodes - 1]
-        return Candidates(tok, par, depth, [(1.0 - miss[i], i) for i in order])
+        return Candidates(tok, par, depth, [(min(0.99, (1.0 - miss[i]) * scale), i) for i in order])
 
     def select(self, ranked: list) -> list:
         """How many of each request's ranked nodes to keep: the most probable nodes of the
@@ -689,6 +730,13 @@ class NgramTreeDrafter(Drafter):
         return cand.tree(self.select([cand.ranked])[0])
 
     def propose(self, gen, reqs, lengths):
-        cands = [self.candidates(r.tokens, min(k, self.max_k)) for r, k in zip(reqs, lengths)]
+        cands = []
+        for r, k in zip(reqs, lengths):
+            scale = self.scale(r.rid)
+            c = self.candidates(r.tokens, min(k, self.max_k), scale)
+            # The most probable node (always first-level) and its unscaled probability, scored
+            # against the emitted token in verified(): what decides whether a step drafts at all.
+            self._guess[r.rid] = (len(r.tokens), {c.tokens[i]: p / scale for p, i in c.ranked[:1]})
+            cands.append(c)
         keep = self.select([c.ranked for c in cands])
         return [Draft(*c.tree(n)) for c, n in zip(cands, keep)]

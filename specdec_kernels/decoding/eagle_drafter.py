@@ -112,11 +112,14 @@ class EagleDrafter(Drafter):
         """Verification cost of ``rows`` rows in all for ``batch`` requests, relative to a
         step of one row per request."""
         if self._verify_cost is None:
-            curve = step_cost_for(self.target) if self._given_cost is None else self._given_cost
-            self._verify_cost = as_step_cost(curve)
-            if self._step_seconds is None:
-                self._step_seconds = (curve if self._cost_in_seconds else step_cost_for(self.target)).seconds(1)
+            # Before ``start`` (which takes the Generator's ``step_cost``): the target's
+            # measured curve, the object the Generator's default resolves to.
+            self._use_cost(step_cost_for(self.target) if self._given_cost is None else self._given_cost)
         return float(self._verify_cost(rows, batch))
+
+    def _use_cost(self, curve) -> None:
+        self._verify_cost = as_step_cost(curve)
+        self._seconds_curve = curve if self._cost_in_seconds else step_cost_for(self.target)
 
     def _draft_cost(self, depths: int, batch: int = 1) -> float:
         """Relative cost of ``depths`` expansion depths (measured; 0 until measured) against a
@@ -131,10 +134,15 @@ class EagleDrafter(Drafter):
         self.cost(1)
         if self._cost_in_seconds:
             return self._verify_cost.seconds(batch, batch)
-        return self._step_seconds * float(self._verify_cost(batch, 1))
+        # Read from the curve each time: a refreshed curve (cost_model.LiveCheck) changes in place.
+        step = self._step_seconds if self._step_seconds is not None else self._seconds_curve.seconds(1)
+        return step * float(self._verify_cost(batch, 1))
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self, gen, reqs):
+        if self._given_cost is None:  # the Generator's declared step cost (its default: the same measured curve)
+            self._cost_in_seconds = isinstance(as_step_cost(gen.step_cost), StepCost)
+            self._use_cost(gen.step_cost)
         h = self.head
         bs = gen.cache.block_size
         blocks = -(-gen.cache.max_len // bs)

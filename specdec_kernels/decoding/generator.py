@@ -57,6 +57,7 @@ from .. import ops
 from ..kv_cache import OutOfBlocksError
 from ..models.llama import Batch, Llama
 from ..tree import tree_mask as build_tree_mask, tree_mask_ragged
+from .cost_model import LiveCheck, StepCost, step_cost_for
 from .drafters import Draft, Drafter
 from .schedule import SpecSchedule
 from .stats import RequestStats
@@ -116,13 +117,44 @@ class Generator:
     """Speculative (or, with ``drafter=None``, autoregressive) generation with ``model``."""
 
     def __init__(self, model: Llama, drafter: Drafter | None = None, schedule: SpecSchedule | None = None,
-                 *, block_size: int = 64):
+                 *, block_size: int = 64, step_cost=None):
+        """``step_cost``: what a verification step costs against its rows, which the
+        tree-sizing drafters weigh drafts against (see :attr:`step_cost`)."""
         self.model = model
         self.drafter = drafter
         self.schedule = schedule or SpecSchedule("constant", 4)
         self.block_size = block_size
         self.eos = set(model.config.eos_token_ids)
         self.cache = None
+        self.step_cost = step_cost
+
+    @property
+    def step_cost(self):
+        """The step cost the drafters weigh drafts against — the one place they get it from: a
+        ``cost_model.StepCost``, a callable ``rows -> cost relative to a one-row step`` or a
+        sequence of such costs at 1, 2, ... rows, as given; by default (None) the target's
+        measured curve, ``cost_model.step_cost_for(model)``, resolved at first use (so a
+        generation whose drafter never asks measures nothing). A measured curve is checked
+        against the verification steps this Generator times (``cost_model.LiveCheck``) and
+        measured again, in place, when they disagree."""
+        if self._step_cost is None:
+            self._step_cost = step_cost_for(self.model)
+        return self._step_cost
+
+    @step_cost.setter
+    def step_cost(self, value) -> None:
+        self._step_cost = value
+        self._live = None
+
+    def _observe_step(self, rows: int, batch: int, seconds: float) -> None:
+        """Report a verification step's time to the live check of a measured curve (never to
+        a given table or callable, and never before a drafter asked for the curve)."""
+        cost = self._step_cost
+        if not (isinstance(cost, StepCost) and cost.meta.get("measured")):
+            return
+        if self._live is None or self._live.cost is not cost:
+            self._live = LiveCheck.for_cost(cost, self.model)
+        self._live.observe(rows, batch, seconds)
 
     def generate(self, prompts: list, max_new_tokens: int = 64, sampling: SamplingParams | list | None = None,
                  on_tokens: Callable[[Request, list], None] | None = None, *, stop_at_eos: bool = True,
@@ -276,9 +308,13 @@ class Generator:
         is_chain = all(p == i - 1 for d in drafts for i, p in enumerate(d.parents))
         mask = None if is_chain else tree_mask_ragged(build_tree_mask(parents, num_nodes), new.qo_indptr, tokens.shape[0])
         batch = Batch(block_table, prefix_lens, new.qo_indptr, new.slot_mapping, mask)
+        t0 = time.perf_counter()
         hidden = model.forward(tokens, positions, cache, batch)
+        logits = model.logits(hidden)
+        # What the step-cost curve measures: the forward and the LM head over every row.
+        self._observe_step(int(tokens.shape[0]), B, time.perf_counter() - t0)
         return Verification(parents, tree_tokens, num_nodes, sizes, [max(dep) for dep in depths], hidden,
-                            model.logits(hidden), new.qo_indptr)
+                            logits, new.qo_indptr)
 
     def accept(self, reqs: list[Request], drafts: list[Draft], v: Verification) -> Accepted:
         """``tree_rejection_sample`` of every request's tree against the target logits (greedy,
