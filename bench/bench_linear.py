@@ -16,7 +16,8 @@ fraction of the copy bandwidth and its vs_M1.
 int8_activation_linear on the formats of the Qwen2.5-Coder GGUF files (``--qwen``: Q4_K, Q5_K,
 Q6_K, Q5_0, Q5_1 on the 1.5B's shapes qkv 2048 x 1536, o 1536 x 1536, gate|up 17920 x 1536,
 down 1536 x 8960, and Q6_K on the LM head 151936 x 1536), cold packed weights, at M = 1..64:
-time, vs_M1 and GB/s of packed bytes against the copy bandwidth, for the --threads given;
+time, vs_M1 and GB/s of packed bytes against the copy bandwidth, for the --threads given (with
+one thread also in CPU time, cpu_*: on a shared machine the wall time includes waiting for a core);
 written to bench/results/linear_int8_qwen_t<threads>.json.
 
 skinny_linear against F.linear for the SmolLM2 layer shapes [N, H] at M = 1..64, with the
@@ -28,7 +29,9 @@ the copy bandwidth measured in the same run.
 import argparse
 import itertools
 import os
+import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -172,6 +175,26 @@ def random_gguf_blocks(N, H, block_type, seed=0):
     return b.reshape(N, -1)
 
 
+def cpu_time_us(fn, reps):
+    """Median CPU time of this thread per call of fn() (us): on a machine shared with other
+    jobs, unlike the wall time, it leaves out the time the thread waits for a core (one
+    torch thread only: the work of other threads is not counted)."""
+    times = []
+    for _ in range(reps):
+        t0 = time.thread_time()
+        fn()
+        times.append((time.thread_time() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def copy_bandwidth_cpu_gbs(nbytes=256 * 2**20, reps=15):
+    """copy_bandwidth_gbs measured in this thread's CPU time (one torch thread)."""
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return 2 * nbytes / (cpu_time_us(lambda: dst.copy_(src), reps) * 1e-6) / 1e9
+
+
 def bench_int8_qwen(formats, ms, copy_bw, reps, pbar, cold_bytes=128 * 2**20):
     """int8_activation_linear on the Qwen 1.5B's shapes, each call on the least recently used
     of a pool of packed copies (> 4x this machine's 32 MB L3)."""
@@ -188,24 +211,32 @@ def bench_int8_qwen(formats, ms, copy_bw, reps, pbar, cold_bytes=128 * 2**20):
         for M in ms:
             x = torch.randn(M, H)
             out = torch.empty(M, N)
-            t = time_fn(lambda: torch.ops.specdec.int8_activation_linear(x, pool[next(turn) % len(pool)], block_type,
-                                                                          None, out), warmup=2, reps=r)
-            base = base or t["median_us"]
+            def call():
+                torch.ops.specdec.int8_activation_linear(x, pool[next(turn) % len(pool)], block_type, None, out)
+
+            t = time_fn(call, warmup=2, reps=r)
+            cpu = cpu_time_us(call, r) if torch.get_num_threads() == 1 else None
+            base = base or (t["median_us"], cpu)
             gbs = pbytes / (t["median_us"] * 1e-6) / 1e9
             rows.append({"layer": name, "N": N, "H": H, "block_type": {6: "Q5_0", 7: "Q5_1", 12: "Q4_K", 13: "Q5_K",
                                                                          14: "Q6_K"}[block_type],
                          "M": M, "packed_MB": pbytes / 1e6, "bits_per_weight": pbytes * 8 / (N * H),
-                         "us": t["median_us"], "vs_M1": t["median_us"] / base, "GB/s": gbs, "frac_copy": gbs / copy_bw,
-                         "timing": t})
+                         "us": t["median_us"], "vs_M1": t["median_us"] / base[0], "GB/s": gbs,
+                         "frac_copy": gbs / copy_bw[0], "timing": t})
+            if cpu is not None:
+                cpu_gbs = pbytes / (cpu * 1e-6) / 1e9
+                rows[-1].update({"cpu_us": cpu, "cpu_vs_M1": cpu / base[1], "cpu_GB/s": cpu_gbs,
+                                 "cpu_frac_copy": cpu_gbs / copy_bw[1]})
             pbar.update(1)
         del pool, packed
     return rows
 
 
 def main_qwen(args):
-    copy_bw = copy_bandwidth_gbs()
     threads = torch.get_num_threads()
-    print(f"copy bandwidth: {copy_bw:.1f} GB/s, torch threads: {threads}")
+    copy_bw = (copy_bandwidth_gbs(), copy_bandwidth_cpu_gbs() if threads == 1 else None)
+    print(f"copy bandwidth: {copy_bw[0]:.1f} GB/s (wall time), {copy_bw[1] or float('nan'):.1f} GB/s (CPU time), "
+          f"torch threads: {threads}")
     ms = [1, 8] if args.quick else [1, 2, 4, 8, 16, 32, 64]
     names = ["qkv", "o"] if args.quick else ["qkv", "o", "gate|up", "down"]
     types = [12, 14] if args.quick else [12, 14, 13, 6, 7]
@@ -217,10 +248,10 @@ def main_qwen(args):
     print("\nint8_activation_linear, cold packed weights (median us; vs_M1 = time / time at M=1; frac_copy = packed "
           "bytes per second / copy bandwidth)")
     print_table(rows, ["layer", "N", "H", "block_type", "M", "packed_MB", "bits_per_weight", "us", "vs_M1", "GB/s",
-                       "frac_copy"])
+                       "frac_copy", "cpu_us", "cpu_vs_M1", "cpu_GB/s", "cpu_frac_copy"])
     path = write_results(f"linear_int8_qwen_t{threads}", {
-        "command": " ".join(["python", "bench/bench_linear.py"] + sys.argv[1:]), "copy_bandwidth_gbs": copy_bw,
-        "int8_activation_linear": rows,
+        "command": " ".join(["python", "bench/bench_linear.py"] + sys.argv[1:]), "copy_bandwidth_gbs": copy_bw[0],
+        "copy_bandwidth_cpu_time_gbs": copy_bw[1], "int8_activation_linear": rows,
         "M1_frac_copy": {f"{r['layer']}:{r['block_type']}": round(r["frac_copy"], 3) for r in rows if r["M"] == 1},
     })
     print(f"wrote {path}")

@@ -35,9 +35,9 @@ import torch
 
 from . import checks, ops
 
-__all__ = ["TYPES", "F32", "F16", "Q4_0", "Q4_1", "Q8_0", "BF16", "type_id", "type_name", "block_size",
-           "block_bytes", "row_bytes", "quantize", "dequantize", "pack_int8_activation", "INT8_ACTIVATION_TYPES",
-           "QuantizedWeight"]
+__all__ = ["TYPES", "F32", "F16", "Q4_0", "Q4_1", "Q8_0", "BF16", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "type_id",
+           "type_name", "block_size", "block_bytes", "row_bytes", "quantize", "dequantize", "pack_int8_activation",
+           "INT8_ACTIVATION_TYPES", "QuantizedWeight"]
 
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
 TYPES = {name: (tid, size, nbytes) for tid, (name, size, nbytes) in ops.GGUF_BLOCK_FORMATS.items()}
@@ -177,7 +177,6 @@ def quantize(weight: torch.Tensor, block_type) -> "QuantizedWeight":
 # The further block types int8_activation_linear reads (GGML type ids; the Qwen2.5 GGUF files' formats).
 Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 6, 7, 12, 13, 14
 INT8_ACTIVATION_TYPES = tuple(checks.INT8_ACTIVATION_FORMATS)  # the block types int8_activation_linear reads
-_K_QUANTS = (Q4_K, Q5_K, Q6_K)
 
 
 def _int8_type(block_type) -> int:
