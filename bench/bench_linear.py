@@ -13,6 +13,13 @@ rows, int8_activation_linear on the same blocks repacked (activations quantised 
 integer dot products): its time, x_quantized = quantized_linear's time / its time, its
 fraction of the copy bandwidth and its vs_M1.
 
+int8_activation_linear on the formats of the Qwen2.5-Coder GGUF files (``--qwen``: Q4_K, Q5_K,
+Q6_K, Q5_0, Q5_1 on the 1.5B's shapes qkv 2048 x 1536, o 1536 x 1536, gate|up 17920 x 1536,
+down 1536 x 8960, and Q6_K on the LM head 151936 x 1536), cold packed weights, at M = 1..64:
+time, vs_M1 and GB/s of packed bytes against the copy bandwidth, for the --threads given (with
+one thread also in CPU time, cpu_*: on a shared machine the wall time includes waiting for a core);
+written to bench/results/linear_int8_qwen_t<threads>.json.
+
 skinny_linear against F.linear for the SmolLM2 layer shapes [N, H] at M = 1..64, with the
 weight hot in the caches and cold (a different weight copy per call); the largest M at
 which skinny_linear wins on every shape is the model's measured threshold
@@ -22,7 +29,9 @@ second, as a fraction of the copy bandwidth measured in the same run.
 import argparse
 import itertools
 import os
+import statistics
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -148,15 +157,119 @@ def bench_quantized(shapes, block_types, ms, copy_bw, reps, pbar, cold_bytes=384
     return rows
 
 
+QWEN_SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate|up": (17920, 1536), "down": (1536, 8960),
+               "lm_head": (151936, 1536)}
+
+
+def random_gguf_blocks(N, H, block_type, seed=0):
+    """uint8 [N, row bytes] of random GGUF blocks with finite fp16 scales (valid blocks; the
+    kernel's speed does not depend on the values)."""
+    from specdec_kernels.checks import INT8_ACTIVATION_FORMATS
+
+    _, size, nbytes, _ = INT8_ACTIVATION_FORMATS[block_type]
+    g = torch.Generator().manual_seed(seed)
+    b = torch.randint(0, 256, (N, H // size, nbytes), dtype=torch.uint8, generator=g)
+    fp16_at = {6: [0], 7: [0, 2], 12: [0, 2], 13: [0, 2], 14: [208]}[block_type]
+    for at in fp16_at:
+        b[..., at:at + 2] = (torch.rand(N, H // size, 1, generator=g) * 0.01).half().view(torch.uint8)
+    return b.reshape(N, -1)
+
+
+def cpu_time_us(fn, reps):
+    """Median CPU time of this thread per call of fn() (us): on a machine shared with other
+    jobs, unlike the wall time, it leaves out the time the thread waits for a core (one
+    torch thread only: the work of other threads is not counted)."""
+    times = []
+    for _ in range(reps):
+        t0 = time.thread_time()
+        fn()
+        times.append((time.thread_time() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def copy_bandwidth_cpu_gbs(nbytes=256 * 2**20, reps=15):
+    """copy_bandwidth_gbs measured in this thread's CPU time (one torch thread)."""
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return 2 * nbytes / (cpu_time_us(lambda: dst.copy_(src), reps) * 1e-6) / 1e9
+
+
+def bench_int8_qwen(formats, ms, copy_bw, reps, pbar, cold_bytes=128 * 2**20):
+    """int8_activation_linear on the Qwen 1.5B's shapes, each call on the least recently used
+    of a pool of packed copies (> 4x this machine's 32 MB L3)."""
+    from specdec_kernels.gguf_blocks import pack_int8_activation
+
+    rows = []
+    for (name, (N, H)), block_type in formats:
+        packed = pack_int8_activation(random_gguf_blocks(N, H, block_type), block_type)
+        pbytes = packed.numel()
+        pool = [packed] + [packed.clone() for _ in range(max(2, -(-cold_bytes // pbytes)) - 1)]
+        turn = itertools.count()
+        r = 5 if pbytes >= 50 * 2**20 else reps
+        base = None
+        for M in ms:
+            x = torch.randn(M, H)
+            out = torch.empty(M, N)
+            def call():
+                torch.ops.specdec.int8_activation_linear(x, pool[next(turn) % len(pool)], block_type, None, out)
+
+            t = time_fn(call, warmup=2, reps=r)
+            cpu = cpu_time_us(call, r) if torch.get_num_threads() == 1 else None
+            base = base or (t["median_us"], cpu)
+            gbs = pbytes / (t["median_us"] * 1e-6) / 1e9
+            rows.append({"layer": name, "N": N, "H": H, "block_type": {6: "Q5_0", 7: "Q5_1", 12: "Q4_K", 13: "Q5_K",
+                                                                         14: "Q6_K"}[block_type],
+                         "M": M, "packed_MB": pbytes / 1e6, "bits_per_weight": pbytes * 8 / (N * H),
+                         "us": t["median_us"], "vs_M1": t["median_us"] / base[0], "GB/s": gbs,
+                         "frac_copy": gbs / copy_bw[0], "timing": t})
+            if cpu is not None:
+                cpu_gbs = pbytes / (cpu * 1e-6) / 1e9
+                rows[-1].update({"cpu_us": cpu, "cpu_vs_M1": cpu / base[1], "cpu_GB/s": cpu_gbs,
+                                 "cpu_frac_copy": cpu_gbs / copy_bw[1]})
+            pbar.update(1)
+        del pool, packed
+    return rows
+
+
+def main_qwen(args):
+    threads = torch.get_num_threads()
+    copy_bw = (copy_bandwidth_gbs(), copy_bandwidth_cpu_gbs() if threads == 1 else None)
+    print(f"copy bandwidth: {copy_bw[0]:.1f} GB/s (wall time), {copy_bw[1] or float('nan'):.1f} GB/s (CPU time), "
+          f"torch threads: {threads}")
+    ms = [1, 8] if args.quick else [1, 2, 4, 8, 16, 32, 64]
+    names = ["qkv", "o"] if args.quick else ["qkv", "o", "gate|up", "down"]
+    types = [12, 14] if args.quick else [12, 14, 13, 6, 7]
+    formats = [((n, QWEN_SHAPES[n]), t) for t in types for n in names]
+    if not args.quick:
+        formats.append((("lm_head", QWEN_SHAPES["lm_head"]), 14))
+    with tqdm(total=len(formats) * len(ms), desc="bench_linear --qwen") as pbar:
+        rows = bench_int8_qwen(formats, ms, copy_bw, 5 if args.quick else 20, pbar)
+    print("\nint8_activation_linear, cold packed weights (median us; vs_M1 = time / time at M=1; frac_copy = packed "
+          "bytes per second / copy bandwidth)")
+    print_table(rows, ["layer", "N", "H", "block_type", "M", "packed_MB", "bits_per_weight", "us", "vs_M1", "GB/s",
+                       "frac_copy", "cpu_us", "cpu_vs_M1", "cpu_GB/s", "cpu_frac_copy"])
+    path = write_results(f"linear_int8_qwen_t{threads}", {
+        "command": " ".join(["python", "bench/bench_linear.py"] + sys.argv[1:]), "copy_bandwidth_gbs": copy_bw[0],
+        "copy_bandwidth_cpu_time_gbs": copy_bw[1], "int8_activation_linear": rows,
+        "M1_frac_copy": {f"{r['layer']}:{r['block_type']}": round(r["frac_copy"], 3) for r in rows if r["M"] == 1},
+    })
+    print(f"wrote {path}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a ~30 s smoke run (no cold-weight timings)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads; 0 = the cores not busy with other work (specdec_kernels.threads); 1 gives stable numbers on a busy machine")
+    parser.add_argument("--qwen", action="store_true",
+                        help="only int8_activation_linear on the Qwen2.5-Coder formats and 1.5B shapes")
     args = parser.parse_args()
     from specdec_kernels.threads import apply_threads
 
     args.threads = apply_threads(args.threads).threads  # the one default: the cores not busy
+    if args.qwen:
+        return main_qwen(args)
 
     if args.quick:
         skinny_shapes = [(1536, 576), (576, 1536)]

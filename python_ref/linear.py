@@ -88,17 +88,72 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, block_type: int,
     return skinny_linear(x, dequantize(weight, block_type, x.shape[1]), bias)
 
 
-def _block_integers(block: bytes, block_type: int) -> tuple[float, float, list[int]]:
-    """(d, m, the 32 integers) of a Q4_0 / Q4_1 / Q8_0 block: weight j = d * q[j] + m
-    (Q4_0: q = nibble - 8, m = 0; Q4_1: q = nibble; Q8_0: q = the int8, m = 0)."""
+# The block types of int8_activation_linear: GGML type id -> (weights per block, bytes per block).
+INT8_BLOCK_FORMATS = {2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 12: (256, 144),
+                      13: (256, 176), 14: (256, 210)}
+
+
+def _k_scales(s: bytes) -> tuple[list[int], list[int]]:
+    """Q4_K / Q5_K: the 8 6-bit scales and 8 6-bit mins packed in 12 bytes (llama.cpp's
+    get_scale_min_k4): j < 4: s[j] & 63, s[j + 4] & 63; j >= 4: the low / high nibble of
+    s[j + 4] plus the top 2 bits of s[j - 4] / s[j] as bits 4, 5."""
+    sc, mn = [], []
+    for j in range(8):
+        if j < 4:
+            sc.append(s[j] & 63)
+            mn.append(s[j + 4] & 63)
+        else:
+            sc.append((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4))
+            mn.append((s[j + 4] >> 4) | ((s[j] >> 6) << 4))
+    return sc, mn
+
+
+def _block_terms(block: bytes, block_type: int) -> list[tuple[float, float, list[int]]]:
+    """The terms of one GGUF block, per sub-block of 32 weights: (d_w, m_w, c) with weight j =
+    d_w * (the integers behind c) + m_w, such that the block's integer dot product with
+    activation integers q is i = sum_j c[j] * q[j]:
+      Q4_0: c = nibble - 8; Q4_1: c = nibble, m_w = m; Q8_0: c = q; Q5_0: c = q5 - 16;
+      Q5_1: c = q5, m_w = m; Q4_K / Q5_K (8 sub-blocks): d_w = d * sc, m_w = -(dmin * mn), c = q;
+      Q6_K (8 sub-blocks of two 16-weight halves with int8 scales sc0, sc1): d_w = d,
+      c = sc_half * (q6 - 32)."""
+    f16 = lambda at: _fp16(block[at:at + 2])  # noqa: E731
     if block_type == 8:
-        return _fp16(block[0:2]), 0.0, list(struct.unpack("<32b", block[2:34]))
-    start = 4 if block_type == 3 else 2
-    qs = block[start:start + 16]
-    nibbles = [b & 15 for b in qs] + [b >> 4 for b in qs]
-    if block_type == 2:
-        return _fp16(block[0:2]), 0.0, [q - 8 for q in nibbles]
-    return _fp16(block[0:2]), _fp16(block[2:4]), nibbles
+        return [(f16(0), 0.0, list(struct.unpack("<32b", block[2:34])))]
+    if block_type in (2, 3, 6, 7):
+        at = 4 if block_type in (3, 7) else 2
+        high = [0] * 32
+        if block_type in (6, 7):
+            qh = int.from_bytes(block[at:at + 4], "little")
+            high, at = [(qh >> j) & 1 for j in range(32)], at + 4
+        qs = block[at:at + 16]
+        q = [(b & 15) for b in qs] + [(b >> 4) for b in qs]
+        q = [v | (h << 4) for v, h in zip(q, high)]
+        offset = {2: 8, 3: 0, 6: 16, 7: 0}[block_type]
+        m = f16(2) if block_type in (3, 7) else 0.0
+        return [(f16(0), m, [v - offset for v in q])]
+    if block_type in (12, 13):
+        d, dmin = f16(0), f16(2)
+        sc, mn = _k_scales(block[4:16])
+        qh, qs = (block[16:48], block[48:176]) if block_type == 13 else (bytes(32), block[16:144])
+        terms = []
+        for s in range(8):
+            pair = qs[32 * (s // 2):32 * (s // 2) + 32]
+            low = [(b >> (4 * (s % 2))) & 15 for b in pair]
+            q = [v | (((qh[i] >> s) & 1) << 4) for i, v in enumerate(low)]
+            terms.append((d * sc[s], -(dmin * mn[s]), q))  # both products exact in fp32
+        return terms
+    if block_type == 14:
+        ql, qh = block[0:128], block[128:192]
+        scales = struct.unpack("<16b", block[192:208])
+        d = f16(208)
+        q = []
+        for i in range(256):  # weight i: low bits from ql, high bits from qh
+            h, r = divmod(i, 128)
+            low = (ql[64 * h + r % 64] >> (4 * (r // 64))) & 15
+            high = (qh[32 * h + r % 32] >> (2 * (r // 32))) & 3
+            q.append(low | (high << 4))
+        return [(d, 0.0, [scales[(32 * s + j) // 16] * (q[32 * s + j] - 32) for j in range(32)]) for s in range(8)]
+    raise ValueError(f"unsupported block type {block_type}")
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,11 +175,11 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def int8_activation_linear(x: torch.Tensor, weight: torch.Tensor, block_type: int,
                            bias: torch.Tensor | None = None) -> torch.Tensor:
     """The result of specdec::int8_activation_linear from the weight's plain GGUF blocks
-    (uint8 [N, H / 32 * block bytes], not the packed form), in float64: per block, the exact
-    integer dot product i of weight and activation integers, times fp32(d_w * d_x), plus for
-    Q4_1 m_w * fp32(d_x * sum q_x); summed over blocks, plus bias."""
+    (uint8 [N, H / block size * block bytes], not the packed form), in float64: per block of
+    32, the exact integer dot product i = sum_j c_j q_j (``_block_terms``), times fp32(d_w *
+    d_x), plus m_w * fp32(d_x * sum q_x); summed over blocks, plus bias."""
     M, H = x.shape
-    _, _, nbytes = BLOCK_FORMATS[block_type]
+    size, nbytes = INT8_BLOCK_FORMATS[block_type]
     nb = H // 32
     q, d = quantize_activations(x)
     sq = q.sum(-1)
@@ -133,12 +188,13 @@ def int8_activation_linear(x: torch.Tensor, weight: torch.Tensor, block_type: in
     N = weight.shape[0]
     out = torch.zeros(M, N, dtype=torch.float64)
     for n in range(N):
-        for b in range(nb):
-            off = (n * nb + b) * nbytes
-            dw, mw, ints = _block_integers(data[off:off + nbytes], block_type)
-            i = q[:, b] @ torch.tensor(ints, dtype=torch.int64)  # [M], exact
-            scale = (torch.tensor(dw, dtype=torch.float32) * d[:, b]).double()  # fp32 product
-            out[:, n] += i.double() * scale + mw * s[:, b]
+        b = 0
+        for off in range(n * H // size * nbytes, (n + 1) * H // size * nbytes, nbytes):
+            for dw, mw, coef in _block_terms(data[off:off + nbytes], block_type):
+                i = q[:, b] @ torch.tensor(coef, dtype=torch.int64)  # [M], exact
+                scale = (torch.tensor(dw, dtype=torch.float32) * d[:, b]).double()  # fp32 product
+                out[:, n] += i.double() * scale + mw * s[:, b]
+                b += 1
     if bias is not None:
         out += bias.double()[None]
     return out

@@ -485,23 +485,39 @@ def check_quantized_linear(x, weight, block_type, bias, out) -> None:
     check_contiguous(out, "out")
 
 
-# int8_activation_linear: bytes of one block of a group of 16 repacked rows, per GGML type id
-# (fp16 scales of the 16 rows, Q4_1's fp16 mins, then the weight bytes; csrc/cpu/int8_activation_linear.h).
-INT8_ACTIVATION_GROUP_BYTES = {2: 32 + 256, 3: 64 + 256, 8: 32 + 512}
+# int8_activation_linear's block types: GGML type id -> (name, weights per GGUF block, bytes per GGUF
+# block, bytes of one packed record: that block of 16 rows, repacked; csrc/cpu/int8_activation_linear.h).
+# Kept apart from GGUF_BLOCK_FORMATS (the formats quantized_linear reads).
+INT8_ACTIVATION_FORMATS = {
+    2: ("Q4_0", 32, 18, 32 + 256),
+    3: ("Q4_1", 32, 20, 64 + 256),
+    6: ("Q5_0", 32, 22, 32 + 256 + 64),
+    7: ("Q5_1", 32, 24, 64 + 256 + 64),
+    8: ("Q8_0", 32, 34, 32 + 512),
+    12: ("Q4_K", 256, 144, 64 + 256 + 8 * 256),
+    13: ("Q5_K", 256, 176, 64 + 256 + 8 * (256 + 64)),
+    14: ("Q6_K", 256, 210, 32 + 256 + 8 * (256 + 128)),
+}
+INT8_ACTIVATION_GROUP_BYTES = {tid: f[3] for tid, f in INT8_ACTIVATION_FORMATS.items()}
 INT8_ACTIVATION_GROUP_ROWS = 16
 
 
+def int8_activation_types_text() -> str:
+    """'Q4_0 = 2, Q4_1 = 3, ...': the block types int8_activation_linear reads, for error messages."""
+    return ", ".join(f"{name} = {tid}" for tid, (name, *_) in INT8_ACTIVATION_FORMATS.items())
+
+
 def check_int8_activation_linear(x, packed_weight, block_type, bias, out) -> None:
-    if isinstance(block_type, bool) or not isinstance(block_type, int) or block_type not in INT8_ACTIVATION_GROUP_BYTES:
-        raise ValueError(f"block_type must be Q4_0 = 2, Q4_1 = 3 or Q8_0 = 8, got {block_type!r}")
+    if isinstance(block_type, bool) or not isinstance(block_type, int) or block_type not in INT8_ACTIVATION_FORMATS:
+        raise ValueError(f"block_type must be one of {int8_activation_types_text()}, got {block_type!r}")
     check_tensor(x, "x", dtype=FLOAT_DTYPES, dims=2)
     M, H = x.shape
-    bb = INT8_ACTIVATION_GROUP_BYTES[block_type]
+    name, size, _, bb = INT8_ACTIVATION_FORMATS[block_type]
     check_tensor(packed_weight, "packed_weight", dtype=torch.uint8, dims=3, device=x.device)
     G = packed_weight.shape[0]
-    if H % 32 != 0 or tuple(packed_weight.shape[1:]) != (H // 32, bb):
-        raise ValueError(f"packed_weight must have shape [ceil(N / 16), {H // 32}, {bb}] (x is [{M}, {H}], H a "
-                         f"multiple of 32), got {list(packed_weight.shape)}")
+    if H % size != 0 or tuple(packed_weight.shape[1:]) != (H // size, bb):
+        raise ValueError(f"packed_weight must have shape [ceil(N / 16), {H // size}, {bb}] (x is [{M}, {H}], H a "
+                         f"multiple of the {name} block size {size}), got {list(packed_weight.shape)}")
     if not packed_weight.is_contiguous():
         raise ValueError("packed_weight must be contiguous")
     check_tensor(out, "out", dtype=torch.float32, dims=2, device=x.device)

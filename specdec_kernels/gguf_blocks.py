@@ -19,8 +19,9 @@ Formats (``TYPES``): name -> (type id, weights per block, bytes per block)
     Q8_0 (8): 32, 34   fp16 d; 32 int8 q; w = q * d
 (byte j of the nibbles holds weight j in its low and weight j + 16 in its high 4 bits).
 
-``pack_int8_activation`` repacks Q4_0 / Q4_1 / Q8_0 blocks 16 rows at a time for
-``ops.int8_activation_linear`` (activations quantised to int8, integer dot products);
+``pack_int8_activation`` repacks Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks 16
+rows at a time for ``ops.int8_activation_linear`` (activations quantised to int8, integer dot
+products);
 ``QuantizedWeight.with_int8_activations`` attaches that packing to a weight, and ``ops.linear``
 then uses it.
 """
@@ -34,9 +35,9 @@ import torch
 
 from . import checks, ops
 
-__all__ = ["TYPES", "F32", "F16", "Q4_0", "Q4_1", "Q8_0", "BF16", "type_id", "type_name", "block_size",
-           "block_bytes", "row_bytes", "quantize", "dequantize", "pack_int8_activation", "INT8_ACTIVATION_TYPES",
-           "QuantizedWeight"]
+__all__ = ["TYPES", "F32", "F16", "Q4_0", "Q4_1", "Q8_0", "BF16", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "type_id",
+           "type_name", "block_size", "block_bytes", "row_bytes", "quantize", "dequantize", "pack_int8_activation",
+           "INT8_ACTIVATION_TYPES", "QuantizedWeight"]
 
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
 TYPES = {name: (tid, size, nbytes) for tid, (name, size, nbytes) in ops.GGUF_BLOCK_FORMATS.items()}
@@ -173,41 +174,133 @@ def quantize(weight: torch.Tensor, block_type) -> "QuantizedWeight":
     return QuantizedWeight(raw.reshape(N, -1).contiguous(), tid, (N, H))
 
 
-INT8_ACTIVATION_TYPES = (Q4_0, Q4_1, Q8_0)  # the block types int8_activation_linear reads
+# The further block types int8_activation_linear reads (GGML type ids; the Qwen2.5 GGUF files' formats).
+Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 6, 7, 12, 13, 14
+INT8_ACTIVATION_TYPES = tuple(checks.INT8_ACTIVATION_FORMATS)  # the block types int8_activation_linear reads
+
+
+def _int8_type(block_type) -> int:
+    """The GGML type id of a block type int8_activation_linear reads (id or name), else ValueError."""
+    names = {f[0]: tid for tid, f in checks.INT8_ACTIVATION_FORMATS.items()}
+    tid = names.get(block_type.upper()) if isinstance(block_type, str) else int(block_type)
+    if tid not in checks.INT8_ACTIVATION_FORMATS:
+        shown = block_type if isinstance(block_type, str) else checks.GGUF_BLOCK_FORMATS.get(tid, (block_type,))[0]
+        raise ValueError(f"int8-activation packing reads {', '.join(names)} blocks, got {shown}")
+    return tid
+
+
+def _bits(b: torch.Tensor, count: int) -> torch.Tensor:
+    """uint8 [..., n] -> [..., 8n] of 0/1: bit i % 8 of byte i // 8 (little-endian bit order)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=b.device)
+    return ((b[..., None] >> shifts) & 1).reshape(*b.shape[:-1], 8 * b.shape[-1])[..., :count]
+
+
+def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: the 12 bytes of 6-bit scales and mins -> (sc, mn) uint8 [..., 8] (gguf's get_scale_min)."""
+    d, m, md = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def _block_integers(b: torch.Tensor, tid: int):
+    """GGUF blocks uint8 [..., block bytes] -> (fp16 fields, per-sub-block integer fields, q): the
+    fp16 scales as raw bytes [..., 2] each (d; Q4_1 / Q5_1: m; K-quants: dmin), the small
+    integer scales (Q4_K / Q5_K: sc and mn [..., 8]; Q6_K: the int8 scales [..., 16], as bytes),
+    and the stored weight integers q uint8 [..., S, 32] of the S sub-blocks of 32 (S = 1 or 8;
+    Q8_0: q + 128; the others unsigned: Q4 0..15, Q5 0..31, Q6_K 0..63)."""
+    if tid in (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1):
+        halves = tid in (Q4_1, Q5_1)
+        f16 = [b[..., 0:2]] + ([b[..., 2:4]] if halves else [])
+        at = 4 if halves else 2
+        if tid == Q8_0:
+            return f16, [], (b[..., 2:34] ^ 128)[..., None, :]
+        high = None
+        if tid in (Q5_0, Q5_1):
+            high, at = _bits(b[..., at:at + 4], 32), at + 4
+        qs = b[..., at:at + 16]
+        q = torch.cat([qs & 15, qs >> 4], dim=-1)
+        return f16, [], (q if high is None else q | (high << 4))[..., None, :]
+    if tid in (Q4_K, Q5_K):
+        sc, mn = _k_scale_min(b[..., 4:16])
+        qs = b[..., -128:].reshape(*b.shape[:-1], 4, 1, 32)  # 32 bytes per pair of sub-blocks
+        q = torch.cat([qs & 15, qs >> 4], dim=-2).reshape(*b.shape[:-1], 8, 32)
+        if tid == Q5_K:  # bit s of qh[i]: the high bit of weight i of sub-block s
+            shifts = torch.arange(8, dtype=torch.uint8, device=b.device)[:, None]
+            q = q | (((b[..., None, 16:48] >> shifts) & 1) << 4)
+        return [b[..., 0:2], b[..., 2:4]], [sc, mn], q
+    # Q6_K: ql 128, qh 64, int8 scales 16, fp16 d. Weight 128h + 64s + k (k < 64) has low bits
+    # ql[64h + k] >> 4s; weight 128h + 32t + k (k < 32) has high bits qh[32h + k] >> 2t.
+    lead = b.shape[:-1]
+    ql = b[..., 0:128].reshape(*lead, 2, 1, 64)
+    low = torch.cat([ql & 15, ql >> 4], dim=-2).reshape(*lead, 8, 32)
+    qh = b[..., 128:192].reshape(*lead, 2, 1, 32)
+    high = torch.cat([(qh >> (2 * t)) & 3 for t in range(4)], dim=-2).reshape(*lead, 8, 32)
+    return [b[..., 208:210]], [b[..., 192:208]], low | (high << 4)
+
+
+def _words(q: torch.Tensor, steps: int) -> torch.Tensor:
+    """[..., 16 rows, 32] bytes -> [..., 64 * steps]: step k holds each row's bytes
+    4k .. 4k + 3 (row l at bytes 4l .. 4l + 3 of the step)."""
+    return q.reshape(*q.shape[:-2], 16, steps, 4).transpose(-3, -2).reshape(*q.shape[:-2], 64 * steps)
+
+
+def _weight_fields(q: torch.Tensor, tid: int) -> list[torch.Tensor]:
+    """The packed weight bytes of sub-blocks q uint8 [..., 16 rows, 32] (see pack_int8_activation)."""
+    if tid == Q8_0:
+        return [_words(q, 8)]
+    fields = [_words((q[..., :16] & 15) | ((q[..., 16:] & 15) << 4), 4)]  # nibbles: weights t and 16 + t
+    high = q >> 4
+    if tid in (Q5_0, Q5_1, Q5_K):  # byte 4l + t, bit k: the fifth bit of weight 4k + t
+        k = torch.arange(8, dtype=torch.uint8, device=q.device)
+        bits = (high.reshape(*q.shape[:-1], 8, 4) << k[:, None]).sum(-2, dtype=torch.uint8)
+        fields.append(bits.reshape(*q.shape[:-2], 64))
+    elif tid == Q6_K:  # two vectors (weights 0..15, 16..31); byte 4l + t, bits 2k, 2k + 1: weight 4k + t
+        k = torch.arange(4, dtype=torch.uint8, device=q.device)
+        for half in (high[..., :16], high[..., 16:]):
+            bits = (half.reshape(*q.shape[:-1], 4, 4) << (2 * k)[:, None]).sum(-2, dtype=torch.uint8)
+            fields.append(bits.reshape(*q.shape[:-2], 64))
+    return fields
 
 
 def pack_int8_activation(blocks: torch.Tensor, block_type) -> torch.Tensor:
-    """GGUF blocks uint8 [N, row_bytes] of a Q4_0 / Q4_1 / Q8_0 weight [N, H] repacked for
-    ``ops.int8_activation_linear``: uint8 [ceil(N / 16), H / 32, group block bytes].
+    """GGUF blocks uint8 [N, row_bytes] of a weight [N, H] (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+    Q5_K, Q6_K) repacked for ``ops.int8_activation_linear``: uint8 [ceil(N / 16), H / B,
+    record bytes], B the format's block size (32; 256 for the K-quants).
 
-    Group g, block b holds block b of rows 16g .. 16g + 15 (rows past N are zeros): their 16
-    fp16 scales d (32 bytes), for Q4_1 their 16 fp16 mins m (32 bytes), then the weights
+    Record (g, b) holds block b of rows 16g .. 16g + 15 (rows past N are zeros). Its fields,
+    each the 16 rows side by side (row l's entry at l), then the weights of its sub-blocks of 32:
+      Q4_0 / Q5_0 / Q8_0: fp16 d[16];  Q4_1 / Q5_1: fp16 d[16], fp16 m[16];
+      Q4_K / Q5_K: fp16 d[16], fp16 dmin[16], uint8 sc[8][16], uint8 mn[8][16] (the 6-bit
+          scales and mins of sub-block s at [s][l]);
+      Q6_K: fp16 d[16], int8 sc[16][16] (the scale of weights 16s .. 16s + 15 at [s][l]);
+    then per sub-block of 32 weights (one for the 32-blocks, 8 for the K-quants), the weights
     word-interleaved, one 4-byte word per row in each 64 bytes (one int32 lane per row of a
-    vector dot product): Q4 blocks as 4 chunks, chunk k holding each row's qs[4k .. 4k + 4)
-    (weights 4k + t in the low, 16 + 4k + t in the high nibbles); Q8_0 as 8 steps, step k
-    holding each row's q[4k .. 4k + 4) plus 128 (unsigned bytes for vpdpbusd)."""
-    tid = type_id(block_type)
-    if tid not in INT8_ACTIVATION_TYPES:
-        raise ValueError(f"int8-activation packing reads Q4_0, Q4_1 and Q8_0 blocks, got {type_name(tid)}")
-    nbytes = block_bytes(tid)
+    vector dot product; byte 4l + t belongs to row l):
+      Q8_0: 8 steps, step k = each row's q[4k + t] plus 128 (unsigned bytes for vpdpbusd);
+      the others: 4 chunks of nibbles, chunk k byte 4l + t = weight 4k + t (low 4 bits of the
+      stored integer) | weight 16 + 4k + t (high nibble); then
+      Q5_*: 64 bytes, byte 4l + t bit k = the fifth bit of weight 4k + t (k < 8);
+      Q6_K: 2 x 64 bytes (weights 0..15, then 16..31 of the sub-block), byte 4l + t bits
+      2k, 2k + 1 = the two high bits of weight 4k + t of that half (k < 4).
+    Bits per weight: Q4_K 4.625 (GGUF 4.5), Q5_K 5.625 (5.5), Q6_K 6.5625 (6.5625); the 32-blocks
+    as in GGUF (Q5_0 5.5, Q5_1 6)."""
+    tid = _int8_type(block_type)
+    name, size, nbytes, _ = checks.INT8_ACTIVATION_FORMATS[tid]
     checks.check_tensor(blocks, "blocks", dtype=torch.uint8, dims=2)
     N, rb = blocks.shape
     if rb % nbytes != 0:
-        raise ValueError(f"blocks.shape[1] must be a multiple of the {type_name(tid)} block bytes {nbytes}, "
+        raise ValueError(f"blocks.shape[1] must be a multiple of the {name} block bytes {nbytes}, "
                          f"got {list(blocks.shape)}")
     nb, G = rb // nbytes, -(-N // 16)
     b = torch.zeros(G * 16, nb, nbytes, dtype=torch.uint8, device=blocks.device)
     b[:N] = blocks.reshape(N, nb, nbytes)
     b = b.view(G, 16, nb, nbytes).transpose(1, 2)  # [G, nb, 16 rows, block bytes]
-    fields = [b[..., 0:2].reshape(G, nb, 32)]  # d of the 16 rows
-    if tid == Q4_1:
-        fields.append(b[..., 2:4].reshape(G, nb, 32))  # m
-    start = 4 if tid == Q4_1 else 2
-    if tid == Q8_0:
-        words = b[..., start:start + 32].reshape(G, nb, 16, 8, 4) ^ 128  # q + 128 as uint8
-    else:
-        words = b[..., start:start + 16].reshape(G, nb, 16, 4, 4)
-    fields.append(words.transpose(2, 3).reshape(G, nb, -1))  # [chunk/step, row, byte]
+    f16, small, q = _block_integers(b, tid)
+    fields = [f.reshape(G, nb, 32) for f in f16]
+    fields += [s.transpose(-1, -2).reshape(G, nb, -1) for s in small]  # [sub-block][row]
+    per_sub = _weight_fields(q.transpose(2, 3), tid)  # each [G, nb, S, bytes]
+    fields.append(torch.cat(per_sub, dim=-1).reshape(G, nb, -1))
     return torch.cat(fields, dim=-1).contiguous()
 
 
@@ -271,7 +364,7 @@ class QuantizedWeight:
     def with_int8_activations(self) -> "QuantizedWeight":
         """This weight with its int8-activation packing attached (``ops.linear`` then uses
         ``int8_activation_linear``); the weight itself when its type has no such kernel
-        (only Q4_0, Q4_1 and Q8_0 have one)."""
+        (the types in INT8_ACTIVATION_TYPES have one)."""
         if self.block_type not in INT8_ACTIVATION_TYPES or self.int8_packed is not None:
             return self
         return QuantizedWeight(self.blocks, self.block_type, self.shape,

@@ -1,31 +1,64 @@
-"""specdec::int8_activation_linear (activations quantised to int8 per block of 32, Q4_0 / Q4_1 /
-Q8_0 blocks repacked 16 rows at a time) on every backend against python_ref, which computes
-from the plain GGUF blocks (so the packing is checked too); the CPU paths' bits; batch
+"""specdec::int8_activation_linear (activations quantised to int8 per block of 32; Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K blocks repacked 16 rows at a time) on every backend against
+python_ref, which computes from the plain GGUF blocks (so the packing is checked too), and
+against gguf's own dequantisation within the activation rounding; the CPU paths' bits; batch
 invariance; the int8 model format."""
+import gguf
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from python_ref import linear as ref
-from specdec_kernels import gguf_blocks, ops
-from specdec_kernels.gguf_blocks import Q4_0, Q4_1, Q8_0
+from specdec_kernels import checks, gguf_blocks, ops
+from specdec_kernels.gguf_blocks import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from tests.fuzzing import fuzz_settings
 from tests.helpers import assert_cpu_paths_agree, assert_guard_intact, cpu_flags, guarded, requires_triton
 
-TYPES = [Q4_0, Q4_1, Q8_0]
+TYPES = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K]
+K_QUANTS = [Q4_K, Q5_K, Q6_K]
 BACKENDS = ["cpu", pytest.param("triton", marks=requires_triton)]
+# Where each format keeps its fp16 fields (d; m or dmin) in a GGUF block.
+_F16_AT = {Q4_0: [0], Q4_1: [0, 2], Q5_0: [0], Q5_1: [0, 2], Q8_0: [0], Q4_K: [0, 2], Q5_K: [0, 2], Q6_K: [208]}
 
 
-def tol(H):
-    """fp32 accumulation of H / 32 block terms against the float64 reference (the integer
-    sums and the scales are exact on both sides). One activation integer off by one would
-    move an output by ~d_x * d_w * |q_w| ~ 1e-2 here, far outside this."""
-    return dict(atol=2e-6 * (H / 32) ** 0.5, rtol=1e-5)
+def block_size(block_type):
+    return checks.INT8_ACTIVATION_FORMATS[block_type][1]
+
+
+def random_blocks(N, H, block_type, g, scale=0.01):
+    """uint8 [N, row bytes]: random GGUF blocks (random bytes are valid blocks once the fp16
+    fields hold finite values; these are N(0, scale))."""
+    _, size, nbytes, _ = checks.INT8_ACTIVATION_FORMATS[block_type]
+    b = torch.randint(0, 256, (N, H // size, nbytes), dtype=torch.uint8, generator=g)
+    for at in _F16_AT[block_type]:
+        b[..., at:at + 2] = (torch.randn(N, H // size, 1, generator=g) * scale).half().view(torch.uint8)
+    return b.reshape(N, -1)
+
+
+def gguf_values(blocks, block_type):
+    """fp64 [N, H]: the weights as gguf.quants.dequantize gives them (the outside reference)."""
+    w = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType(block_type))
+    return torch.from_numpy(np.ascontiguousarray(w)).double()
+
+
+def assert_matches(got, want, H):
+    """got (fp32) against the float64 reference: fp32 accumulation of H / 32 block terms (the
+    integer sums and the scales are exact on both sides), relative to the outputs' scale (the
+    K-quants' terms cancel: their mins are subtracted). One activation integer off by one
+    would move an output by ~d_x * d_w * |c| ~ 1e-2 of that scale, far outside this."""
+    scale = max(1.0, float(want.abs().nan_to_num(0).max())) if want.numel() else 1.0
+    torch.testing.assert_close(got.double(), want, atol=2e-6 * (H / 32) ** 0.5 * scale, rtol=1e-5)
 
 
 def packed_weight(N, H, block_type, g):
-    blocks = gguf_blocks.quantize(torch.randn(N, H, generator=g), block_type).blocks
+    """(GGUF blocks, their packing): Q4_0 / Q4_1 / Q8_0 quantised from Gaussian weights by
+    gguf_blocks.quantize, the other formats random blocks."""
+    if block_type in (Q4_0, Q4_1, Q8_0):
+        blocks = gguf_blocks.quantize(torch.randn(N, H, generator=g), block_type).blocks
+    else:
+        blocks = random_blocks(N, H, block_type, g)
     return blocks, gguf_blocks.pack_int8_activation(blocks, block_type)
 
 
@@ -42,22 +75,59 @@ def run(backend, x, packed, block_type, N, bias=None, out=None):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("block_type", TYPES)
-@pytest.mark.parametrize("M,N,H", [(1, 1, 32), (1, 16, 64), (3, 33, 96), (5, 17, 32), (9, 40, 160), (18, 3, 64)])
-def test_matches_reference(backend, block_type, M, N, H):
-    """M: the CPU tiles (4 rows with AVX-512 VNNI, 2 with AVX2) and their tails; N: partial
-    groups of 16 rows."""
+@pytest.mark.parametrize("M,N,blocks", [(1, 1, 1), (1, 16, 2), (2, 16, 2), (3, 33, 3), (4, 20, 1), (5, 17, 1),
+                                        (9, 40, 5), (18, 3, 2)])
+def test_matches_reference(backend, block_type, M, N, blocks):
+    """M: the CPU tiles (up to 4 rows in registers with AVX-512 VNNI, 2 with AVX2; more rows
+    through the accumulator scratch) and their tails; N: partial groups of 16 rows; H = blocks
+    GGUF blocks (32 or 256 weights)."""
+    if block_type in K_QUANTS and blocks > 3:
+        blocks = 3  # python_ref is slow; 3 x 256 covers the sub-block walk
+    H = blocks * block_size(block_type)
     g = torch.Generator().manual_seed(M * 1000 + N * 10 + block_type)
-    blocks, packed = packed_weight(N, H, block_type, g)
+    w, packed = packed_weight(N, H, block_type, g)
     x, b = torch.randn(M, H, generator=g), torch.randn(N, generator=g)
-    torch.testing.assert_close(run(backend, x, packed, block_type, N, b).double(),
-                               ref.int8_activation_linear(x, blocks, block_type, b), **tol(H))
-    torch.testing.assert_close(run(backend, x, packed, block_type, N).double(),
-                               ref.int8_activation_linear(x, blocks, block_type), **tol(H))
+    assert_matches(run(backend, x, packed, block_type, N, b), ref.int8_activation_linear(x, w, block_type, b), H)
+    assert_matches(run(backend, x, packed, block_type, N), ref.int8_activation_linear(x, w, block_type), H)
 
 
 @pytest.mark.parametrize("block_type", TYPES)
+def test_within_the_activation_rounding_of_the_gguf_product(block_type):
+    """Against x @ W^T with W from gguf.quants.dequantize (not from this package): the error is
+    within the activation rounding, |out - exact| <= sum_k |w_k| * d_x(k) / 2 (each q is x / d_x
+    rounded to the nearest integer), plus fp32 slack; and it is that rounding: its RMS is the
+    one of independent rounding errors, uniform in +-d_x / 2 (variance sum_k w_k^2 d_x(k)^2 / 12),
+    within a factor 1.3 (a wrong weight or a misplaced block would be far outside)."""
+    g = torch.Generator().manual_seed(block_type)
+    N, H = 48, 512
+    blocks, packed = packed_weight(N, H, block_type, g)
+    w = gguf_values(blocks, block_type)
+    x = torch.randn(6, H, generator=g)
+    out = ops.int8_activation_linear(x, packed, block_type, N).double()
+    exact = x.double() @ w.T
+    d_x = (x.reshape(6, H // 32, 32).abs().amax(-1).double() / 127).repeat_interleave(32, 1)
+    bound = (d_x / 2) @ w.abs().T
+    slack = 1e-5 * (x.double().abs() @ w.abs().T)
+    err = out - exact
+    assert (err.abs() <= bound * 1.001 + slack).all(), (err.abs() - bound).max()
+    expected_rms = ((d_x ** 2 / 12) @ (w ** 2).T).mean().sqrt()
+    assert 1 / 1.3 < err.pow(2).mean().sqrt() / expected_rms < 1.3
+
+
+@pytest.mark.parametrize("block_type", K_QUANTS)
+def test_packed_bits_per_weight(block_type):
+    """The packing stays close to the GGUF bytes: Q4_K 4.625 bits per weight (GGUF 4.5), Q5_K
+    5.625 (5.5), Q6_K 6.5625 (the same as GGUF)."""
+    g = torch.Generator().manual_seed(0)
+    _, packed = packed_weight(32, 512, block_type, g)
+    bits = packed.numel() * 8 / (32 * 512)
+    assert bits == {Q4_K: 4.625, Q5_K: 5.625, Q6_K: 6.5625}[block_type]
+
+
+@pytest.mark.parametrize("block_type", [Q4_0, Q4_1, Q8_0])
 def test_close_to_the_fp32_activation_product(block_type):
-    """The activation rounding moves an output by ~0.5% of the outputs' scale (Gaussian data)."""
+    """The activation rounding moves an output by ~0.5% of the outputs' scale (Gaussian data),
+    against quantized_linear on the same blocks."""
     g = torch.Generator().manual_seed(block_type)
     N, H = 64, 576
     blocks, packed = packed_weight(N, H, block_type, g)
@@ -75,7 +145,7 @@ def test_low_precision_activations_and_bias(backend, x_dtype):
     x, b = torch.randn(4, 64, generator=g).to(x_dtype), torch.randn(6, generator=g).to(x_dtype)
     out = run(backend, x, packed, Q4_1, 6, b)
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), ref.int8_activation_linear(x.float(), blocks, Q4_1, b.float()), **tol(64))
+    assert_matches(out, ref.int8_activation_linear(x.float(), blocks, Q4_1, b.float()), 64)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -83,7 +153,7 @@ def test_low_precision_activations_and_bias(backend, x_dtype):
 def test_batch_invariant(backend, block_type):
     """A row's result is bit-identical whatever M is and whatever the other rows hold."""
     g = torch.Generator().manual_seed(21 + block_type)
-    N, H = 19, 128
+    N, H = 19, 4 * block_size(block_type)
     _, packed = packed_weight(N, H, block_type, g)
     rows = torch.randn(40, H, generator=g)
     full = run(backend, rows, packed, block_type, N)
@@ -97,31 +167,32 @@ def test_batch_invariant(backend, block_type):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_special_activation_blocks(backend):
+@pytest.mark.parametrize("block_type", [Q4_1, Q5_0, Q4_K, Q6_K])
+def test_special_activation_blocks(backend, block_type):
     """Zero and tiny (< 2^-96) blocks count as zero; huge values scale; NaN or inf in a
     block makes that row's outputs NaN and leaves the other rows alone."""
     g = torch.Generator().manual_seed(5)
-    N, H = 20, 64
-    blocks, packed = packed_weight(N, H, Q4_1, g)
+    N, H = 20, max(64, block_size(block_type))
+    blocks, packed = packed_weight(N, H, block_type, g)
     x = torch.randn(6, H, generator=g)
     x[0] = 0
     x[1, :32] = 1e-30  # tiny block: zero; the other block is ordinary
     x[2] *= 1e30
     x[3, 5] = float("nan")
     x[4, 40] = float("inf")
-    out = run(backend, x, packed, Q4_1, N)
-    want = ref.int8_activation_linear(x, blocks, Q4_1)
+    out = run(backend, x, packed, block_type, N)
+    want = ref.int8_activation_linear(x, blocks, block_type)
     assert torch.equal(out[0], torch.zeros(N))
     x1 = x[1:2].clone()
     x1[0, :32] = 0
-    assert torch.equal(out[1:2], run(backend, x1, packed, Q4_1, N))
-    torch.testing.assert_close(out[2].double(), want[2], atol=0, rtol=1e-5)
+    assert torch.equal(out[1:2], run(backend, x1, packed, block_type, N))
+    assert_matches(out[2] / 1e30, want[2] / 1e30, H)
     assert out[3].isnan().all() and out[4].isnan().all()
-    torch.testing.assert_close(out[5].double(), want[5], **tol(H))
+    assert_matches(out[5], want[5], H)
 
 
 @fuzz_settings(40)
-@given(M=st.integers(0, 20), N=st.integers(1, 40), nb=st.integers(1, 5), type_index=st.integers(0, 2),
+@given(M=st.integers(0, 20), N=st.integers(1, 40), nb=st.integers(1, 5), type_index=st.integers(0, len(TYPES) - 1),
        with_bias=st.booleans(), values=st.sampled_from(["normal", "huge", "tiny", "non_finite", "mixed"]),
        seed=st.integers(0, 2**31))
 def test_fuzz_matches_reference(M, N, nb, type_index, with_bias, values, seed):
@@ -129,6 +200,8 @@ def test_fuzz_matches_reference(M, N, nb, type_index, with_bias, values, seed):
     CPU kernel against the reference (NaN where the reference has NaN)."""
     block_type = TYPES[type_index]
     g = torch.Generator().manual_seed(seed)
+    if block_type in K_QUANTS:
+        nb = 8 * (1 + nb % 2)  # 1 or 2 K-quant blocks (python_ref is slow)
     H = 32 * nb
     blocks, packed = packed_weight(N, H, block_type, g)
     x = torch.randn(M, H, generator=g)
@@ -146,7 +219,7 @@ def test_fuzz_matches_reference(M, N, nb, type_index, with_bias, values, seed):
     assert_guard_intact(out)
     want = ref.int8_activation_linear(x, blocks, block_type, b)
     # fp32 sums of terms that may cancel: the error is relative to the terms' magnitudes.
-    mag = x.double().nan_to_num(0, 0, 0).abs() @ gguf_blocks.dequantize(blocks, block_type).double().abs().T
+    mag = x.double().nan_to_num(0, 0, 0).abs() @ gguf_values(blocks, block_type).abs().T
     mag = mag + (0 if b is None else b.double().abs())
     got = out.double()
     both_nan = got.isnan() & want.isnan()
@@ -154,16 +227,17 @@ def test_fuzz_matches_reference(M, N, nb, type_index, with_bias, values, seed):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("block_type,M,N", [(Q4_0, 3, 7), (Q4_1, 13, 17), (Q8_0, 6, 33)])
+@pytest.mark.parametrize("block_type,M,N", [(Q4_0, 3, 7), (Q4_1, 13, 17), (Q8_0, 6, 33), (Q5_0, 2, 9), (Q5_1, 5, 18),
+                                             (Q4_K, 7, 17), (Q5_K, 1, 3), (Q6_K, 6, 33)])
 def test_nothing_outside_the_tensors_is_read_or_written(backend, block_type, M, N):
     g = torch.Generator().manual_seed(M * N)
-    H = 96
+    H = 3 * block_size(block_type)
     blocks, packed = packed_weight(N, H, block_type, g)
     x, b = torch.randn(M, H, generator=g), torch.randn(N, generator=g)
     out = guarded(torch.full((M, N), float("nan")))
     run(backend, guarded(x), guarded(packed), block_type, N, guarded(b), out)
     assert_guard_intact(out)
-    torch.testing.assert_close(out.double(), ref.int8_activation_linear(x, blocks, block_type, b), **tol(H))
+    assert_matches(out, ref.int8_activation_linear(x, blocks, block_type, b), H)
 
 
 def test_empty_shapes_and_out():
@@ -189,6 +263,8 @@ def test_opcheck():
 
 
 _P = gguf_blocks.pack_int8_activation(gguf_blocks.quantize(torch.randn(20, 64), "Q4_1").blocks, Q4_1)  # [2, 2, 320]
+_PK = gguf_blocks.pack_int8_activation(random_blocks(20, 256, Q4_K, torch.Generator().manual_seed(0)),
+                                       Q4_K)  # [2, 1, 2368]
 
 
 @pytest.mark.parametrize("x,p,block_type,b,out,message", [
@@ -197,8 +273,12 @@ _P = gguf_blocks.pack_int8_activation(gguf_blocks.quantize(torch.randn(20, 64), 
     (torch.randn(2, 64), _P.float(), 3, None, torch.empty(2, 20), "packed_weight must have dtype torch.uint8"),
     (torch.randn(2, 64), _P[:, :1].contiguous(), 3, None, torch.empty(2, 20), r"packed_weight must have shape \[ceil"),
     (torch.randn(2, 64), _P, 2, None, torch.empty(2, 20), r"packed_weight must have shape \[ceil\(N / 16\), 2, 288\]"),
-    (torch.randn(2, 48), _P, 3, None, torch.empty(2, 20), "H a multiple of 32"),
-    (torch.randn(2, 64), _P, 0, None, torch.empty(2, 20), "block_type must be Q4_0 = 2, Q4_1 = 3 or Q8_0 = 8"),
+    (torch.randn(2, 48), _P, 3, None, torch.empty(2, 20), "H a multiple of the Q4_1 block size 32"),
+    (torch.randn(2, 64), _P, 12, None, torch.empty(2, 20), "H a multiple of the Q4_K block size 256"),
+    (torch.randn(2, 256), _PK, 14, None, torch.empty(2, 20),
+     r"packed_weight must have shape \[ceil\(N / 16\), 1, 3360\]"),
+    (torch.randn(2, 64), _P, 0, None, torch.empty(2, 20), "block_type must be one of Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, "
+     "Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14"),
     (torch.randn(2, 64), _P, True, None, torch.empty(2, 20), "block_type must be"),
     (torch.randn(2, 64), _P, 3, None, torch.empty(2, 33), r"out must have shape \[2, N\] with ceil\(N / 16\) = 2"),
     (torch.randn(2, 64), _P, 3, None, torch.empty(2, 16), r"out must have shape \[2, N\]"),
@@ -220,7 +300,11 @@ def test_bad_inputs_raise(x, p, block_type, b, out, message):
      r"packed_weight must have shape \[ceil\(N / 16\), 2, 320\]"),
     (torch.randn(2, 64), _P[:, :, :300].contiguous(), 3, None, torch.empty(2, 20), "packed_weight must have shape"),
     (torch.randn(2, 64), _P[:, ::2], 3, None, torch.empty(2, 20), "packed_weight must be contiguous"),
-    (torch.randn(2, 64), _P, 1, None, torch.empty(2, 20), "block_type must be Q4_0 = 2, Q4_1 = 3 or Q8_0 = 8"),
+    (torch.randn(2, 64), _P, 1, None, torch.empty(2, 20), "block_type must be one of Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, "
+     "Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14"),
+    (torch.randn(2, 64), _P, 12, None, torch.empty(2, 20), "H a multiple of 256"),
+    (torch.randn(2, 256), _PK, 13, None, torch.empty(2, 20),
+     r"packed_weight must have shape \[ceil\(N / 16\), 1, 2880\]"),
     (torch.randn(2, 64), _P, 3, None, torch.empty(2, 40), r"out must have shape \[2, N\] with ceil\(N / 16\) = 2"),
     (torch.randn(2, 64), _P, 3, None, torch.empty(2, 20).double(), "out must have dtype Float"),
     (torch.randn(2, 64), _P, 3, None, torch.empty(20, 2).T, "out must be contiguous"),
@@ -242,10 +326,12 @@ def test_triton_launcher_checks_its_arguments():
 
 
 def test_pack_rejects_what_it_cannot_pack():
-    with pytest.raises(ValueError, match="reads Q4_0, Q4_1 and Q8_0 blocks, got F16"):
+    with pytest.raises(ValueError, match="reads Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K blocks, got F16"):
         gguf_blocks.pack_int8_activation(gguf_blocks.quantize(torch.randn(4, 32), "F16").blocks, "F16")
     with pytest.raises(ValueError, match="multiple of the Q4_1 block bytes 20"):
         gguf_blocks.pack_int8_activation(torch.zeros(4, 30, dtype=torch.uint8), "Q4_1")
+    with pytest.raises(ValueError, match="multiple of the Q6_K block bytes 210"):
+        gguf_blocks.pack_int8_activation(torch.zeros(4, 200, dtype=torch.uint8), Q6_K)
 
 
 def test_quantized_weight_with_int8_activations_goes_through_its_linear():
@@ -262,6 +348,22 @@ def test_quantized_weight_with_int8_activations_goes_through_its_linear():
     assert f16.with_int8_activations() is f16  # no int8 kernel for float blocks
 
 
+@pytest.mark.parametrize("block_type", [Q5_0, Q5_1, Q4_K, Q5_K, Q6_K])
+def test_quantized_weight_of_the_newer_formats_carries_the_packing(block_type):
+    """QuantizedWeight.with_int8_activations for the Qwen files' formats. A QuantizedWeight
+    holds only the formats quantized_linear reads (checks.GGUF_BLOCK_FORMATS); the branch that
+    adds these formats there makes this test run."""
+    if block_type not in ops.GGUF_BLOCK_FORMATS:
+        pytest.skip(f"{checks.INT8_ACTIVATION_FORMATS[block_type][0]} is not yet a QuantizedWeight format")
+    g = torch.Generator().manual_seed(block_type)
+    H = 2 * block_size(block_type)
+    w = gguf_blocks.QuantizedWeight(random_blocks(24, H, block_type, g), block_type, (24, H))
+    w8 = w.with_int8_activations()
+    assert torch.equal(w8.int8_packed, gguf_blocks.pack_int8_activation(w.blocks, block_type))
+    x = torch.randn(5, H, generator=g)
+    assert torch.equal(ops.linear(x, w8), ops.int8_activation_linear(x, w8.int8_packed, block_type, 24))
+
+
 # ---------------------------------------------------------------------------------------
 # The CPU paths (AVX-512 VNNI, AVX2, portable) give the same bits.
 # ---------------------------------------------------------------------------------------
@@ -270,15 +372,17 @@ _PATHS_SCRIPT = r"""
 import sys
 sys.path.insert(0, {root!r})
 import torch
-from specdec_kernels import gguf_blocks, ops
+from specdec_kernels import checks, gguf_blocks, ops
+from tests.test_int8_activation_linear import TYPES, packed_weight
 outs = {{}}
 g = torch.Generator().manual_seed(0)
-for name in ("Q4_0", "Q4_1", "Q8_0"):
-    for M, N, H in [(1, 7, 64), (3, 33, 96), (5, 16, 160), (8, 70, 128), (17, 13, 576)]:
-        q = gguf_blocks.quantize(torch.randn(N, H, generator=g) * 3, name)
+for block_type in TYPES:
+    size = checks.INT8_ACTIVATION_FORMATS[block_type][1]
+    for M, N, blocks in [(1, 7, 2), (2, 20, 1), (3, 33, 3), (4, 16, 2), (5, 16, 5), (8, 70, 4), (17, 13, 18)]:
+        H = size * (blocks if size == 32 else 1 + blocks % 3)
+        w, packed = packed_weight(N, H, block_type, g)
         x, b = torch.randn(M, H, generator=g) * 10, torch.randn(N, generator=g)
-        outs[(name, M, N, H)] = ops.int8_activation_linear(x, gguf_blocks.pack_int8_activation(q.blocks, name),
-                                                           q.block_type, N, b)
+        outs[(block_type, M, N, H)] = ops.int8_activation_linear(x, packed, block_type, N, b)
 torch.save(outs, sys.argv[1])
 """
 

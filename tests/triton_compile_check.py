@@ -242,7 +242,7 @@ def linear_cases():
                             **i32("M", "N", "NB")),
                        dict(BLOCK_TYPE=block_type, GROUP_BYTES=group_bytes, HAS_BIAS=has_bias,
                             BLOCK_M=m.INT8_ACTIVATION_BLOCK_M),
-                       f"int8 activations {m.GGUF_BLOCK_FORMATS[block_type][0]}, HAS_BIAS={has_bias}")
+                       f"int8 activations {m.INT8_ACTIVATION_FORMATS[block_type][0]}, HAS_BIAS={has_bias}")
 
 
 # ---------------------------------------------------------------------------------------

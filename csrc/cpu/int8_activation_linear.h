@@ -1,6 +1,6 @@
-// The CPU kernel of specdec::int8_activation_linear: GGUF-block weights (Q4_0 / Q4_1 / Q8_0)
-// repacked 16 rows at a time, times activations quantised to int8 per block of 32 (llama.cpp's
-// way: integer dot products instead of decoding every weight to fp32).
+// The CPU kernel of specdec::int8_activation_linear: GGUF-block weights (Q4_0, Q4_1, Q5_0, Q5_1,
+// Q8_0, Q4_K, Q5_K, Q6_K) repacked 16 rows at a time, times activations quantised to int8 per
+// block of 32 (llama.cpp's way: integer dot products instead of decoding every weight to fp32).
 //
 // Why: quantized_linear (gguf_blocks.h) decodes each weight to fp32 and multiplies with fused
 // multiply-adds: decoding limits one activation row, and every further row costs 2 FMAs per
@@ -9,31 +9,47 @@
 // scale FMA per row: the weights are never decoded to fp32, and a further row costs about a
 // third of what it costs there.
 //
-// Packed weight, uint8 [G, nb, group_bytes]: G = ceil(N / 16) groups of 16 weight rows (rows past
-// N are zero), nb = H / 32 blocks per row; group g, block b holds the blocks b of rows 16g..16g+15:
-//   fp16 d[16]                       32 bytes, row l's scale at bytes 2l, 2l + 1
-//   fp16 m[16] (Q4_1 only)           32 bytes
-//   Q4_0 / Q4_1: 4 chunks of 64 bytes; chunk k, byte 4l + t = the block's qs[4k + t] of row l
-//       (low nibble: weight 4k + t; high nibble: weight 16 + 4k + t);
+// Packed weight, uint8 [G, nr, record_bytes]: G = ceil(N / 16) groups of 16 weight rows (rows past
+// N are zero), nr = H / B records per row (B = 32; 256 for the K-quants); record (g, r) holds GGUF
+// block r of rows 16g..16g+15 (gguf_blocks.pack_int8_activation; each field the 16 rows side by
+// side, row l's entry at l):
+//   fp16 d[16]; Q4_1 / Q5_1: fp16 m[16]; Q4_K / Q5_K: fp16 dmin[16], uint8 sc[8][16], uint8 mn[8][16]
+//   (sub-block s's 6-bit scale and min of row l at [s][l]); Q6_K: int8 sc[16][16] (the scale of
+//   weights 16s..16s+15 of row l at [s][l]); then the weights of each sub-block of 32 (1, or 8
+//   for the K-quants), one 4-byte word per row in each 64 bytes:
 //   Q8_0: 8 steps of 64 bytes; step k, byte 4l + t = q[4k + t] of row l plus 128 (as uint8).
-// So 64 bytes give one 4-byte word per row (one int32 lane per row): the j-th unpacked word
-// (j < 8: Q4 chunk j % 4, low nibbles for j < 4, high for j >= 4; Q8 step j) meets activation
-// bytes 4j .. 4j + 3 of the block for every row.
+//   Others: 4 chunks of 64 bytes; chunk k, byte 4l + t: low nibble = the low 4 bits of weight
+//       4k + t, high nibble = those of weight 16 + 4k + t; then
+//     Q5_*: 64 bytes, byte 4l + t bit k = bit 4 of weight 4k + t (k < 8);
+//     Q6_K: 2 x 64 bytes (weights 0..15, 16..31), byte 4l + t bits 2k, 2k + 1 = bits 4, 5 of
+//       weight 4k + t of that half (k < 4).
+// So the j-th unpacked word of a row (j < 8: weights 4j .. 4j + 3, stored unsigned: nibble,
+// 5-bit or 6-bit integer, or q + 128) meets activation bytes 4j .. 4j + 3 of the block, and 64
+// bytes give one int32 lane per row.
 //
 // Activations (each row m, each block b of 32): amax = max |x|; d = amax / 127 (fp32);
-// q = round_half_even(x * (1 / d)) clamped to [-127, 127]; sq = sum q; s = d * float(sq)
-// (fp32). A block with amax < 2^-96 counts as zero (d = s = 0, q = 0: 1 / d would overflow
-// for subnormal amax). A block holding NaN or +-inf gets q = 0, d = s = NaN (its row's
-// outputs are NaN).
+// q = round_half_even(x * (1 / d)) clamped to [-127, 127]; sq = sum q (and the halves' sums
+// sq0, sq1 of q[0..16), q[16..32)); s = d * float(sq) (fp32). A block with amax < 2^-96 counts
+// as zero (d = s = 0, q = 0: 1 / d would overflow for subnormal amax). A block holding NaN or
+// +-inf gets q = 0, d = s = NaN (its row's outputs are NaN).
 //
 // Result, per output (m, n), in one fixed order (so a row's result is bit-identical whatever M,
 // the other rows, the ISA path or the threads are):
-//   acc = 0; for b = 0 .. nb - 1:
-//     i = sum_j q_w[j] * q_x[j] (exact int32; Q4_0: nibbles minus 8, Q4_1: nibbles, Q8_0: q)
-//     acc = fma(float(i), d_w * d_x, acc)          (d_w * d_x rounded to fp32)
-//     Q4_1: acc = fma(m_w, s_x, acc)
+//   acc = 0; for b = 0 .. H / 32 - 1 (block b of 32 is sub-block b % 8 of K-quant block b / 8):
+//     i = the exact int32 dot product of the block's weight integers c and activations q:
+//         Q4_0: c = nibble - 8; Q5_0: c = q5 - 16; Q8_0: c = q; Q4_1, Q5_1, Q4_K, Q5_K: c = the
+//         unsigned integer; Q6_K: i = sc0 * sum_{j<16} (q6_j - 32) q_j + sc1 * sum_{j>=16} (...)
+//     acc = fma(float(i), d_w * d_x, acc)           (d_w * d_x rounded to fp32), d_w = d, or for
+//         Q4_K / Q5_K d * sc (exact in fp32)
+//     Q4_1 / Q5_1: acc = fma(m, s_x, acc); Q4_K / Q5_K: acc = fma(-(dmin * mn), s_x, acc)
+//         (dmin * mn exact in fp32)
 //   out = acc (+ bias[n], one more rounding).
-// The integer sums are exact in any order (|i| < 2^20), so the vector paths may split them.
+// The integer sums are exact in any order (|i| < 2^24), so the vector paths may split them.
+//
+// Blocking: each record is unpacked once for all M rows. Up to kTileM rows (4 with AVX-512, 2
+// with AVX2) the rows' accumulators stay in registers over the whole row of blocks; beyond, the
+// accumulators of all rows live in a small scratch (L1) and every unpacked block is applied to
+// the rows in tiles of kTileM.
 #pragma once
 #include <ATen/ATen.h>
 #include <c10/util/Half.h>
@@ -53,54 +69,90 @@
 namespace specdec {
 namespace i8act {
 
+// GGML type ids of the formats beyond quantized_linear's (gguf.GGMLQuantizationType).
+enum : int64_t { kQ5_0 = 6, kQ5_1 = 7, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+constexpr const char* kTypesText = "Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14";
+
 constexpr int64_t kGroupRows = 16;  // weight rows per group: one output lane each
 constexpr int64_t kBlock = 32;      // weights (and activations) per block
 constexpr float kTinyBlock = 0x1p-96f;  // activation blocks with max |x| below this count as zero
 
-// Bytes of one block of a group (16 rows), and where its weight bytes start; 0 for types the
-// op does not read.
-inline int64_t group_block_bytes(int64_t type) {
+constexpr bool is_k_quant(int64_t t) { return t == kQ4_K || t == kQ5_K || t == kQ6_K; }
+constexpr bool is_five_bit(int64_t t) { return t == kQ5_0 || t == kQ5_1 || t == kQ5_K; }
+constexpr bool has_min(int64_t t) { return t == gguf::kQ4_1 || t == kQ5_1; }  // + fma(m, s_x)
+constexpr bool has_k_min(int64_t t) { return t == kQ4_K || t == kQ5_K; }      // - dmin * mn * s_x
+// The unsigned offset subtracted from the stored integers (times sum q), where there is one.
+constexpr int32_t offset(int64_t t) {
+  return t == gguf::kQ4_0 ? 8 : t == kQ5_0 ? 16 : t == gguf::kQ8_0 ? 128 : 0;
+}
+// Weights per record (the GGUF block size).
+inline int64_t record_weights(int64_t type) { return is_k_quant(type) ? 256 : kBlock; }
+// Bytes of one record (16 rows of one GGUF block); 0 for types the op does not read.
+inline int64_t record_bytes(int64_t type) {
   switch (type) {
     case gguf::kQ4_0: return 32 + 256;
     case gguf::kQ4_1: return 64 + 256;
+    case kQ5_0: return 32 + 256 + 64;
+    case kQ5_1: return 64 + 256 + 64;
     case gguf::kQ8_0: return 32 + 512;
+    case kQ4_K: return 64 + 256 + 8 * 256;
+    case kQ5_K: return 64 + 256 + 8 * (256 + 64);
+    case kQ6_K: return 32 + 256 + 8 * (256 + 128);
     default: return 0;
   }
 }
-inline int64_t weights_offset(int64_t type) { return type == gguf::kQ4_1 ? 64 : 32; }
+// Where sub-block 0's weights start in a record, and the weight bytes of one sub-block.
+constexpr int64_t weights_at(int64_t t) {
+  return t == kQ4_K || t == kQ5_K ? 320 : t == kQ6_K ? 288 : has_min(t) ? 64 : 32;
+}
+constexpr int64_t sub_bytes(int64_t t) {
+  return t == gguf::kQ8_0 ? 512 : is_five_bit(t) ? 256 + 64 : t == kQ6_K ? 256 + 128 : 256;
+}
 
 struct Problem {
   const int8_t* q;     // [M, nb * 32] quantised activations
   const float* d;      // [M, nb] their scales
   const float* s;      // [M, nb] d * sum(q)
   const int32_t* sq;   // [M, nb] sum(q)
-  int64_t M, nb;
-  const uint8_t* w;    // [G, nb, bb]
-  int64_t bb;          // group_block_bytes(type)
+  const int32_t* sqh;  // [M, nb, 2] the sums of q's halves (q[0..16), q[16..32))
+  int64_t M, nb;       // nb = H / 32
+  const uint8_t* w;    // [G, nb * 32 / record_weights, bb]
+  int64_t bb;          // record_bytes(type)
   int64_t N;
   const float* bias;   // [N] or nullptr
   float* out;          // [M, N]
 };
 
+// The record holding block b of group g, and b's sub-block index in it.
+template <int64_t Type>
+inline const uint8_t* record_at(const Problem& p, int64_t g, int64_t b) {
+  constexpr int64_t per = is_k_quant(Type) ? 8 : 1;
+  return p.w + (g * (p.nb / per) + b / per) * p.bb;
+}
+template <int64_t Type>
+constexpr int64_t sub_index(int64_t b) { return is_k_quant(Type) ? b % 8 : 0; }
+
 // Quantises x [M, H] (fp32, contiguous, H = nb * 32) as the header says. Plain scalar code,
 // the same for every path (its cost is M * H, small next to the weights').
 inline void quantize_activations(const float* x, int64_t M, int64_t nb, int8_t* q, float* d, float* s,
-                                 int32_t* sq) {
+                                 int32_t* sq, int32_t* sqh) {
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = x + (m * nb + b) * kBlock;
-      int8_t* qb = q + (m * nb + b) * kBlock;
+      const int64_t mb = m * nb + b;
+      const float* xb = x + mb * kBlock;
+      int8_t* qb = q + mb * kBlock;
       float amax = 0.f;
       bool finite = true;
       for (int64_t j = 0; j < kBlock; ++j) {
         finite = finite && std::isfinite(xb[j]);
         amax = std::max(amax, std::fabs(xb[j]));
       }
-      int32_t sum = 0;
+      int32_t half[2] = {0, 0};
       if (!finite) {
         std::memset(qb, 0, kBlock);
-        d[m * nb + b] = s[m * nb + b] = std::numeric_limits<float>::quiet_NaN();
-        sq[m * nb + b] = 0;
+        d[mb] = s[mb] = std::numeric_limits<float>::quiet_NaN();
+        sq[mb] = sqh[2 * mb] = sqh[2 * mb + 1] = 0;
         continue;
       }
       const float dm = amax < kTinyBlock ? 0.f : amax / 127.f;
@@ -109,60 +161,24 @@ inline void quantize_activations(const float* x, int64_t M, int64_t nb, int8_t* 
         const float v = std::nearbyint(xb[j] * id);  // the default rounding mode: half to even
         const int32_t qi = static_cast<int32_t>(std::min(127.f, std::max(-127.f, v)));
         qb[j] = static_cast<int8_t>(qi);
-        sum += qi;
+        half[j / 16] += qi;
       }
-      d[m * nb + b] = dm;
-      sq[m * nb + b] = sum;
-      s[m * nb + b] = dm * static_cast<float>(sum);
+      d[mb] = dm;
+      sq[mb] = half[0] + half[1];
+      sqh[2 * mb] = half[0], sqh[2 * mb + 1] = half[1];
+      s[mb] = dm * static_cast<float>(sq[mb]);
     }
   }
 }
 
-inline void store_lanes(const Problem& p, int64_t m, int64_t n0, const float* lanes) {
-  const int64_t nr = std::min<int64_t>(kGroupRows, p.N - n0);
+// Writes lanes [0, width) of row m's accumulators for outputs n0 .. n0 + width - 1 (those < N).
+inline void store_lanes(const Problem& p, int64_t m, int64_t n0, const float* lanes, int64_t width = kGroupRows) {
+  const int64_t nr = std::min<int64_t>(width, p.N - n0);
   float* o = p.out + m * p.N + n0;
   for (int64_t l = 0; l < nr; ++l) o[l] = p.bias ? lanes[l] + p.bias[n0 + l] : lanes[l];
 }
 
 inline float f16_at(const uint8_t* p) { return static_cast<float>(c10::Half(gguf::load_u16(p), c10::Half::from_bits())); }
-
-// ---------------------------------------------------------------------------------------
-// Portable path (the reference of the vector paths' arithmetic).
-// ---------------------------------------------------------------------------------------
-template <int64_t Type>
-inline void group_generic(const Problem& p, int64_t g) {
-  const int64_t wo = weights_offset(Type);
-  for (int64_t m = 0; m < p.M; ++m) {
-    float acc[kGroupRows] = {};
-    for (int64_t b = 0; b < p.nb; ++b) {
-      const uint8_t* blk = p.w + (g * p.nb + b) * p.bb;
-      const int8_t* xq = p.q + (m * p.nb + b) * kBlock;
-      const float dx = p.d[m * p.nb + b];
-      const int32_t sq = p.sq[m * p.nb + b];
-      for (int64_t l = 0; l < kGroupRows; ++l) {
-        int32_t isum = 0;
-        for (int64_t j = 0; j < 8; ++j) {
-          for (int64_t t = 0; t < 4; ++t) {
-            int32_t wv;
-            if constexpr (Type == gguf::kQ8_0) {
-              wv = blk[wo + 64 * j + 4 * l + t];
-            } else {
-              const uint8_t byte = blk[wo + 64 * (j % 4) + 4 * l + t];
-              wv = j < 4 ? (byte & 15) : (byte >> 4);
-            }
-            isum += wv * xq[4 * j + t];
-          }
-        }
-        if constexpr (Type == gguf::kQ4_0) isum -= 8 * sq;
-        if constexpr (Type == gguf::kQ8_0) isum -= 128 * sq;
-        const float scale = f16_at(blk + 2 * l) * dx;
-        acc[l] = std::fma(static_cast<float>(isum), scale, acc[l]);
-        if constexpr (Type == gguf::kQ4_1) acc[l] = std::fma(f16_at(blk + 32 + 2 * l), p.s[m * p.nb + b], acc[l]);
-      }
-    }
-    store_lanes(p, m, g * kGroupRows, acc);
-  }
-}
 
 inline int32_t load_i32(const int8_t* p) {
   int32_t v;
@@ -170,173 +186,424 @@ inline int32_t load_i32(const int8_t* p) {
   return v;
 }
 
+// ---------------------------------------------------------------------------------------
+// Portable path (the reference of the vector paths' arithmetic).
+// ---------------------------------------------------------------------------------------
+
+// The stored unsigned integer of weight 4j + t of row l in a sub-block's weight bytes wp.
+template <int64_t Type>
+inline int32_t stored_weight(const uint8_t* wp, int64_t l, int64_t j, int64_t t) {
+  if constexpr (Type == gguf::kQ8_0) return wp[64 * j + 4 * l + t];
+  const uint8_t byte = wp[64 * (j % 4) + 4 * l + t];
+  int32_t u = j < 4 ? (byte & 15) : (byte >> 4);
+  if constexpr (is_five_bit(Type)) u |= ((wp[256 + 4 * l + t] >> j) & 1) << 4;
+  if constexpr (Type == kQ6_K) u |= ((wp[256 + 64 * (j / 4) + 4 * l + t] >> (2 * (j % 4))) & 3) << 4;
+  return u;
+}
+
+template <int64_t Type>
+inline void group_generic(const Problem& p, int64_t g) {
+  for (int64_t m = 0; m < p.M; ++m) {
+    float acc[kGroupRows] = {};
+    for (int64_t b = 0; b < p.nb; ++b) {
+      const uint8_t* rec = record_at<Type>(p, g, b);
+      const int64_t sub = sub_index<Type>(b);
+      const uint8_t* wp = rec + weights_at(Type) + sub * sub_bytes(Type);
+      const int64_t mb = m * p.nb + b;
+      const int8_t* xq = p.q + mb * kBlock;
+      for (int64_t l = 0; l < kGroupRows; ++l) {
+        int32_t half[2] = {0, 0};  // the dot products of words 0..3 and 4..7
+        for (int64_t j = 0; j < 8; ++j)
+          for (int64_t t = 0; t < 4; ++t) half[j / 4] += stored_weight<Type>(wp, l, j, t) * xq[4 * j + t];
+        int32_t isum;
+        if constexpr (Type == kQ6_K) {
+          isum = static_cast<int8_t>(rec[32 + 16 * (2 * sub) + l]) * (half[0] - 32 * p.sqh[2 * mb]) +
+                 static_cast<int8_t>(rec[32 + 16 * (2 * sub + 1) + l]) * (half[1] - 32 * p.sqh[2 * mb + 1]);
+        } else {
+          isum = half[0] + half[1] - offset(Type) * p.sq[mb];
+        }
+        float dw = f16_at(rec + 2 * l);
+        if constexpr (has_k_min(Type)) dw *= static_cast<float>(rec[64 + 16 * sub + l]);
+        acc[l] = std::fma(static_cast<float>(isum), dw * p.d[mb], acc[l]);
+        if constexpr (has_min(Type)) acc[l] = std::fma(f16_at(rec + 32 + 2 * l), p.s[mb], acc[l]);
+        if constexpr (has_k_min(Type)) {
+          const float mw = f16_at(rec + 32 + 2 * l) * static_cast<float>(rec[192 + 16 * sub + l]);
+          acc[l] = std::fma(-mw, p.s[mb], acc[l]);
+        }
+      }
+    }
+    store_lanes(p, m, g * kGroupRows, acc);
+  }
+}
+
+// Runs GROUP<Type>(args...) for the runtime type.
+#define SPECDEC_I8_TYPE_SWITCH(type, GROUP, ...)                     \
+  switch (type) {                                                    \
+    case gguf::kQ4_0: GROUP<gguf::kQ4_0>(__VA_ARGS__); break;        \
+    case gguf::kQ4_1: GROUP<gguf::kQ4_1>(__VA_ARGS__); break;        \
+    case kQ5_0: GROUP<kQ5_0>(__VA_ARGS__); break;                    \
+    case kQ5_1: GROUP<kQ5_1>(__VA_ARGS__); break;                    \
+    case gguf::kQ8_0: GROUP<gguf::kQ8_0>(__VA_ARGS__); break;        \
+    case kQ4_K: GROUP<kQ4_K>(__VA_ARGS__); break;                    \
+    case kQ5_K: GROUP<kQ5_K>(__VA_ARGS__); break;                    \
+    default: GROUP<kQ6_K>(__VA_ARGS__); break;                       \
+  }
+
+// acc_scratch: [M * 16] floats (the vector paths' accumulators for M beyond their tile).
+inline void run_generic(const Problem& p, int64_t type, int64_t g0, int64_t g1, float*) {
+  for (int64_t g = g0; g < g1; ++g) SPECDEC_I8_TYPE_SWITCH(type, group_generic, p, g)
+}
+
 #if defined(SPECDEC_GGUF_X86)
 // ---------------------------------------------------------------------------------------
 // AVX-512 VNNI: one zmm holds the 16 rows' int32 lanes; vpdpbusd multiplies the 64 weight
 // bytes (unsigned) with the row's 4 activation bytes broadcast (signed) and adds 4 products
-// per lane. Tiles of MR activation rows share the unpacked weight words of a block.
+// per lane.
 // ---------------------------------------------------------------------------------------
 #define SPECDEC_I8_VNNI __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,avx512vnni,f16c,fma,avx2")))
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wpsabi"
-template <int64_t Type, int MR>
-SPECDEC_I8_VNNI inline void tile_vnni(const Problem& p, int64_t g, int64_t m0) {
-  const int64_t wo = weights_offset(Type);
-  __m512 acc[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi8(15);
-  for (int64_t b = 0; b < p.nb; ++b) {
-    const uint8_t* blk = p.w + (g * p.nb + b) * p.bb;
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-    __m512i w[8];
-    if constexpr (Type == gguf::kQ8_0) {
-      for (int j = 0; j < 8; ++j) w[j] = _mm512_loadu_si512(blk + wo + 64 * j);
+
+struct UnpackedVnni {
+  __m512i w[8];       // the 8 words of each row (stored unsigned integers)
+  __m512 dw, mw;      // d_w, and m (Q4_1 / Q5_1) or dmin * mn (Q4_K / Q5_K)
+  __m512i sc0, sc1;   // Q6_K: the int8 scales of the two halves
+};
+
+// Bit 4 (Q5) or bits 4, 5 (Q6_K) of word j, placed from the high-bit vector h: a 16-bit shift
+// moves bit (4 - shift) of every byte to bit 4 without crossing a byte for |shift| <= 4.
+template <int S>
+SPECDEC_I8_VNNI inline __m512i shift_bits_vnni(__m512i h) {
+  if constexpr (S > 0) return _mm512_slli_epi16(h, S);
+  else if constexpr (S < 0) return _mm512_srli_epi16(h, -S);
+  else return h;
+}
+
+template <int64_t Type, int J>
+SPECDEC_I8_VNNI inline void high_bits_vnni(const uint8_t* wp, UnpackedVnni& u) {
+  if constexpr (J < 8) {
+    if constexpr (is_five_bit(Type)) {
+      const __m512i h = shift_bits_vnni<4 - J>(_mm512_loadu_si512(wp + 256));
+      u.w[J] = _mm512_ternarylogic_epi32(h, _mm512_set1_epi8(0x10), u.w[J], 0xEA);  // (h & 16) | w
     } else {
-      for (int j = 0; j < 4; ++j) {
-        const __m512i c = _mm512_loadu_si512(blk + wo + 64 * j);
-        w[j] = _mm512_and_si512(c, low4);
-        w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(c, 4), low4);
-      }
+      const __m512i h = shift_bits_vnni<4 - 2 * (J % 4)>(_mm512_loadu_si512(wp + 256 + 64 * (J / 4)));
+      u.w[J] = _mm512_ternarylogic_epi32(h, _mm512_set1_epi8(0x30), u.w[J], 0xEA);  // (h & 48) | w
     }
-    for (int i = 0; i < MR; ++i) {
-      const int64_t mb = (m0 + i) * p.nb + b;
-      const int8_t* xq = p.q + mb * kBlock;
+    high_bits_vnni<Type, J + 1>(wp, u);
+  }
+}
+
+// 16 fp16 / uint8 values at `at`, as fp32 lanes.
+SPECDEC_I8_VNNI inline __m512 f16x16(const uint8_t* at) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+}
+SPECDEC_I8_VNNI inline __m512 u8x16(const uint8_t* at) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))));
+}
+
+template <int64_t Type>
+SPECDEC_I8_VNNI inline void unpack_vnni(const Problem& p, int64_t g, int64_t b, UnpackedVnni& u) {
+  const uint8_t* rec = record_at<Type>(p, g, b);
+  const int64_t sub = sub_index<Type>(b);
+  const uint8_t* wp = rec + weights_at(Type) + sub * sub_bytes(Type);
+  if constexpr (Type == gguf::kQ8_0) {
+    for (int j = 0; j < 8; ++j) u.w[j] = _mm512_loadu_si512(wp + 64 * j);
+  } else {
+    const __m512i low4 = _mm512_set1_epi8(15);
+    for (int j = 0; j < 4; ++j) {
+      const __m512i c = _mm512_loadu_si512(wp + 64 * j);
+      u.w[j] = _mm512_and_si512(c, low4);
+      u.w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(c, 4), low4);
+    }
+    if constexpr (is_five_bit(Type) || Type == kQ6_K) high_bits_vnni<Type, 0>(wp, u);
+  }
+  u.dw = f16x16(rec);
+  if constexpr (has_min(Type)) u.mw = f16x16(rec + 32);
+  if constexpr (has_k_min(Type)) {
+    u.dw = _mm512_mul_ps(u.dw, u8x16(rec + 64 + 16 * sub));
+    u.mw = _mm512_mul_ps(f16x16(rec + 32), u8x16(rec + 192 + 16 * sub));
+  }
+  if constexpr (Type == kQ6_K) {
+    u.sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + 32 * sub)));
+    u.sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 48 + 32 * sub)));
+  }
+}
+
+template <int64_t Type, int MR>
+SPECDEC_I8_VNNI inline void rows_vnni(const Problem& p, const UnpackedVnni& u, int64_t b, int64_t m0, __m512* acc) {
+  for (int i = 0; i < MR; ++i) {
+    const int64_t mb = (m0 + i) * p.nb + b;
+    const int8_t* xq = p.q + mb * kBlock;
+    __m512i isum;
+    if constexpr (Type == kQ6_K) {
+      // Each half's sum starts at -32 * (its activation sum): the stored q6 minus 32.
+      __m512i h0 = _mm512_set1_epi32(-32 * p.sqh[2 * mb]), h1 = _mm512_set1_epi32(-32 * p.sqh[2 * mb + 1]);
+      for (int j = 0; j < 4; ++j) {
+        h0 = _mm512_dpbusd_epi32(h0, u.w[j], _mm512_set1_epi32(load_i32(xq + 4 * j)));
+        h1 = _mm512_dpbusd_epi32(h1, u.w[j + 4], _mm512_set1_epi32(load_i32(xq + 16 + 4 * j)));
+      }
+      isum = _mm512_add_epi32(_mm512_mullo_epi32(h0, u.sc0), _mm512_mullo_epi32(h1, u.sc1));
+    } else {
       __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
       for (int j = 0; j < 8; j += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(load_i32(xq + 4 * j)));
-        s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(load_i32(xq + 4 * j + 4)));
+        s0 = _mm512_dpbusd_epi32(s0, u.w[j], _mm512_set1_epi32(load_i32(xq + 4 * j)));
+        s1 = _mm512_dpbusd_epi32(s1, u.w[j + 1], _mm512_set1_epi32(load_i32(xq + 4 * j + 4)));
       }
-      __m512i isum = _mm512_add_epi32(s0, s1);
-      if constexpr (Type == gguf::kQ4_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(8 * p.sq[mb]));
-      if constexpr (Type == gguf::kQ8_0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(128 * p.sq[mb]));
-      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(p.d[mb]));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[i]);
-      if constexpr (Type == gguf::kQ4_1) {
-        const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
-        acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(p.s[mb]), acc[i]);
-      }
+      isum = _mm512_add_epi32(s0, s1);
+      if constexpr (offset(Type) != 0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(offset(Type) * p.sq[mb]));
     }
+    const __m512 scale = _mm512_mul_ps(u.dw, _mm512_set1_ps(p.d[mb]));
+    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[i]);
+    if constexpr (has_min(Type)) acc[i] = _mm512_fmadd_ps(u.mw, _mm512_set1_ps(p.s[mb]), acc[i]);
+    if constexpr (has_k_min(Type)) acc[i] = _mm512_fnmadd_ps(u.mw, _mm512_set1_ps(p.s[mb]), acc[i]);
+  }
+}
+
+constexpr int kTileVnni = 4;
+
+// M <= kTileVnni rows: accumulators in registers over the whole row of blocks.
+template <int64_t Type, int MR>
+SPECDEC_I8_VNNI inline void group_regs_vnni(const Problem& p, int64_t g) {
+  __m512 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  UnpackedVnni u;
+  for (int64_t b = 0; b < p.nb; ++b) {
+    unpack_vnni<Type>(p, g, b, u);
+    rows_vnni<Type, MR>(p, u, b, 0, acc);
   }
   for (int i = 0; i < MR; ++i) {
     alignas(64) float lanes[kGroupRows];
     _mm512_store_ps(lanes, acc[i]);
-    store_lanes(p, m0 + i, g * kGroupRows, lanes);
+    store_lanes(p, i, g * kGroupRows, lanes);
   }
+}
+
+template <int64_t Type, int MR>
+SPECDEC_I8_VNNI inline void tile_from_scratch_vnni(const Problem& p, const UnpackedVnni& u, int64_t b, int64_t m0,
+                                                   float* scratch) {
+  __m512 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm512_loadu_ps(scratch + (m0 + i) * kGroupRows);
+  rows_vnni<Type, MR>(p, u, b, m0, acc);
+  for (int i = 0; i < MR; ++i) _mm512_storeu_ps(scratch + (m0 + i) * kGroupRows, acc[i]);
+}
+
+// More rows: each unpacked block is applied to all rows, their accumulators in scratch [M, 16].
+template <int64_t Type>
+SPECDEC_I8_VNNI inline void group_scratch_vnni(const Problem& p, int64_t g, float* scratch) {
+  std::fill(scratch, scratch + p.M * kGroupRows, 0.f);
+  UnpackedVnni u;
+  for (int64_t b = 0; b < p.nb; ++b) {
+    unpack_vnni<Type>(p, g, b, u);
+    int64_t m0 = 0;
+    for (; m0 + kTileVnni <= p.M; m0 += kTileVnni) tile_from_scratch_vnni<Type, kTileVnni>(p, u, b, m0, scratch);
+    switch (p.M - m0) {
+      case 3: tile_from_scratch_vnni<Type, 3>(p, u, b, m0, scratch); break;
+      case 2: tile_from_scratch_vnni<Type, 2>(p, u, b, m0, scratch); break;
+      case 1: tile_from_scratch_vnni<Type, 1>(p, u, b, m0, scratch); break;
+      default: break;
+    }
+  }
+  for (int64_t m = 0; m < p.M; ++m) store_lanes(p, m, g * kGroupRows, scratch + m * kGroupRows);
 }
 
 template <int64_t Type>
-SPECDEC_I8_VNNI __attribute__((flatten)) inline void group_vnni(const Problem& p, int64_t g) {
-  constexpr int MR = 4;
-  int64_t m0 = 0;
-  for (; m0 + MR <= p.M; m0 += MR) tile_vnni<Type, MR>(p, g, m0);
-  switch (p.M - m0) {
-    case 3: tile_vnni<Type, 3>(p, g, m0); break;
-    case 2: tile_vnni<Type, 2>(p, g, m0); break;
-    case 1: tile_vnni<Type, 1>(p, g, m0); break;
-    default: break;
+SPECDEC_I8_VNNI __attribute__((flatten)) inline void group_vnni(const Problem& p, int64_t g, float* scratch) {
+  switch (p.M) {
+    case 1: group_regs_vnni<Type, 1>(p, g); break;
+    case 2: group_regs_vnni<Type, 2>(p, g); break;
+    case 3: group_regs_vnni<Type, 3>(p, g); break;
+    case 4: group_regs_vnni<Type, 4>(p, g); break;
+    default: group_scratch_vnni<Type>(p, g, scratch); break;
   }
 }
 
-SPECDEC_I8_VNNI __attribute__((noinline)) inline void run_vnni(const Problem& p, int64_t type, int64_t g0, int64_t g1) {
-  for (int64_t g = g0; g < g1; ++g) {
-    if (type == gguf::kQ4_0) group_vnni<gguf::kQ4_0>(p, g);
-    else if (type == gguf::kQ4_1) group_vnni<gguf::kQ4_1>(p, g);
-    else group_vnni<gguf::kQ8_0>(p, g);
-  }
+SPECDEC_I8_VNNI __attribute__((noinline)) inline void run_vnni(const Problem& p, int64_t type, int64_t g0, int64_t g1,
+                                                               float* scratch) {
+  for (int64_t g = g0; g < g1; ++g) SPECDEC_I8_TYPE_SWITCH(type, group_vnni, p, g, scratch)
 }
 #pragma GCC diagnostic pop
 
 // ---------------------------------------------------------------------------------------
-// AVX2: the 16 rows as two halves of 8 int32 lanes; vpmaddubsw (unsigned x signed bytes ->
-// saturating int16 pairs) then vpmaddwd with ones. No pair can saturate: Q4 pairs are at most
-// 2 * 15 * 127 (and 8 of them summed in int16, 30480, still fit); Q8_0 uses |w| with the sign
-// moved onto x (at most 2 * 128 * 127 per pair) instead of the unsigned offset bytes.
+// AVX2: the 16 rows as two halves of 8 int32 lanes (each half one pass over the blocks);
+// vpmaddubsw (unsigned x signed bytes -> saturating int16 pairs) then vpmaddwd. No int16 sum
+// can saturate: a Q4 pair is at most 2 * 15 * 127 (8 words summed: 30480), a Q5 pair 2 * 31 *
+// 127 (4 words: 31496), a Q6 pair 2 * 63 * 127 (2 words: 32004); Q8_0 uses |w| with the sign
+// moved onto x (at most 2 * 128 * 127 per pair) instead of the unsigned offset bytes. Q6_K's
+// int16 sums are multiplied by the scales in vpmaddwd itself.
 // ---------------------------------------------------------------------------------------
+struct UnpackedAvx2 {
+  __m256i w[8];
+  __m256 dw, mw;
+  __m256i sc0, sc1, sc01;  // Q6_K: int16 pairs (sc0, sc0), (sc1, sc1), (sc0, sc1) per lane
+};
+
+template <int S>
+inline __m256i shift_bits_avx2(__m256i h) {
+  if constexpr (S > 0) return _mm256_slli_epi16(h, S);
+  else if constexpr (S < 0) return _mm256_srli_epi16(h, -S);
+  else return h;
+}
+
+template <int64_t Type, int J>
+inline void high_bits_avx2(const uint8_t* wp, UnpackedAvx2& u) {
+  if constexpr (J < 8) {
+    if constexpr (is_five_bit(Type)) {
+      const __m256i h = shift_bits_avx2<4 - J>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 256)));
+      u.w[J] = _mm256_or_si256(u.w[J], _mm256_and_si256(h, _mm256_set1_epi8(0x10)));
+    } else {
+      const __m256i h = shift_bits_avx2<4 - 2 * (J % 4)>(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + 256 + 64 * (J / 4))));
+      u.w[J] = _mm256_or_si256(u.w[J], _mm256_and_si256(h, _mm256_set1_epi8(0x30)));
+    }
+    high_bits_avx2<Type, J + 1>(wp, u);
+  }
+}
+
+// Unpacks rows 8 * half .. 8 * half + 7 of block b (wp and the high-bit vectors offset by 32 * half).
+template <int64_t Type>
+inline void unpack_avx2(const Problem& p, int64_t g, int64_t b, int half, UnpackedAvx2& u) {
+  const uint8_t* rec = record_at<Type>(p, g, b);
+  const int64_t sub = sub_index<Type>(b);
+  const uint8_t* wp = rec + weights_at(Type) + sub * sub_bytes(Type) + 32 * half;
+  auto load = [](const uint8_t* at) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)); };
+  if constexpr (Type == gguf::kQ8_0) {
+    for (int j = 0; j < 8; ++j) u.w[j] = _mm256_xor_si256(load(wp + 64 * j), _mm256_set1_epi8(-128));  // signed q
+  } else {
+    const __m256i low4 = _mm256_set1_epi8(15);
+    for (int j = 0; j < 4; ++j) {
+      const __m256i c = load(wp + 64 * j);
+      u.w[j] = _mm256_and_si256(c, low4);
+      u.w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(c, 4), low4);
+    }
+    if constexpr (is_five_bit(Type) || Type == kQ6_K) high_bits_avx2<Type, 0>(wp, u);
+  }
+  auto f16x8 = [](const uint8_t* at) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))); };
+  auto u8x8 = [](const uint8_t* at) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at))));
+  };
+  u.dw = f16x8(rec + 16 * half);
+  if constexpr (has_min(Type)) u.mw = f16x8(rec + 32 + 16 * half);
+  if constexpr (has_k_min(Type)) {
+    u.dw = _mm256_mul_ps(u.dw, u8x8(rec + 64 + 16 * sub + 8 * half));
+    u.mw = _mm256_mul_ps(f16x8(rec + 32 + 16 * half), u8x8(rec + 192 + 16 * sub + 8 * half));
+  }
+  if constexpr (Type == kQ6_K) {
+    const __m256i lo16 = _mm256_set1_epi32(0xFFFF);
+    const __m256i s0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + 32 + 32 * sub + 8 * half)));
+    const __m256i s1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + 48 + 32 * sub + 8 * half)));
+    u.sc0 = _mm256_or_si256(_mm256_and_si256(s0, lo16), _mm256_slli_epi32(s0, 16));
+    u.sc1 = _mm256_or_si256(_mm256_and_si256(s1, lo16), _mm256_slli_epi32(s1, 16));
+    u.sc01 = _mm256_or_si256(_mm256_and_si256(s0, lo16), _mm256_slli_epi32(s1, 16));
+  }
+}
+
+// The exact integer dot products (8 lanes) of the unpacked block with activation row block mb.
+template <int64_t Type>
+inline __m256i isum_avx2(const Problem& p, const UnpackedAvx2& u, int64_t mb) {
+  const int8_t* xq = p.q + mb * kBlock;
+  const __m256i ones = _mm256_set1_epi16(1);
+  auto x = [&](int j) { return _mm256_set1_epi32(load_i32(xq + 4 * j)); };
+  auto pairs = [&](int j) { return _mm256_maddubs_epi16(u.w[j], x(j)); };
+  if constexpr (Type == gguf::kQ8_0) {
+    __m256i isum = _mm256_setzero_si256();
+    for (int j = 0; j < 8; ++j) {
+      const __m256i prod = _mm256_maddubs_epi16(_mm256_abs_epi8(u.w[j]), _mm256_sign_epi8(x(j), u.w[j]));
+      isum = _mm256_add_epi32(isum, _mm256_madd_epi16(prod, ones));
+    }
+    return isum;
+  } else if constexpr (Type == kQ6_K) {
+    const __m256i a0 = _mm256_add_epi16(pairs(0), pairs(1)), a1 = _mm256_add_epi16(pairs(2), pairs(3));
+    const __m256i b0 = _mm256_add_epi16(pairs(4), pairs(5)), b1 = _mm256_add_epi16(pairs(6), pairs(7));
+    const __m256i sums = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(a0, u.sc0), _mm256_madd_epi16(a1, u.sc0)),
+                                          _mm256_add_epi32(_mm256_madd_epi16(b0, u.sc1), _mm256_madd_epi16(b1, u.sc1)));
+    // minus 32 * (sc0 * sq0 + sc1 * sq1): the stored q6 minus 32 (|sq half| <= 2032 fits int16).
+    const int32_t sqp = (p.sqh[2 * mb] & 0xFFFF) | (static_cast<int32_t>(static_cast<uint32_t>(p.sqh[2 * mb + 1]) << 16));
+    const __m256i corr = _mm256_madd_epi16(u.sc01, _mm256_set1_epi32(sqp));
+    return _mm256_sub_epi32(sums, _mm256_slli_epi32(corr, 5));
+  } else if constexpr (is_five_bit(Type)) {
+    const __m256i p0 = _mm256_add_epi16(_mm256_add_epi16(pairs(0), pairs(1)), _mm256_add_epi16(pairs(2), pairs(3)));
+    const __m256i p1 = _mm256_add_epi16(_mm256_add_epi16(pairs(4), pairs(5)), _mm256_add_epi16(pairs(6), pairs(7)));
+    __m256i isum = _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
+    if constexpr (offset(Type) != 0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(offset(Type) * p.sq[mb]));
+    return isum;
+  } else {
+    __m256i sum = pairs(0);
+    for (int j = 1; j < 8; ++j) sum = _mm256_add_epi16(sum, pairs(j));
+    __m256i isum = _mm256_madd_epi16(sum, ones);
+    if constexpr (offset(Type) != 0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(offset(Type) * p.sq[mb]));
+    return isum;
+  }
+}
+
 template <int64_t Type, int MR>
-inline void half_tile_avx2(const Problem& p, int64_t g, int half, int64_t m0, __m256* acc) {
-  const int64_t wo = weights_offset(Type);
-  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(-128);
-  for (int64_t b = 0; b < p.nb; ++b) {
-    const uint8_t* blk = p.w + (g * p.nb + b) * p.bb;
-    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * half)));
-    __m256i w[8];
-    for (int j = 0; j < (Type == gguf::kQ8_0 ? 8 : 4); ++j) {
-      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + wo + 64 * j + 32 * half));
-      if constexpr (Type == gguf::kQ8_0) {
-        w[j] = _mm256_xor_si256(c, flip);  // back to the signed q
-      } else {
-        w[j] = _mm256_and_si256(c, low4);
-        w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(c, 4), low4);
-      }
+inline void rows_avx2(const Problem& p, const UnpackedAvx2& u, int64_t b, int64_t m0, __m256* acc) {
+  for (int i = 0; i < MR; ++i) {
+    const int64_t mb = (m0 + i) * p.nb + b;
+    const __m256i isum = isum_avx2<Type>(p, u, mb);
+    const __m256 scale = _mm256_mul_ps(u.dw, _mm256_set1_ps(p.d[mb]));
+    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[i]);
+    if constexpr (has_min(Type)) acc[i] = _mm256_fmadd_ps(u.mw, _mm256_set1_ps(p.s[mb]), acc[i]);
+    if constexpr (has_k_min(Type)) acc[i] = _mm256_fnmadd_ps(u.mw, _mm256_set1_ps(p.s[mb]), acc[i]);
+  }
+}
+
+constexpr int kTileAvx2 = 2;
+
+template <int64_t Type, int MR>
+inline void group_regs_avx2(const Problem& p, int64_t g) {
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+    UnpackedAvx2 u;
+    for (int64_t b = 0; b < p.nb; ++b) {
+      unpack_avx2<Type>(p, g, b, half, u);
+      rows_avx2<Type, MR>(p, u, b, 0, acc);
     }
     for (int i = 0; i < MR; ++i) {
-      const int64_t mb = (m0 + i) * p.nb + b;
-      const int8_t* xq = p.q + mb * kBlock;
-      __m256i isum;
-      if constexpr (Type == gguf::kQ8_0) {
-        isum = _mm256_setzero_si256();
-        for (int j = 0; j < 8; ++j) {
-          const __m256i xb = _mm256_set1_epi32(load_i32(xq + 4 * j));
-          const __m256i prod = _mm256_maddubs_epi16(_mm256_abs_epi8(w[j]), _mm256_sign_epi8(xb, w[j]));
-          isum = _mm256_add_epi32(isum, _mm256_madd_epi16(prod, ones));
-        }
-      } else {
-        __m256i pairs = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(load_i32(xq)));
-        for (int j = 1; j < 8; ++j)
-          pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(load_i32(xq + 4 * j))));
-        isum = _mm256_madd_epi16(pairs, ones);
-        if constexpr (Type == gguf::kQ4_0) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(8 * p.sq[mb]));
-      }
-      const __m256 scale = _mm256_mul_ps(dw, _mm256_set1_ps(p.d[mb]));
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scale, acc[i]);
-      if constexpr (Type == gguf::kQ4_1) {
-        const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * half)));
-        acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(p.s[mb]), acc[i]);
-      }
+      float lanes[8];
+      _mm256_storeu_ps(lanes, acc[i]);
+      store_lanes(p, i, g * kGroupRows + 8 * half, lanes, 8);
     }
   }
 }
 
 template <int64_t Type, int MR>
-inline void tile_avx2(const Problem& p, int64_t g, int64_t m0) {
-  __m256 acc[2][MR];
-  for (int h = 0; h < 2; ++h) {
-    for (int i = 0; i < MR; ++i) acc[h][i] = _mm256_setzero_ps();
-    half_tile_avx2<Type, MR>(p, g, h, m0, acc[h]);
-  }
-  for (int i = 0; i < MR; ++i) {
-    float lanes[kGroupRows];
-    _mm256_storeu_ps(lanes, acc[0][i]);
-    _mm256_storeu_ps(lanes + 8, acc[1][i]);
-    store_lanes(p, m0 + i, g * kGroupRows, lanes);
+inline void tile_from_scratch_avx2(const Problem& p, const UnpackedAvx2& u, int64_t b, int64_t m0, float* scratch) {
+  __m256 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm256_loadu_ps(scratch + (m0 + i) * 8);
+  rows_avx2<Type, MR>(p, u, b, m0, acc);
+  for (int i = 0; i < MR; ++i) _mm256_storeu_ps(scratch + (m0 + i) * 8, acc[i]);
+}
+
+template <int64_t Type>
+inline void group_scratch_avx2(const Problem& p, int64_t g, float* scratch) {
+  for (int half = 0; half < 2; ++half) {
+    std::fill(scratch, scratch + p.M * 8, 0.f);
+    UnpackedAvx2 u;
+    for (int64_t b = 0; b < p.nb; ++b) {
+      unpack_avx2<Type>(p, g, b, half, u);
+      int64_t m0 = 0;
+      for (; m0 + kTileAvx2 <= p.M; m0 += kTileAvx2) tile_from_scratch_avx2<Type, kTileAvx2>(p, u, b, m0, scratch);
+      if (p.M - m0 == 1) tile_from_scratch_avx2<Type, 1>(p, u, b, m0, scratch);
+    }
+    for (int64_t m = 0; m < p.M; ++m) store_lanes(p, m, g * kGroupRows + 8 * half, scratch + m * 8, 8);
   }
 }
 
 template <int64_t Type>
-inline void group_avx2(const Problem& p, int64_t g) {
-  constexpr int MR = 2;
-  int64_t m0 = 0;
-  for (; m0 + MR <= p.M; m0 += MR) tile_avx2<Type, MR>(p, g, m0);
-  if (p.M - m0 == 1) tile_avx2<Type, 1>(p, g, m0);
+__attribute__((flatten)) inline void group_avx2(const Problem& p, int64_t g, float* scratch) {
+  switch (p.M) {
+    case 1: group_regs_avx2<Type, 1>(p, g); break;
+    case 2: group_regs_avx2<Type, 2>(p, g); break;
+    default: group_scratch_avx2<Type>(p, g, scratch); break;
+  }
 }
 
-__attribute__((flatten, noinline)) inline void run_avx2(const Problem& p, int64_t type, int64_t g0, int64_t g1) {
-  for (int64_t g = g0; g < g1; ++g) {
-    if (type == gguf::kQ4_0) group_avx2<gguf::kQ4_0>(p, g);
-    else if (type == gguf::kQ4_1) group_avx2<gguf::kQ4_1>(p, g);
-    else group_avx2<gguf::kQ8_0>(p, g);
-  }
+__attribute__((noinline)) inline void run_avx2(const Problem& p, int64_t type, int64_t g0, int64_t g1, float* scratch) {
+  for (int64_t g = g0; g < g1; ++g) SPECDEC_I8_TYPE_SWITCH(type, group_avx2, p, g, scratch)
 }
 #endif  // SPECDEC_GGUF_X86
-
-inline void run_generic(const Problem& p, int64_t type, int64_t g0, int64_t g1) {
-  for (int64_t g = g0; g < g1; ++g) {
-    if (type == gguf::kQ4_0) group_generic<gguf::kQ4_0>(p, g);
-    else if (type == gguf::kQ4_1) group_generic<gguf::kQ4_1>(p, g);
-    else group_generic<gguf::kQ8_0>(p, g);
-  }
-}
 
 }  // namespace i8act
 }  // namespace specdec

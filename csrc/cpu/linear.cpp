@@ -194,16 +194,16 @@ void int8_activation_linear_cpu(const at::Tensor& x, const at::Tensor& packed_we
   check_dim(x, 2, "int8_activation_linear: x");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
               "int8_activation_linear: x must be float32, bfloat16 or float16, got ", x.scalar_type());
-  const int64_t bb = i8act::group_block_bytes(block_type);
-  TORCH_CHECK(bb != 0, "int8_activation_linear: block_type must be Q4_0 = 2, Q4_1 = 3 or Q8_0 = 8, got ",
-              block_type);
+  const int64_t bb = i8act::record_bytes(block_type);
+  TORCH_CHECK(bb != 0, "int8_activation_linear: block_type must be one of ", i8act::kTypesText, ", got ", block_type);
   check_dtype(packed_weight, at::kByte, "int8_activation_linear: packed_weight");
   check_dim(packed_weight, 3, "int8_activation_linear: packed_weight");
   check_contiguous(packed_weight, "int8_activation_linear: packed_weight");
-  const int64_t M = x.size(0), H = x.size(1), G = packed_weight.size(0), nb = packed_weight.size(1);
-  TORCH_CHECK(H % i8act::kBlock == 0 && packed_weight.size(1) == H / i8act::kBlock && packed_weight.size(2) == bb,
-              "int8_activation_linear: packed_weight must have shape [ceil(N / 16), ", H / i8act::kBlock, ", ", bb,
-              "] (x is [", M, ", ", H, "], H a multiple of 32), got ", packed_weight.sizes());
+  const int64_t M = x.size(0), H = x.size(1), G = packed_weight.size(0), nb = H / i8act::kBlock;
+  const int64_t rw = i8act::record_weights(block_type);
+  TORCH_CHECK(H % rw == 0 && packed_weight.size(1) == H / rw && packed_weight.size(2) == bb,
+              "int8_activation_linear: packed_weight must have shape [ceil(N / 16), ", H / rw, ", ", bb, "] (x is [", M,
+              ", ", H, "], H a multiple of ", rw, "), got ", packed_weight.sizes());
   TORCH_CHECK(out.dim() == 2 && out.size(1) > (G - 1) * i8act::kGroupRows && out.size(1) <= G * i8act::kGroupRows,
               "int8_activation_linear: out must have shape [", M, ", N] with ceil(N / 16) = ", G,
               " (packed_weight is ", packed_weight.sizes(), "), got ", out.sizes());
@@ -214,9 +214,10 @@ void int8_activation_linear_cpu(const at::Tensor& x, const at::Tensor& packed_we
   const at::Tensor x_f = x.to(at::kFloat).contiguous();
   std::vector<int8_t> q(M * H);
   std::vector<float> d(M * nb), s(M * nb);
-  std::vector<int32_t> sq(M * nb);
-  i8act::quantize_activations(x_f.data_ptr<float>(), M, nb, q.data(), d.data(), s.data(), sq.data());
-  const i8act::Problem p{q.data(), d.data(), s.data(), sq.data(), M, nb, packed_weight.data_ptr<uint8_t>(), bb, N,
+  std::vector<int32_t> sq(M * nb), sqh(2 * M * nb);
+  i8act::quantize_activations(x_f.data_ptr<float>(), M, nb, q.data(), d.data(), s.data(), sq.data(), sqh.data());
+  const i8act::Problem p{q.data(), d.data(), s.data(), sq.data(), sqh.data(), M, nb,
+                         packed_weight.data_ptr<uint8_t>(), bb, N,
                          bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<float>()};
   // Paths as in quantized_linear: AVX-512 VNNI where the CPU has it, else AVX2, portable on request.
   const bool portable = portable_requested();
@@ -225,8 +226,12 @@ void int8_activation_linear_cpu(const at::Tensor& x, const at::Tensor& packed_we
   if (!portable) run = cpu_has_avx512_vnni() ? &i8act::run_vnni : &i8act::run_avx2;
 #endif
   // Threads split the groups, at least ~64 KiB of weight bytes per task.
-  const int64_t grain = std::max<int64_t>(1, (int64_t(64) << 10) / std::max<int64_t>(1, nb * bb));
-  at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) { run(p, block_type, g0, g1); });
+  const int64_t group_bytes = H / rw * bb;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(64) << 10) / std::max<int64_t>(1, group_bytes));
+  at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
+    std::vector<float> scratch(M * i8act::kGroupRows);  // the accumulators of M rows beyond a register tile
+    run(p, block_type, g0, g1, scratch.data());
+  });
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {

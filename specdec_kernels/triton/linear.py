@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..checks import (GGUF_BLOCK_FORMATS, INT8_ACTIVATION_GROUP_BYTES, check_int8_activation_linear,
-                      check_quantized_linear, check_skinny_linear)
+from ..checks import (GGUF_BLOCK_FORMATS, INT8_ACTIVATION_FORMATS, INT8_ACTIVATION_GROUP_BYTES,  # noqa: F401
+                      check_int8_activation_linear, check_quantized_linear, check_skinny_linear)
 
 
 @triton.jit
@@ -190,7 +190,7 @@ torch.library.register_kernel("specdec::quantized_linear", "cuda", quantized_lin
 
 
 # ---------------------------------------------------------------------------------------
-# int8_activation_linear: Q4_0 / Q4_1 / Q8_0 blocks repacked 16 rows at a time
+# int8_activation_linear: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks repacked 16 rows at a time
 # (gguf_blocks.pack_int8_activation), activations quantised to int8 per block of 32.
 # ---------------------------------------------------------------------------------------
 
@@ -213,6 +213,37 @@ def quantize_activations(x: torch.Tensor):
     return q.to(torch.int8).reshape(M, H), d.where(finite, nan), s
 
 
+@triton.jit
+def _int8_block_weights(rec, sub, rl, rj, BLOCK_TYPE: tl.constexpr):
+    """The weight integers c [16, 32] of sub-block ``sub`` of the record at ``rec`` (16 rows,
+    one per lane; the layout of gguf_blocks.pack_int8_activation): the block's integer dot
+    product with activation integers q is sum_j c[l, j] * q[j] (Q6_K: the int8 scales folded in)."""
+    IS_K: tl.constexpr = BLOCK_TYPE == 12 or BLOCK_TYPE == 13 or BLOCK_TYPE == 14
+    FIVE_BIT: tl.constexpr = BLOCK_TYPE == 6 or BLOCK_TYPE == 7 or BLOCK_TYPE == 13
+    WO: tl.constexpr = 320 if (BLOCK_TYPE == 12 or BLOCK_TYPE == 13) else (
+        288 if BLOCK_TYPE == 14 else (64 if (BLOCK_TYPE == 3 or BLOCK_TYPE == 7) else 32))
+    SUB_BYTES: tl.constexpr = 512 if BLOCK_TYPE == 8 else (320 if FIVE_BIT else (384 if BLOCK_TYPE == 14 else 256))
+    wp = rec + WO + sub * SUB_BYTES
+    lane_byte = 4 * rl[:, None] + (rj % 4)[None, :]  # byte 4l + t of a 64-byte step
+    if BLOCK_TYPE == 8:  # Q8_0: step j // 4 holds q + 128
+        c = tl.load(wp + 64 * (rj // 4)[None, :] + lane_byte).to(tl.int32) - 128
+    else:  # chunk (j % 16) // 4; the high nibble for j >= 16
+        byte = tl.load(wp + 64 * ((rj % 16) // 4)[None, :] + lane_byte).to(tl.int32)
+        c = (byte >> ((rj // 16) * 4)[None, :]) & 15
+        if FIVE_BIT:  # bit j // 4 of byte 4l + j % 4
+            c = c | (((tl.load(wp + 256 + lane_byte).to(tl.int32) >> (rj // 4)[None, :]) & 1) << 4)
+        if BLOCK_TYPE == 14:  # bits 2k, 2k + 1 (k = (j % 16) // 4) of the half's vector
+            h = tl.load(wp + 256 + 64 * (rj // 16)[None, :] + lane_byte).to(tl.int32)
+            c = c | (((h >> (2 * ((rj % 16) // 4))[None, :]) & 3) << 4)
+            sc = tl.load(rec + 32 + 16 * (2 * sub + rj // 16)[None, :] + rl[:, None]).to(tl.int8, bitcast=True)
+            c = (c - 32) * sc.to(tl.int32)
+        if BLOCK_TYPE == 2:
+            c = c - 8
+        if BLOCK_TYPE == 6:
+            c = c - 16
+    return c
+
+
 @triton.jit(do_not_specialize=["M"])
 def _int8_activation_linear_kernel(
     q_ptr, d_ptr, s_ptr, w_ptr, b_ptr, out_ptr,
@@ -220,8 +251,9 @@ def _int8_activation_linear_kernel(
     BLOCK_TYPE: tl.constexpr, GROUP_BYTES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """out [M, N] for one group of 16 weight rows (program_id(0)) and BLOCK_M activation rows:
-    per block, the exact integer dot products [BLOCK_M, 16], then acc = fma(float(i),
-    d_w * d_x, acc) (+ fma(m_w, s_x, acc) for Q4_1), in block order as on the CPU."""
+    per block of 32 (NB of them), the exact integer dot products [BLOCK_M, 16], then acc =
+    fma(float(i), d_w * d_x, acc) (+ fma(m, s_x, acc) for Q4_1 / Q5_1, fma(-(dmin * mn), s_x,
+    acc) for Q4_K / Q5_K), in block order as on the CPU."""
     pid_g = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -229,28 +261,25 @@ def _int8_activation_linear_kernel(
     rj = tl.arange(0, 32)  # weight j of a block
     m_ok = rm < M
     rm_safe = tl.where(m_ok, rm, 0).to(tl.int64)
-    WO: tl.constexpr = 64 if BLOCK_TYPE == 3 else 32  # where the weight bytes start
-    if BLOCK_TYPE == 8:  # Q8_0: step j // 4, byte 4l + j % 4 holds q + 128
-        offs = WO + 64 * (rj // 4)[None, :] + 4 * rl[:, None] + (rj % 4)[None, :]
-    else:  # Q4: chunk (j % 16) // 4, byte 4l + j % 4; high nibble for j >= 16
-        offs = WO + 64 * ((rj % 16) // 4)[None, :] + 4 * rl[:, None] + (rj % 4)[None, :]
-    shift = (rj // 16) * 4
+    PER: tl.constexpr = 8 if (BLOCK_TYPE == 12 or BLOCK_TYPE == 13 or BLOCK_TYPE == 14) else 1  # blocks per record
+    K_MIN: tl.constexpr = BLOCK_TYPE == 12 or BLOCK_TYPE == 13
     acc = tl.zeros((BLOCK_M, 16), dtype=tl.float32)
     for b in range(0, NB):
-        blk = w_ptr + (pid_g.to(tl.int64) * NB + b) * GROUP_BYTES
-        byte = tl.load(blk + offs).to(tl.int32)  # [16, 32]
-        if BLOCK_TYPE == 8:
-            wq = byte - 128
-        elif BLOCK_TYPE == 2:
-            wq = ((byte >> shift[None, :]) & 15) - 8
-        else:
-            wq = (byte >> shift[None, :]) & 15
+        rec = w_ptr + (pid_g.to(tl.int64) * (NB // PER) + b // PER) * GROUP_BYTES
+        sub = b % PER
+        c = _int8_block_weights(rec, sub, rl, rj, BLOCK_TYPE)  # [16, 32]
         xq = tl.load(q_ptr + rm_safe[:, None] * NB * 32 + b * 32 + rj[None, :]).to(tl.int32)  # [BLOCK_M, 32]
-        isum = tl.sum(xq[:, None, :] * wq[None, :, :], axis=2)  # exact
+        isum = tl.sum(xq[:, None, :] * c[None, :, :], axis=2)  # exact
         dx = tl.load(d_ptr + rm_safe * NB + b)
-        acc = tl.fma(isum.to(tl.float32), _fp16_at(blk + 2 * rl)[None, :] * dx[:, None], acc)
-        if BLOCK_TYPE == 3:
-            acc = tl.fma(_fp16_at(blk + 32 + 2 * rl)[None, :], tl.load(s_ptr + rm_safe * NB + b)[:, None], acc)
+        dw = _fp16_at(rec + 2 * rl)
+        if K_MIN:
+            dw = dw * tl.load(rec + 64 + 16 * sub + rl).to(tl.float32)  # exact
+        acc = tl.fma(isum.to(tl.float32), dw[None, :] * dx[:, None], acc)
+        if BLOCK_TYPE == 3 or BLOCK_TYPE == 7:
+            acc = tl.fma(_fp16_at(rec + 32 + 2 * rl)[None, :], tl.load(s_ptr + rm_safe * NB + b)[:, None], acc)
+        if K_MIN:
+            mw = _fp16_at(rec + 32 + 2 * rl) * tl.load(rec + 192 + 16 * sub + rl).to(tl.float32)  # exact
+            acc = tl.fma(-mw[None, :], tl.load(s_ptr + rm_safe * NB + b)[:, None], acc)
     rn = pid_g * 16 + rl
     n_ok = rn < N
     if HAS_BIAS:
@@ -274,7 +303,7 @@ def int8_activation_linear(x: torch.Tensor, packed_weight: torch.Tensor, block_t
     b32 = None if bias is None else bias.to(torch.float32).contiguous()
     grid = (packed_weight.shape[0], triton.cdiv(M, INT8_ACTIVATION_BLOCK_M))
     _int8_activation_linear_kernel[grid](
-        q, d, s, packed_weight, b32 if b32 is not None else d, out, M, N, packed_weight.shape[1],
+        q, d, s, packed_weight, b32 if b32 is not None else d, out, M, N, x.shape[1] // 32,
         BLOCK_TYPE=block_type, GROUP_BYTES=INT8_ACTIVATION_GROUP_BYTES[block_type], HAS_BIAS=b32 is not None,
         BLOCK_M=INT8_ACTIVATION_BLOCK_M,
     )
