@@ -123,13 +123,19 @@ def run_every_op() -> None:
     torch.testing.assert_close(ops.skinny_linear(x, w), x @ w.T, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ops.linear(x, w), x @ w.T, atol=1e-5, rtol=1e-5)
 
-    # quantized_linear on F32 blocks (GGML type 0: the weight's fp32 bytes as they are)
+    # quantized_linear on F32 blocks (GGML type 0: the weight's fp32 bytes as they are), then
+    # on every block format it reads (the K-quants: super-blocks of 256 weights)
     torch.testing.assert_close(ops.quantized_linear(x, w.view(torch.uint8), 0), x @ w.T, atol=1e-5, rtol=1e-5)
+    from specdec_kernels import gguf_blocks
+
+    xk = torch.randn(3, 512, generator=gen)
+    for name in gguf_blocks.TYPES:
+        qw = gguf_blocks.quantize(torch.randn(9, 512, generator=gen), name)
+        torch.testing.assert_close(ops.quantized_linear(xk, qw.blocks, qw.block_type), xk @ qw.dequantize().T,
+                                   atol=1e-4, rtol=1e-4, msg=lambda m: f"quantized_linear on {name}: {m}")
 
     # int8_activation_linear on Q8_0 blocks: integer weights with a power-of-two scale and
     # activations that quantise exactly (integers with max |x| = 127), so the result is exact
-    from specdec_kernels import gguf_blocks
-
     xq = torch.randint(-127, 128, (3, 64), generator=gen).float()
     xq[:, 0], xq[:, 32] = 127.0, 127.0  # each block's max |x| is 127: d_x = 1, q = x
     wq = torch.randint(-127, 128, (20, 64), generator=gen).float() / 64

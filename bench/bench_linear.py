@@ -3,6 +3,8 @@ specdec::int8_activation_linear.
 
   python bench/bench_linear.py            # full run (a few minutes)
   python bench/bench_linear.py --quick    # ~30 s smoke run
+  python bench/bench_linear.py --qwen --threads 1              # int8_activation_linear, Qwen2.5-Coder-1.5B shapes
+  python bench/bench_linear.py --qwen-quantized --threads 1 --types Q4_K,Q6_K   # quantized_linear, same shapes
 
 quantized_linear (weights as GGUF blocks: Q4_1 and Q8_0 as the SmolLM2 file holds them, and
 Q4_0) against F.linear and skinny_linear on the same weights dequantised to fp32, for the
@@ -95,24 +97,29 @@ def bench_skinny(shapes, ms, copy_bw, reps, pbar, dtype=torch.float32, cold_byte
     return rows
 
 
-def bench_quantized(shapes, block_types, ms, copy_bw, reps, pbar, cold_bytes=384 * 2**20):
-    """quantized_linear vs F.linear / skinny_linear on the dequantised fp32 weight, and
-    int8_activation_linear on the repacked blocks, all cold: each call takes the least
-    recently used of a pool of copies (> L3 in all, per kind)."""
-    from specdec_kernels.gguf_blocks import pack_int8_activation, quantize
+def bench_quantized(shapes, block_types, ms, copy_bw, reps, pbar, cold_bytes=384 * 2**20, baselines=True):
+    """quantized_linear vs F.linear / skinny_linear on the dequantised fp32 weight (when
+    ``baselines``), and int8_activation_linear on the repacked blocks (for the types it reads),
+    all cold: each call takes the least recently used of a pool of copies (> L3 in all, per kind)."""
+    from specdec_kernels.gguf_blocks import INT8_ACTIVATION_TYPES, block_size, pack_int8_activation, quantize
 
     rows = []
     for (N, H), block_type in itertools.product(shapes, block_types):
+        if H % block_size(block_type) != 0:  # e.g. the K-quants (256) on SmolLM2's H = 576
+            continue
         torch.manual_seed(0)
         qw = quantize(torch.randn(N, H) * 0.05, block_type)
-        dense = qw.dequantize()
-        qbytes, fbytes = qw.nbytes, dense.numel() * 4
+        qbytes = qw.nbytes
         q_pool = [qw.blocks.clone() for _ in range(max(2, -(-cold_bytes // qbytes)))]
-        packed = pack_int8_activation(qw.blocks, qw.block_type)
-        pbytes = packed.numel()
-        p_pool = [packed.clone() for _ in range(max(2, -(-cold_bytes // pbytes)))]
-        f_pool = [dense.clone() for _ in range(max(2, -(-cold_bytes // fbytes)))]
-        del dense
+        p_pool = f_pool = []
+        if qw.block_type in INT8_ACTIVATION_TYPES:
+            packed = pack_int8_activation(qw.blocks, qw.block_type)
+            pbytes = packed.numel()
+            p_pool = [packed.clone() for _ in range(max(2, -(-cold_bytes // pbytes)))]
+        if baselines:
+            dense = qw.dequantize()
+            f_pool = [dense.clone() for _ in range(max(2, -(-cold_bytes // (dense.numel() * 4))))]
+            del dense
         turn = itertools.count()
         r = 5 if N * H >= 10**7 else reps
         base = {}
@@ -124,34 +131,35 @@ def bench_quantized(shapes, block_types, ms, copy_bw, reps, pbar, cold_bytes=384
                 torch.ops.specdec.quantized_linear(x, q_pool[next(turn) % len(q_pool)], qw.block_type, None, out)
 
             t_ours = time_fn(ours, warmup=2, reps=r)
-            out8 = torch.empty(M, N)
-
-            def int8act():
-                torch.ops.specdec.int8_activation_linear(x, p_pool[next(turn) % len(p_pool)], qw.block_type, None,
-                                                         out8)
-
-            t_i8 = time_fn(int8act, warmup=2, reps=r)
-            t_ref = time_fn(lambda: F.linear(x, f_pool[next(turn) % len(f_pool)]), warmup=2, reps=r)
-            t_skinny = time_fn(lambda: torch.ops.specdec.skinny_linear(x, f_pool[next(turn) % len(f_pool)], None, out),
-                               warmup=2, reps=r) if M <= 64 else None
-            torch.ops.specdec.quantized_linear(x, qw.blocks, qw.block_type, None, out)
-            assert torch.allclose(out, F.linear(x, f_pool[0]), atol=1e-3 * H**0.5, rtol=1e-3)
             base.setdefault("us", t_ours["median_us"])
-            base.setdefault("i8_us", t_i8["median_us"])
             gbs = qbytes / (t_ours["median_us"] * 1e-6) / 1e9
-            i8_gbs = pbytes / (t_i8["median_us"] * 1e-6) / 1e9
-            rows.append({
-                "N": N, "H": H, "block_type": qw.type_name, "M": M, "weight_MB": qbytes / 1e6,
-                "ours_us": t_ours["median_us"], "F.linear_fp32_us": t_ref["median_us"],
-                "skinny_fp32_us": t_skinny["median_us"],
-                "x_F.linear": t_ref["median_us"] / t_ours["median_us"],
-                "x_skinny": t_skinny["median_us"] / t_ours["median_us"],
-                "vs_M1": t_ours["median_us"] / base["us"], "GB/s": gbs, "frac_copy": gbs / copy_bw,
-                "ours": t_ours, "F.linear_fp32": t_ref, "skinny_fp32": t_skinny,
-                "int8act_us": t_i8["median_us"], "x_quantized": t_ours["median_us"] / t_i8["median_us"],
-                "int8act_frac_copy": i8_gbs / copy_bw, "int8act_vs_M1": t_i8["median_us"] / base["i8_us"],
-                "int8act": t_i8,
-            })
+            row = {"N": N, "H": H, "block_type": qw.type_name, "M": M, "weight_MB": qbytes / 1e6,
+                   "ours_us": t_ours["median_us"], "vs_M1": t_ours["median_us"] / base["us"], "GB/s": gbs,
+                   "frac_copy": gbs / copy_bw, "ours": t_ours}
+            torch.ops.specdec.quantized_linear(x, qw.blocks, qw.block_type, None, out)
+            if p_pool:
+                out8 = torch.empty(M, N)
+
+                def int8act():
+                    torch.ops.specdec.int8_activation_linear(x, p_pool[next(turn) % len(p_pool)], qw.block_type, None,
+                                                             out8)
+
+                t_i8 = time_fn(int8act, warmup=2, reps=r)
+                base.setdefault("i8_us", t_i8["median_us"])
+                row.update({"int8act_us": t_i8["median_us"], "x_quantized": t_ours["median_us"] / t_i8["median_us"],
+                            "int8act_frac_copy": pbytes / (t_i8["median_us"] * 1e-6) / 1e9 / copy_bw,
+                            "int8act_vs_M1": t_i8["median_us"] / base["i8_us"], "int8act": t_i8})
+            if f_pool:
+                t_ref = time_fn(lambda: F.linear(x, f_pool[next(turn) % len(f_pool)]), warmup=2, reps=r)
+                t_skinny = time_fn(lambda: torch.ops.specdec.skinny_linear(x, f_pool[next(turn) % len(f_pool)], None,
+                                                                           out), warmup=2, reps=r)
+                torch.ops.specdec.quantized_linear(x, qw.blocks, qw.block_type, None, out)
+                assert torch.allclose(out, F.linear(x, f_pool[0]), atol=1e-3 * H**0.5, rtol=1e-3)
+                row.update({"F.linear_fp32_us": t_ref["median_us"], "skinny_fp32_us": t_skinny["median_us"],
+                            "x_F.linear": t_ref["median_us"] / t_ours["median_us"],
+                            "x_skinny": t_skinny["median_us"] / t_ours["median_us"],
+                            "F.linear_fp32": t_ref, "skinny_fp32": t_skinny})
+            rows.append(row)
             pbar.update(1)
         del q_pool, f_pool, p_pool
     return rows
@@ -257,6 +265,34 @@ def main_qwen(args):
     print(f"wrote {path}")
 
 
+# Qwen2.5-Coder-1.5B's linear layers [N, H] (out features, in features): q|k|v (1536 + 2 * 256
+# rows, GQA), o, gate|up (2 * 8960), down, the LM head.
+QWEN_1_5B_SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960), (151936, 1536)]
+
+
+def bench_qwen(block_types, ms, threads):
+    """quantized_linear on the 1.5B's shapes (cold blocks, no fp32 baselines): its M = 1
+    bandwidth against the copy bandwidth; results in bench/results/linear_qwen_threads<T>.json."""
+    copy_bw = copy_bandwidth_gbs()
+    print(f"copy bandwidth: {copy_bw:.1f} GB/s, torch threads: {torch.get_num_threads()}")
+    with tqdm(total=len(QWEN_1_5B_SHAPES) * len(block_types) * len(ms), desc="bench_linear --qwen") as pbar:
+        rows = bench_quantized(QWEN_1_5B_SHAPES, block_types, ms, copy_bw, 10, pbar, baselines=False)
+    print("\nquantized_linear (cold GGUF blocks) on Qwen2.5-Coder-1.5B's shapes")
+    print_table(rows, ["N", "H", "block_type", "M", "weight_MB", "ours_us", "vs_M1", "GB/s", "frac_copy",
+                       "int8act_us", "x_quantized"])
+    total = {}
+    for r in rows:  # a decode step's linears: every shape once (LM head included)
+        total.setdefault((r["block_type"], r["M"]), [0.0, 0.0])
+        total[(r["block_type"], r["M"])][0] += r["weight_MB"] * 1e6
+        total[(r["block_type"], r["M"])][1] += r["ours_us"] * 1e-6
+    targets = {f"{bt}:M{M}_frac_copy_all_shapes": round(b / t / 1e9 / copy_bw, 3) for (bt, M), (b, t) in total.items()}
+    print("\ntargets:", targets)
+    path = write_results(f"linear_qwen_threads{threads}", {
+        "command": " ".join(["python", "bench/bench_linear.py"] + sys.argv[1:]),
+        "copy_bandwidth_gbs": copy_bw, "quantized_linear": rows, "targets": targets})
+    print(f"wrote {path}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a ~30 s smoke run (no cold-weight timings)")
@@ -264,12 +300,18 @@ def main():
                         help="torch threads; 0 = the cores not busy with other work (specdec_kernels.threads); 1 gives stable numbers on a busy machine")
     parser.add_argument("--qwen", action="store_true",
                         help="only int8_activation_linear on the Qwen2.5-Coder formats and 1.5B shapes")
+    parser.add_argument("--qwen-quantized", action="store_true",
+                        help="only quantized_linear (fp32 activations) on Qwen2.5-Coder-1.5B's shapes (cold blocks), for --types")
+    parser.add_argument("--types", default="Q4_K,Q6_K", help="block types of --qwen-quantized (comma-separated)")
+    parser.add_argument("--ms", default="1,2,4,8", help="row counts M of --qwen-quantized (comma-separated)")
     args = parser.parse_args()
     from specdec_kernels.threads import apply_threads
 
     args.threads = apply_threads(args.threads).threads  # the one default: the cores not busy
     if args.qwen:
         return main_qwen(args)
+    if args.qwen_quantized:
+        return bench_qwen(args.types.split(","), [int(m) for m in args.ms.split(",")], torch.get_num_threads())
 
     if args.quick:
         skinny_shapes = [(1536, 576), (576, 1536)]
@@ -286,7 +328,7 @@ def main():
         q_shapes, q_types, q_ms = [(1536, 576)], ["Q4_1"], [1, 8]
     else:
         q_shapes = [(1536, 576), (576, 1536), (49152, 576), (11008, 4096)]
-        q_types, q_ms = ["Q4_1", "Q8_0", "Q4_0"], [1, 4, 8, 16, 32]
+        q_types, q_ms = ["Q4_1", "Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K"], [1, 4, 8, 16, 32]
     total = len(skinny_shapes) * len(ms) + (0 if args.quick else 2 * len(ms)) + len(q_shapes) * len(q_types) * len(q_ms)
     with tqdm(total=total, desc="bench_linear") as pbar:
         skinny_rows = bench_skinny(skinny_shapes, ms, copy_bw, reps, pbar, cold_bytes=0 if args.quick else 384 * 2**20)
@@ -334,11 +376,11 @@ def main():
         "quantized_M16_vs_M1": {f"{r['N']}x{r['H']}:{r['block_type']}": round(r["vs_M1"], 3)
                                 for r in quant_rows if r["M"] == 16},
         "int8act_M1_x_quantized": {f"{r['N']}x{r['H']}:{r['block_type']}": round(r["x_quantized"], 3)
-                                   for r in quant_rows if r["M"] == 1},
+                                   for r in quant_rows if r["M"] == 1 and "x_quantized" in r},
         "int8act_M8_x_quantized": {f"{r['N']}x{r['H']}:{r['block_type']}": round(r["x_quantized"], 3)
-                                   for r in quant_rows if r["M"] == 8},
+                                   for r in quant_rows if r["M"] == 8 and "x_quantized" in r},
         "int8act_M1_frac_copy": {f"{r['N']}x{r['H']}:{r['block_type']}": round(r["int8act_frac_copy"], 3)
-                                 for r in quant_rows if r["M"] == 1},
+                                 for r in quant_rows if r["M"] == 1 and "int8act_frac_copy" in r},
         "linear_threshold_hot": threshold("x_F.linear"),
         "linear_threshold_cold": threshold("cold_x_F.linear"),
     }

@@ -86,14 +86,14 @@ def linear(d) -> str:
                          [[f"{r['N']}x{r['H']}", r["block_type"], r["M"], r["weight_MB"], r["ours_us"],
                            r["F.linear_fp32_us"], r["skinny_fp32_us"], r["x_F.linear"], r["x_skinny"], r["vs_M1"],
                            r["frac_copy"]] for r in d["quantized_linear"] if r["M"] in (1, 8, 16)]))
-        if "int8act_us" in d["quantized_linear"][0]:
+        if any("int8act_us" in r for r in d["quantized_linear"]):
             out += ["", "int8_activation_linear on the same blocks repacked (cold), against quantized_linear above; "
                     "fraction of copy bandwidth on the packed bytes:", ""]
             out.append(table(["weight [N, H]", "blocks", "M", "int8 µs", "quantized µs", "× quantized",
                               "time / M=1 time", "fraction of copy BW"],
                              [[f"{r['N']}x{r['H']}", r["block_type"], r["M"], r["int8act_us"], r["ours_us"],
                                r["x_quantized"], r["int8act_vs_M1"], r["int8act_frac_copy"]]
-                              for r in d["quantized_linear"] if r["M"] in (1, 4, 8, 16)]))
+                              for r in d["quantized_linear"] if r["M"] in (1, 4, 8, 16) and "int8act_us" in r]))
     return "\n".join(out)
 
 

@@ -8,6 +8,7 @@ gguf-py's quants.py computes (tests check the two agree bit for bit).
 """
 import struct
 
+import numpy as np
 import torch
 
 
@@ -25,8 +26,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 # GGML type id -> (name, weights per block, bytes per block), written out independently of
 # specdec_kernels.ops.GGUF_BLOCK_FORMATS.
-BLOCK_FORMATS = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34),
-                 30: ("BF16", 1, 2)}
+BLOCK_FORMATS = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+                 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
+                 14: ("Q6_K", 256, 210), 30: ("BF16", 1, 2)}
 
 
 def _fp32(v: float) -> float:
@@ -38,13 +40,52 @@ def _fp16(b: bytes) -> float:
     return struct.unpack("<e", b)[0]
 
 
+def _k_scale_min(scales: bytes, s: int) -> tuple[int, int]:
+    """Q4_K / Q5_K: the 6-bit scale and min of sub-block s < 8 from the 12 scale bytes."""
+    if s < 4:
+        return scales[s] & 63, scales[s + 4] & 63
+    return (scales[s + 4] & 15) | ((scales[s - 4] >> 6) << 4), (scales[s + 4] >> 4) | ((scales[s] >> 6) << 4)
+
+
+def _dequantize_k_block(block: bytes, block_type: int) -> list[float]:
+    """The 256 fp32 values of one Q4_K / Q5_K / Q6_K super-block (see dequantize_block)."""
+    values = []
+    if block_type == 14:
+        ql, qh, scales, d = block[0:128], block[128:192], struct.unpack("<16b", block[192:208]), _fp16(block[208:210])
+        for e in range(256):
+            i, t, l = e // 128, (e % 128) // 32, e % 32
+            low = (ql[64 * i + 32 * (t % 2) + l] >> (4 * (t // 2))) & 15
+            high = (qh[32 * i + l] >> (2 * t)) & 3
+            values.append((d * scales[e // 16]) * ((low | high << 4) - 32))  # exact: 11 + 8 + 6 bits
+        return values
+    d, dmin = _fp16(block[0:2]), _fp16(block[2:4])
+    qh, qs = (None, block[16:144]) if block_type == 12 else (block[16:48], block[48:176])
+    for s in range(8):
+        sc, m = _k_scale_min(block[4:16], s)
+        for l in range(32):
+            q = (qs[32 * (s // 2) + l] >> (4 * (s % 2))) & 15
+            if qh is not None:
+                q |= ((qh[l] >> s) & 1) << 4
+            # Both products are exact in fp32; their fp32 difference is rounded once (a float64
+            # difference could round too, before the rounding to fp32).
+            values.append(float(np.float32((d * sc) * q) - np.float32(dmin * m)))
+    return values
+
+
 def dequantize_block(block: bytes, block_type: int) -> list[float]:
     """The fp32 values of one GGUF block (as Python floats), as gguf.dequantize computes them.
 
     Q4_0: 18 bytes = fp16 d, 16 bytes qs; weight j < 16 is the low nibble of qs[j], weight
     16 + j the high one; value d * (nibble - 8). Q4_1: 20 bytes = fp16 d, fp16 m, 16 bytes
     qs; value fp32(d * nibble + m) (d * nibble is exact in fp32, the sum is rounded once).
+    Q5_0: 22 bytes = fp16 d, uint32 qh, 16 bytes qs; q = nibble | (bit j of qh) << 4, value
+    d * (q - 16). Q5_1: 24 bytes = fp16 d, fp16 m, uint32 qh, 16 bytes qs; value fp32(d * q + m).
     Q8_0: 34 bytes = fp16 d, 32 int8 q; value q * d. F32 / F16 / BF16: one value.
+    Q4_K: 144 bytes = fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins (_k_scale_min),
+    128 bytes qs; weight l of sub-block s: nibble (s % 2) of qs[32 (s // 2) + l], value
+    fp32((d * sc) * q - dmin * m). Q5_K: 176 bytes, as Q4_K with 32 bytes qh after the scales
+    (bit s of qh[l] is the fifth bit). Q6_K: 210 bytes = 128 bytes ql, 64 bytes qh, 16 int8
+    scales, fp16 d; value (d * scale[e // 16]) * (q - 32).
     """
     if block_type == 0:
         return [struct.unpack("<f", block)[0]]
@@ -62,9 +103,21 @@ def dequantize_block(block: bytes, block_type: int) -> list[float]:
         qs = block[4:20]
         nibbles = [b & 15 for b in qs] + [b >> 4 for b in qs]
         return [_fp32(d * q + m) for q in nibbles]  # d * q + m is exact in float64
+    if block_type in (6, 7):
+        d, m = _fp16(block[0:2]), (_fp16(block[2:4]) if block_type == 7 else 0.0)
+        start = 2 if block_type == 6 else 4
+        qh = struct.unpack("<I", block[start:start + 4])[0]
+        qs = block[start + 4:start + 20]
+        q = [(b & 15) for b in qs] + [b >> 4 for b in qs]
+        q = [q[j] | ((qh >> j) & 1) << 4 for j in range(32)]
+        if block_type == 6:
+            return [d * (v - 16) for v in q]  # exact
+        return [float(np.float32(d * v) + np.float32(m)) for v in q]  # exact products, one fp32 rounding
     if block_type == 8:
         d = _fp16(block[0:2])
         return [q * d for q in struct.unpack("<32b", block[2:34])]  # exact
+    if block_type in (12, 13, 14):
+        return _dequantize_k_block(block, block_type)
     raise ValueError(f"unsupported block type {block_type}")
 
 

@@ -448,12 +448,18 @@ def check_one_device(op: str, args: dict) -> None:
 # The weight formats quantized_linear reads: GGML type id (gguf.GGMLQuantizationType) ->
 # (name, weights per block, bytes per block). The same table is in csrc/cpu/gguf_blocks.h;
 # ops.GGUF_BLOCK_FORMATS and specdec_kernels.gguf_blocks build on it (quantize, dequantize, QuantizedWeight).
+# The K-quants (Q4_K, Q5_K, Q6_K) are super-blocks of 256 weights.
 GGUF_BLOCK_FORMATS = {
     0: ("F32", 1, 4),
     1: ("F16", 1, 2),
     2: ("Q4_0", 32, 18),
     3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
     8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
     30: ("BF16", 1, 2),
 }
 

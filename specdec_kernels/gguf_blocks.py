@@ -16,8 +16,17 @@ Formats (``TYPES``): name -> (type id, weights per block, bytes per block)
     F32 (0): 1, 4      F16 (1): 1, 2      BF16 (30): 1, 2
     Q4_0 (2): 32, 18   fp16 d; 16 bytes of nibbles; w = d * (q - 8)
     Q4_1 (3): 32, 20   fp16 d, fp16 m; 16 bytes of nibbles; w = d * q + m
+    Q5_0 (6): 32, 22   fp16 d; uint32 of fifth bits; 16 bytes of nibbles; w = d * (q - 16)
+    Q5_1 (7): 32, 24   fp16 d, fp16 m; uint32 of fifth bits; 16 bytes of nibbles; w = d * q + m
     Q8_0 (8): 32, 34   fp16 d; 32 int8 q; w = q * d
-(byte j of the nibbles holds weight j in its low and weight j + 16 in its high 4 bits).
+    Q4_K (12): 256, 144  fp16 d, fp16 dmin; 12 bytes of 6-bit scales sc / mins m of the 8
+                         sub-blocks of 32; 128 bytes of nibbles; w = (d * sc) * q - dmin * m
+    Q5_K (13): 256, 176  as Q4_K, with 32 bytes of fifth bits before the nibbles
+    Q6_K (14): 256, 210  128 bytes of low 4 bits, 64 bytes of high 2 bits, 16 int8 scales of
+                         16 weights each, fp16 d; w = (d * scale) * (q - 32)
+(in a 32-weight block, byte j of the nibbles holds weight j in its low and weight j + 16 in
+its high 4 bits, and bit j of the uint32 is weight j's fifth bit; the K-quant layouts are
+spelled out in ``dequantize``).
 
 ``pack_int8_activation`` repacks Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks 16
 rows at a time for ``ops.int8_activation_linear`` (activations quantised to int8, integer dot
@@ -35,11 +44,12 @@ import torch
 
 from . import checks, ops
 
-__all__ = ["TYPES", "F32", "F16", "Q4_0", "Q4_1", "Q8_0", "BF16", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "type_id",
+__all__ = ["TYPES", "F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "BF16", "type_id",
            "type_name", "block_size", "block_bytes", "row_bytes", "quantize", "dequantize", "pack_int8_activation",
            "INT8_ACTIVATION_TYPES", "QuantizedWeight"]
 
-F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
+K_QUANTS = (Q4_K, Q5_K, Q6_K)  # super-blocks of 256 weights
 TYPES = {name: (tid, size, nbytes) for tid, (name, size, nbytes) in ops.GGUF_BLOCK_FORMATS.items()}
 
 
@@ -62,7 +72,8 @@ def type_name(block_type) -> str:
 
 
 def block_size(block_type) -> int:
-    """Weights per block (32 for the quantised types, 1 for F32/F16/BF16)."""
+    """Weights per block (256 for the K-quants, 32 for the other quantised types, 1 for
+    F32/F16/BF16)."""
     return ops.GGUF_BLOCK_FORMATS[type_id(block_type)][1]
 
 
@@ -85,8 +96,53 @@ def _f16_field(blocks: torch.Tensor, start: int) -> torch.Tensor:
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """[..., 16] bytes -> [..., 32] values 0..15: low nibbles (weights 0..15), then high."""
+    """[..., n] bytes -> [..., 2n] values 0..15: low nibbles (weights 0..n-1), then high."""
     return torch.cat([qs & 15, qs >> 4], dim=-1)
+
+
+def _bits(packed: torch.Tensor) -> torch.Tensor:
+    """[..., n] bytes -> [..., 8n] values 0/1: bit j is bit j % 8 of byte j // 8 (a
+    little-endian bit field)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed[..., :, None] >> shifts) & 1).reshape(*packed.shape[:-1], -1)
+
+
+def _k_scales_mins(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: the 12 scale bytes [..., 12] -> (sc, m) [..., 8] as fp32, 6 bits each.
+    Bytes 0-3 / 4-7 hold sc[0..3] / m[0..3] in their low 6 bits and the top 2 bits of
+    sc[4..7] / m[4..7] in their top 2 bits; bytes 8-11 hold the low 4 bits of sc[4..7] (low
+    nibble) and of m[4..7] (high nibble)."""
+    d, m, low = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = torch.cat([d & 63, (low & 15) | ((d >> 6) << 4)], dim=-1)
+    mn = torch.cat([m & 63, (low >> 4) | ((m >> 6) << 4)], dim=-1)
+    return sc.float(), mn.float()
+
+
+def _dequantize_k(b: torch.Tensor, tid: int) -> torch.Tensor:
+    """K-quant super-blocks [..., nb, block bytes] -> fp32 [..., nb, 256]."""
+    lead = b.shape[:-1]
+    if tid == Q6_K:
+        # Weight 128 i + 32 t + l (i < 2, t < 4, l < 32): low 4 bits in ql[64 i + 32 (t % 2) + l]
+        # (high nibble for t >= 2), high 2 bits in qh[32 i + l] >> 2 t; scale e // 16.
+        ql = b[..., 0:128].reshape(*lead, 2, 64)
+        low = torch.stack([ql & 15, ql >> 4], dim=-2).reshape(*lead, 2, 4, 32)
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device)[:, None]
+        high = (b[..., 128:192].reshape(*lead, 2, 1, 32) >> shifts) & 3
+        q = ((low | (high << 4)).to(torch.int16) - 32).float().reshape(*lead, 16, 16)
+        scale = _f16_field(b, 208) * b[..., 192:208].contiguous().view(torch.int8).float()  # exact
+        return (scale[..., None] * q).reshape(*lead, 256)
+    # Q4_K / Q5_K: sub-block s < 8 of 32 weights; its nibbles in bytes 32 (s // 2) .. + 32 of
+    # qs (high nibbles for odd s); Q5_K's fifth bit of weight l is bit s of qh[l].
+    sc, mn = _k_scales_mins(b[..., 4:16])
+    scale = _f16_field(b, 0) * sc  # [..., 8], exact
+    offset = _f16_field(b, 2) * mn  # exact
+    qs_at = 16 if tid == Q4_K else 48
+    qs = b[..., qs_at:qs_at + 128].reshape(*lead, 4, 32)
+    q = torch.stack([qs & 15, qs >> 4], dim=-2).reshape(*lead, 8, 32)
+    if tid == Q5_K:
+        shifts = torch.arange(8, dtype=torch.uint8, device=b.device)[:, None]
+        q = q | (((b[..., 16:48].reshape(*lead, 1, 32) >> shifts) & 1) << 4)
+    return (scale[..., None] * q.float() - offset[..., None]).reshape(*lead, 256)
 
 
 def dequantize(blocks: torch.Tensor, block_type, shape: Sequence[int] | None = None) -> torch.Tensor:
@@ -114,8 +170,16 @@ def dequantize(blocks: torch.Tensor, block_type, shape: Sequence[int] | None = N
         w = _f16_field(b, 0) * (_nibbles(b[..., 2:]).to(torch.int8) - 8).float()
     elif tid == Q4_1:
         w = _f16_field(b, 0) * _nibbles(b[..., 4:]).float() + _f16_field(b, 2)
-    else:  # Q8_0
+    elif tid == Q5_0:
+        q = _nibbles(b[..., 6:]) | (_bits(b[..., 2:6]) << 4)
+        w = _f16_field(b, 0) * (q.to(torch.int16) - 16).float()
+    elif tid == Q5_1:
+        q = _nibbles(b[..., 8:]) | (_bits(b[..., 4:8]) << 4)
+        w = _f16_field(b, 0) * q.float() + _f16_field(b, 2)
+    elif tid == Q8_0:
         w = b[..., 2:].contiguous().view(torch.int8).float() * _f16_field(b, 0)
+    else:
+        w = _dequantize_k(b, tid)
     w = w.reshape(*lead, -1)
     return w.reshape(tuple(shape)) if shape is not None else w
 
@@ -132,11 +196,86 @@ def _inverse(d: torch.Tensor) -> torch.Tensor:
     return torch.where(d == 0, torch.zeros_like(d), 1 / d)
 
 
-def quantize(weight: torch.Tensor, block_type) -> "QuantizedWeight":
-    """GGUF blocks of ``weight`` (a float tensor [N, H], CPU), the bytes ``gguf.quantize``
-    writes for Q4_0, Q4_1, Q8_0 (llama.cpp's reference quantisers), BF16, F16 and F32.
+def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """[..., 8n] values 0/1 -> [..., n] bytes, bit j in bit j % 8 of byte j // 8 (inverse of _bits)."""
+    weights = (2 ** torch.arange(8, device=bits.device)).to(torch.uint8)
+    return (bits.reshape(*bits.shape[:-1], -1, 8).to(torch.uint8) * weights).sum(-1, dtype=torch.uint8)
 
-    H must be a multiple of the block size. NaN weights are not supported.
+
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[..., 2n] values (low 4 bits used) -> [..., n] bytes: q[j] low, q[n + j] high (inverse of _nibbles)."""
+    n = q.shape[-1] // 2
+    return (q[..., :n] & 15) | ((q[..., n:] & 15) << 4)
+
+
+def _quantize_legacy(blocks: torch.Tensor, tid: int) -> list[torch.Tensor]:
+    """The fields of Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks [R, 32], as gguf.quantize computes them."""
+    if tid == Q8_0:
+        d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+        q = _round_half_away(blocks * _inverse(d)).to(torch.int8).view(torch.uint8)
+        return [d.half().view(torch.uint8), q]
+    levels = 15 if tid in (Q4_0, Q4_1) else 31
+    if tid in (Q4_0, Q5_0):  # symmetric: d = the value of largest magnitude / -(levels + 1) / 2
+        imax = blocks.abs().argmax(dim=-1, keepdim=True)
+        d = blocks.gather(-1, imax) / -((levels + 1) // 2)
+        q = (blocks * _inverse(d) + ((levels + 1) // 2 + 0.5)).trunc()
+        header = [d.half().view(torch.uint8)]
+    else:  # Q4_1 / Q5_1: d = (max - min) / levels, m = min
+        lo = blocks.amin(dim=-1, keepdim=True)
+        d = (blocks.amax(dim=-1, keepdim=True) - lo) / levels
+        q = ((blocks - lo) * _inverse(d) + 0.5).trunc()
+        header = [d.half().view(torch.uint8), lo.half().view(torch.uint8)]
+    q = q.to(torch.uint8).clamp(0, levels)
+    if levels == 31:
+        header.append(_pack_bits(q >> 4))
+    return header + [_pack_nibbles(q)]
+
+
+def _quantize_k(blocks: torch.Tensor, tid: int) -> list[torch.Tensor]:
+    """The fields of K-quant super-blocks [R, 256] by a simple rule (not llama.cpp's
+    importance-weighted search): per sub-block the range is split evenly, the sub-block scales
+    (and mins) are quantised to 6 bits (Q6_K: 8 bits) against the super-block's largest one,
+    then each weight to the nearest level of its sub-block's stored scale."""
+    R = blocks.shape[0]
+    if tid == Q6_K:
+        sub = blocks.reshape(R, 16, 16)
+        sub_scale = sub.abs().amax(-1) / 31  # levels -31..31 of the stored -32..31
+        d = (sub_scale.amax(-1, keepdim=True) / 127).half()
+        sc = (sub_scale * _inverse(d.float())).round().clamp(0, 127)
+        scale = d.float() * sc
+        q = (sub * _inverse(scale)[..., None]).round().clamp(-32, 31).to(torch.int16) + 32  # [R, 16, 16]
+        q = q.to(torch.uint8).reshape(R, 2, 128)  # e = 128 i + r, r = 32 t + l
+        ql = _pack_nibbles(q)  # byte 64 i + r' holds r' (low) and 64 + r' (high)
+        t = q.reshape(R, 2, 4, 32) >> 4
+        qh = t[:, :, 0] | (t[:, :, 1] << 2) | (t[:, :, 2] << 4) | (t[:, :, 3] << 6)
+        return [ql.reshape(R, 128), qh.reshape(R, 64), sc.to(torch.int8).view(torch.uint8), d.view(torch.uint8)]
+    levels = 15 if tid == Q4_K else 31
+    sub = blocks.reshape(R, 8, 32)
+    lo = sub.amin(-1).clamp(max=0)  # the format subtracts dmin * m with m >= 0: the offset is <= 0
+    sub_scale, sub_min = (sub.amax(-1) - lo) / levels, -lo
+    d = (sub_scale.amax(-1, keepdim=True) / 63).half()
+    dmin = (sub_min.amax(-1, keepdim=True) / 63).half()
+    sc = (sub_scale * _inverse(d.float())).round().clamp(0, 63).to(torch.uint8)
+    m = (sub_min * _inverse(dmin.float())).round().clamp(0, 63).to(torch.uint8)
+    scale, offset = d.float() * sc.float(), dmin.float() * m.float()
+    q = ((sub + offset[..., None]) * _inverse(scale)[..., None]).round().clamp(0, levels).to(torch.uint8)
+    scales = torch.cat([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), m[:, :4] | ((m[:, 4:] >> 4) << 6),
+                        (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)], dim=-1)
+    qs = _pack_nibbles(q.reshape(R, 4, 64)).reshape(R, 128)  # byte 32 t + l: sub-blocks 2t (low), 2t + 1 (high)
+    fields = [d.view(torch.uint8), dmin.view(torch.uint8), scales]
+    if tid == Q5_K:
+        fields.append(_pack_bits((q >> 4).transpose(1, 2).reshape(R, 256)))  # bit 8 l + s: sub-block s, weight l
+    return fields + [qs]
+
+
+def quantize(weight: torch.Tensor, block_type) -> "QuantizedWeight":
+    """GGUF blocks of ``weight`` (a float tensor [N, H], CPU). For Q4_0, Q4_1, Q5_0, Q5_1,
+    Q8_0 (llama.cpp's reference quantisers), BF16, F16 and F32 these are the bytes
+    ``gguf.quantize`` writes. gguf-py has no quantiser for the K-quants (Q4_K, Q5_K, Q6_K):
+    theirs is a simple one of our own (``_quantize_k``, not llama.cpp's importance-weighted
+    search), whose blocks ``gguf.dequantize`` reads; its error is a little above llama.cpp's.
+
+    H must be a multiple of the block size (256 for the K-quants). NaN weights are not supported.
     """
     tid = type_id(block_type)
     checks.check_tensor(weight, "weight", dims=2)
@@ -152,30 +291,13 @@ def quantize(weight: torch.Tensor, block_type) -> "QuantizedWeight":
     elif tid == BF16:
         raw = w.bfloat16().view(torch.uint8)
     else:
-        blocks = w.reshape(N, H // 32, 32)
-        if tid == Q8_0:
-            d = blocks.abs().amax(dim=-1, keepdim=True) / 127
-            q = _round_half_away(blocks * _inverse(d)).to(torch.int8).view(torch.uint8)
-            fields = [d.half().view(torch.uint8), q]
-        else:
-            if tid == Q4_0:
-                imax = blocks.abs().argmax(dim=-1, keepdim=True)
-                d = blocks.gather(-1, imax) / -8
-                q = (blocks * _inverse(d) + 8.5).trunc()
-                header = [d.half().view(torch.uint8)]
-            else:  # Q4_1
-                lo = blocks.amin(dim=-1, keepdim=True)
-                d = (blocks.amax(dim=-1, keepdim=True) - lo) / 15
-                q = ((blocks - lo) * _inverse(d) + 0.5).trunc()
-                header = [d.half().view(torch.uint8), lo.half().view(torch.uint8)]
-            q = q.to(torch.uint8).clamp(0, 15)
-            fields = header + [q[..., :16] | (q[..., 16:] << 4)]
+        size = block_size(tid)
+        blocks = w.reshape(N * (H // size), size)
+        fields = _quantize_k(blocks, tid) if tid in K_QUANTS else _quantize_legacy(blocks, tid)
         raw = torch.cat(fields, dim=-1)
     return QuantizedWeight(raw.reshape(N, -1).contiguous(), tid, (N, H))
 
 
-# The further block types int8_activation_linear reads (GGML type ids; the Qwen2.5 GGUF files' formats).
-Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = 6, 7, 12, 13, 14
 INT8_ACTIVATION_TYPES = tuple(checks.INT8_ACTIVATION_FORMATS)  # the block types int8_activation_linear reads
 
 

@@ -736,15 +736,20 @@ def quantized_linear(x: torch.Tensor, weight: torch.Tensor, block_type: int, bia
             as a GGUF file stores them (``gguf.ReaderTensor.data``; the file lists the
             shape reversed, [H, N]). See specdec_kernels.gguf_blocks.
         block_type: the GGML type id (``gguf.GGMLQuantizationType``): Q4_0 = 2, Q4_1 = 3,
-            Q8_0 = 8 (blocks of 32 weights, H a multiple of 32), F32 = 0, F16 = 1, BF16 = 30.
+            Q5_0 = 6, Q5_1 = 7, Q8_0 = 8 (blocks of 32 weights, H a multiple of 32), Q4_K = 12,
+            Q5_K = 13, Q6_K = 14 (super-blocks of 256 weights, H a multiple of 256), F32 = 0,
+            F16 = 1, BF16 = 30.
         bias: [N] fp32/bf16/fp16 or None.
         out: optional fp32 [M, N] destination, contiguous.
 
     Returns fp32 [M, N]. Every weight has exactly the value ``gguf.dequantize`` gives (Q4_0:
-    d * (q - 8); Q4_1: d * q + m, rounded once; Q8_0: q * d; d, m the block's fp16 scales);
+    d * (q - 8); Q4_1: d * q + m, rounded once; Q5_0: d * (q - 16); Q5_1: d * q + m; Q8_0:
+    q * d; d, m the block's fp16 scales; Q4_K / Q5_K: (d * sc) * q - dmin * m, rounded once,
+    sc, m the sub-block's 6-bit scale and min; Q6_K: (d * scale) * (q - 32), exact);
     accumulation is fp32, in one order that depends on H only: per output, 16 lane sums, lane
     l accumulating (fused multiply-add) x[k] * w[k] for k = 32c + l, then k = 32c + 16 + l,
-    over the chunks c = 0, 1, ... of 32 weights (the float types' last chunk zero-padded); then
+    over the chunks c = 0, 1, ... of 32 weights (a K-quant super-block is 8 chunks; the float
+    types' last chunk zero-padded); then
     the lanes summed as a tree (l + 8, + 4, + 2, + 1); then + bias. So a row's result is
     bit-identical whatever M is and whatever the other rows hold (batch invariance), on every
     CPU path (AVX-512, AVX2, portable). The Triton kernel (CUDA) sums in its own fixed order,

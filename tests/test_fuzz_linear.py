@@ -1,4 +1,4 @@
-"""Fuzzing skinny_linear.
+"""Fuzzing skinny_linear and quantized_linear.
 
 Valid inputs (M from 0 to 70, N and H from 1, odd sizes, fp32/bf16/fp16 in any mix, bias or
 none, strided x, extreme and non-finite values, which propagate as in a plain matmul)
@@ -179,3 +179,143 @@ def test_bad_outputs_raise_or_are_correct(data, mutation, backend):
                                    msg=lambda m: f"{mutation} on {backend}: {m}")
     else:
         assert "out" in str(error), f"{mutation} on {backend}: {error}"
+
+
+# =======================================================================================
+# quantized_linear: every GGUF block format, blocks of random bytes (any bit pattern of the
+# quants and sub-block scales, finite fp16 scales) or quantised random weights.
+# =======================================================================================
+
+import gguf  # noqa: E402
+import numpy as np  # noqa: E402
+
+from specdec_kernels import gguf_blocks  # noqa: E402
+from specdec_kernels.checks import GGUF_BLOCK_FORMATS  # noqa: E402
+
+# Byte offsets of each block format's fp16 scales (masked so that they are finite).
+_FP16_FIELDS = {2: [0], 3: [0, 2], 6: [0], 7: [0, 2], 8: [0], 12: [0, 2], 13: [0, 2], 14: [208]}
+
+
+def _random_block_bytes(N, blocks_per_row, block_type, gen):
+    """Valid blocks of random bytes: fp16 scales with biased exponents <= 15 (|scale| < 2)."""
+    nbytes = GGUF_BLOCK_FORMATS[block_type][2]
+    raw = torch.randint(0, 256, (N, blocks_per_row, nbytes), dtype=torch.uint8, generator=gen)
+    for at in _FP16_FIELDS[block_type]:
+        raw[..., at + 1] &= 0xBF  # exponent bits 14..10 of the fp16: the top one cleared
+    return raw.reshape(N, -1)
+
+
+@st.composite
+def quantized_cases(draw, block_type, rows=st.integers(0, 17) | st.sampled_from([63, 64, 65, 70]),
+                    ns=(1, 2, 7, 8, 33, 130)):
+    _, size, _ = GGUF_BLOCK_FORMATS[block_type]
+    M, N = draw(rows), draw(st.sampled_from(ns))
+    H = draw(st.sampled_from((1, 7, 33, 130))) if size == 1 else size * draw(st.integers(1, 2 if size == 256 else 5))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    if size == 1 or draw(st.booleans()):
+        weight = gguf_blocks.quantize(torch.randn(N, H, generator=gen), block_type).blocks
+    else:
+        weight = _random_block_bytes(N, H // size, block_type, gen)
+    x = torch.randn(M, H, generator=gen)
+    if draw(st.sampled_from([False, False, False, True])) and M * H > 0:
+        x.view(-1)[int(torch.randint(0, M * H, (1,), generator=gen))] = draw(st.sampled_from(
+            [math.nan, math.inf, -math.inf]))
+    bias = torch.randn(N, generator=gen).to(draw(st.sampled_from(DTYPES))) if draw(st.booleans()) else None
+    return dict(x=x.to(draw(st.sampled_from(DTYPES))), weight=weight, block_type=block_type, bias=bias)
+
+
+def run_quantized_backend(backend, case):
+    x, weight = guarded(case["x"]), guarded(case["weight"])
+    bias = guarded(case["bias"]) if case["bias"] is not None else None
+    out = guarded(torch.full((x.shape[0], weight.shape[0]), 7.0))
+    if backend == "wrapper":
+        ops.quantized_linear(x, weight, case["block_type"], bias, out=out)
+    elif backend == "cpu":
+        torch.ops.specdec.quantized_linear(x, weight, case["block_type"], bias, out)
+    else:
+        from specdec_kernels.triton.linear import quantized_linear as launcher
+
+        launcher(x, weight, case["block_type"], bias, out)
+    for t in (out, x, weight, bias):
+        if t is not None:
+            assert_guard_intact(t)
+    return out.clone()
+
+
+def check_quantized(out, case):
+    """Against gguf.dequantize's weight values (the package's own decoder) in float64."""
+    x, weight, block_type = case["x"], case["weight"], case["block_type"]
+    H = x.shape[1]
+    values = np.asarray(gguf.dequantize(weight.numpy(), gguf.GGMLQuantizationType(block_type)), dtype=np.float32)
+    values = torch.from_numpy(values.reshape(weight.shape[0], H).copy())
+    expected = ref.skinny_linear(x.float(), values, None if case["bias"] is None else case["bias"].float())
+    finite_x = torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0).double()
+    scale = float((finite_x.abs() @ values.double().abs().T).max()) if out.numel() else 0.0
+    torch.testing.assert_close(out.double(), expected, atol=1e-6 * scale + 1e-5, rtol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("backend", ["wrapper", "cpu"])
+@pytest.mark.parametrize("block_type", sorted(GGUF_BLOCK_FORMATS))
+@fuzz_settings(8)
+@given(data=st.data())
+def test_quantized_cpu_matches_reference(data, block_type, backend):
+    case = data.draw(quantized_cases(block_type))
+    check_quantized(run_quantized_backend(backend, case), case)
+
+
+@requires_triton
+@pytest.mark.parametrize("block_type", sorted(GGUF_BLOCK_FORMATS))
+@fuzz_settings(2)
+@given(data=st.data())
+def test_quantized_triton_matches_reference(data, block_type):
+    case = data.draw(quantized_cases(block_type, rows=st.integers(0, 5), ns=(1, 7, 33)))
+    check_quantized(run_quantized_backend("triton", case), case)
+
+
+QUANTIZED_MUTATIONS = {
+    "block_type:unknown": lambda c: {**c, "block_type": 10},
+    "block_type:negative": lambda c: {**c, "block_type": -1},
+    "block_type:huge": lambda c: {**c, "block_type": 2**40},
+    "x:dtype": lambda c: {**c, "x": c["x"].double()},
+    "x:1d": lambda c: {**c, "x": c["x"][0]},
+    "x:meta": lambda c: {**c, "x": c["x"].to("meta")},
+    "x:h_not_a_whole_block": lambda c: {**c, "x": torch.randn(c["x"].shape[0], c["x"].shape[1] + 32)},
+    "weight:dtype": lambda c: {**c, "weight": c["weight"].view(torch.int8)},
+    "weight:inner_size": lambda c: {**c, "weight": c["weight"][:, :-1].contiguous()},
+    "weight:strided": lambda c: {**c, "weight": torch.stack([c["weight"], c["weight"]], -1)[..., 0]},
+    "weight:meta": lambda c: {**c, "weight": c["weight"].to("meta")},
+    "bias:shape": lambda c: {**c, "bias": torch.zeros(c["weight"].shape[0] + 1)},
+    "bias:dtype": lambda c: {**c, "bias": torch.zeros(c["weight"].shape[0], dtype=torch.int64)},
+}
+
+
+@st.composite
+def small_block_case(draw):
+    """A small valid case of a block format (not a float type), for the mutations above."""
+    block_type = draw(st.sampled_from(sorted(_FP16_FIELDS)))
+    size = GGUF_BLOCK_FORMATS[block_type][1]
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    N, M = draw(st.sampled_from([3, 8])), draw(st.integers(1, 5))
+    return dict(x=torch.randn(M, size, generator=gen), weight=_random_block_bytes(N, 1, block_type, gen),
+                block_type=block_type, bias=torch.randn(N, generator=gen) if draw(st.booleans()) else None)
+
+
+@pytest.mark.parametrize("backend", ["wrapper", "cpu", pytest.param("triton", marks=requires_triton)])
+@pytest.mark.parametrize("mutation", sorted(QUANTIZED_MUTATIONS))
+@fuzz_settings(2)
+@given(case=small_block_case())
+def test_quantized_bad_inputs_raise(case, mutation, backend):
+    case = QUANTIZED_MUTATIONS[mutation](case)
+    x, weight, block_type, bias = case["x"], case["weight"], case["block_type"], case["bias"]
+    out = torch.empty(x.shape[0] if x.dim() == 2 else 1, weight.shape[0])
+    if backend == "wrapper":
+        fn = lambda: ops.quantized_linear(x, weight, block_type, bias, out=out)  # noqa: E731
+    elif backend == "cpu":
+        fn = lambda: torch.ops.specdec.quantized_linear(x, weight, block_type, bias, out)  # noqa: E731
+    else:
+        from specdec_kernels.triton.linear import quantized_linear as launcher
+
+        fn = lambda: launcher(x, weight, block_type, bias, out)  # noqa: E731
+    _, error = call_or_clear_error(fn)
+    assert error is not None, f"{mutation} accepted by {backend}"
+    assert any(n in str(error) for n in ["x", "weight", "bias", "block_type", "device"]), f"{mutation}: {error}"

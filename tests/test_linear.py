@@ -201,14 +201,40 @@ from specdec_kernels import gguf_blocks  # noqa: E402
 from specdec_kernels.gguf_blocks import QuantizedWeight  # noqa: E402
 
 GGML = gguf.GGMLQuantizationType
-BLOCK_TYPES = [GGML.Q4_0, GGML.Q4_1, GGML.Q8_0, GGML.BF16, GGML.F16, GGML.F32]
-QUANT_TYPES = [GGML.Q4_0, GGML.Q4_1, GGML.Q8_0]
+K_QUANT_TYPES = [GGML.Q4_K, GGML.Q5_K, GGML.Q6_K]  # super-blocks of 256; gguf-py has no quantiser for them
+QUANT_TYPES = [GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q8_0] + K_QUANT_TYPES
+BLOCK_TYPES = QUANT_TYPES + [GGML.BF16, GGML.F16, GGML.F32]
+# Where each block format keeps its fp16 scales (byte offsets in a block).
+FP16_FIELDS = {GGML.Q4_0: [0], GGML.Q4_1: [0, 2], GGML.Q5_0: [0], GGML.Q5_1: [0, 2], GGML.Q8_0: [0],
+               GGML.Q4_K: [0, 2], GGML.Q5_K: [0, 2], GGML.Q6_K: [208]}
+
+
+def h_for(block_type, H: int) -> int:
+    """H rounded up to a whole number of the type's blocks (the K-quants need 256s)."""
+    size = gguf.GGML_QUANT_SIZES[GGML(block_type)][0]
+    return -(-H // size) * size
 
 
 def gguf_blocks_of(w: torch.Tensor, block_type) -> torch.Tensor:
-    """uint8 [N, row_bytes]: gguf.quantize's bytes of the fp32 matrix w [N, H]."""
+    """uint8 [N, row_bytes]: gguf.quantize's bytes of the fp32 matrix w [N, H] (for the
+    K-quants, which gguf-py cannot quantise, gguf_blocks.quantize's)."""
+    if block_type in K_QUANT_TYPES:
+        return gguf_blocks.quantize(w, int(block_type)).blocks
     raw = np.ascontiguousarray(gguf.quantize(w.float().numpy(), block_type)).view(np.uint8)
     return torch.from_numpy(raw.reshape(w.shape[0], -1).copy())
+
+
+def random_blocks(N, blocks_per_row, block_type, generator, max_scale_exponent=30):
+    """uint8 [N, blocks_per_row * block bytes] of random bytes: valid blocks of any bit pattern
+    whose fp16 scales are finite, with biased exponents at most ``max_scale_exponent``
+    (15: |scale| < 2)."""
+    nbytes = gguf.GGML_QUANT_SIZES[GGML(block_type)][1]
+    raw = torch.randint(0, 256, (N, blocks_per_row, nbytes), dtype=torch.uint8, generator=generator)
+    for at in FP16_FIELDS[GGML(block_type)]:
+        bits = raw[..., at:at + 2].contiguous().view(torch.int16)
+        exponent = ((bits >> 10) & 31).clamp(max=max_scale_exponent)
+        raw[..., at:at + 2] = ((bits & ~(31 << 10)) | (exponent << 10)).view(torch.uint8)
+    return raw.reshape(N, -1)
 
 
 def gguf_values_of(blocks: torch.Tensor, block_type, H: int) -> torch.Tensor:
@@ -224,6 +250,8 @@ def random_weight(N, H, block_type, generator=None):
     if H >= 64 and N >= 2:
         w[0, :32] = 0.0
         w[N - 1, 32:64] = 0.75
+    if H >= 256 and N >= 2:
+        w[1, :256] = 0.0  # a K-quant super-block of zeros (d = dmin = 0)
     blocks = gguf_blocks_of(w, block_type)
     return blocks, gguf_values_of(blocks, block_type, H)
 
@@ -234,12 +262,29 @@ def quantized_tol(H):
     return dict(atol=2e-5 * max(H, 16) ** 0.5, rtol=2e-5)
 
 
+def scaled_tol(x, values):
+    """The tolerance of an fp32 product x @ values^T of any magnitude (random blocks can hold
+    weights up to ~1e3): fp32 rounding relative to the largest |x| @ |w|^T."""
+    scale = float((x.abs().reshape(-1, x.shape[-1]).double() @ values.abs().double().T).max()) + 1.0
+    return dict(atol=1e-6 * scale, rtol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------
 # gguf_blocks: quantize / dequantize against the gguf package, the reference decoder.
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("block_type", BLOCK_TYPES)
+def test_random_blocks_have_finite_scales_of_every_kind():
+    g = torch.Generator().manual_seed(0)
+    for block_type in QUANT_TYPES:
+        raw = random_blocks(64, 4, block_type, g).view(64, 4, -1)
+        for at in FP16_FIELDS[block_type]:
+            scales = raw[..., at:at + 2].contiguous().view(torch.float16)
+            assert bool(torch.isfinite(scales).all()) and bool((scales < 0).any()) and bool((scales.abs() > 1).any())
+            assert bool((scales.abs() < 2**-14).any())  # subnormal fp16 scales too
+
+
+@pytest.mark.parametrize("block_type", [t for t in BLOCK_TYPES if t not in K_QUANT_TYPES])
 def test_quantize_gives_the_bytes_gguf_quantize_gives(block_type):
     g = torch.Generator().manual_seed(int(block_type))
     w = torch.randn(37, 128, generator=g) * torch.logspace(-3, 2, 37)[:, None]
@@ -252,29 +297,62 @@ def test_quantize_gives_the_bytes_gguf_quantize_gives(block_type):
     assert torch.equal(q.blocks, gguf_blocks_of(w, block_type))
 
 
+# Relative error (Frobenius, per row) of our K-quant quantiser on Gaussian weights: about
+# what the 32-weight formats with as many bits give (Q4_1 ~0.08, Q5_1 ~0.04 here).
+K_QUANT_MAX_ERROR = {GGML.Q4_K: 0.09, GGML.Q5_K: 0.045, GGML.Q6_K: 0.025}
+
+
+@pytest.mark.parametrize("block_type", K_QUANT_TYPES)
+def test_k_quant_quantize_is_read_by_gguf_dequantize_with_a_small_error(block_type):
+    """gguf-py has no K-quant quantiser: ours must write blocks that gguf.dequantize reads as
+    the values ours dequantises to, close to the weights."""
+    g = torch.Generator().manual_seed(int(block_type))
+    w = torch.randn(24, 512, generator=g) * torch.logspace(-3, 2, 24)[:, None]
+    w[0, :256] = 0.0                     # a zero super-block: d = dmin = 0
+    w[1, 32:64] = -1.5                   # a constant sub-block
+    w[2, :256] = w[2, :256].abs() + 1.0  # all positive (sub-block mins above 0)
+    w[3, 256:] *= 1e-6                   # tiny values (subnormal fp16 scales)
+    q = gguf_blocks.quantize(w, int(block_type))
+    assert q.shape == (24, 512) and q.blocks.shape == (24, 2 * gguf_blocks.block_bytes(block_type))
+    values = gguf_values_of(q.blocks, block_type, 512)
+    assert torch.equal(q.dequantize().view(torch.int32), values.view(torch.int32))
+    assert torch.equal(values[0, :256], torch.zeros(256))
+    error = (values - w).norm(dim=1) / w.norm(dim=1)
+    assert float(error[4:].max()) < K_QUANT_MAX_ERROR[block_type], error
+    assert float((values[1, 32:64] + 1.5).abs().max()) < 0.05
+    assert float(error[2]) < 2 * K_QUANT_MAX_ERROR[block_type]
+
+
 @pytest.mark.parametrize("block_type", BLOCK_TYPES)
 def test_dequantize_gives_the_values_gguf_dequantize_gives(block_type):
     g = torch.Generator().manual_seed(100 + int(block_type))
-    blocks, values = random_weight(9, 96, block_type, g)
+    H = h_for(block_type, 96)
+    blocks, values = random_weight(9, H, block_type, g)
     got = gguf_blocks.dequantize(blocks, int(block_type))
     assert torch.equal(got.view(torch.int32), values.view(torch.int32))  # bit for bit, signed zeros included
-    # Arbitrary bytes too (every nibble and int8 value, fp16 scales of any finite value).
+    # Arbitrary bytes too (every nibble, high bit, 6-bit scale and int8 value, fp16 scales of
+    # any finite value, subnormals included).
     if block_type in QUANT_TYPES:
-        size, nbytes = gguf_blocks.block_size(block_type), gguf_blocks.block_bytes(block_type)
-        raw = torch.randint(0, 256, (5, 3 * nbytes), dtype=torch.uint8, generator=g)
-        raw.view(5, 3, nbytes)[..., 1] &= 0x7B  # fp16 scales' exponent below 31: finite
-        if block_type == GGML.Q4_1:
-            raw.view(5, 3, nbytes)[..., 3] &= 0x7B
-        want = gguf_values_of(raw, block_type, 3 * size)
+        raw = random_blocks(40, 3, block_type, g)
+        want = gguf_values_of(raw, block_type, 3 * gguf_blocks.block_size(block_type))
         assert torch.equal(gguf_blocks.dequantize(raw, int(block_type)).view(torch.int32), want.view(torch.int32))
+        # Any leading shape (e.g. [rows, ...] of an embedding lookup).
+        got = gguf_blocks.dequantize(raw.reshape(5, 8, -1), int(block_type))
+        assert torch.equal(got.reshape(40, -1).view(torch.int32), want.view(torch.int32))
 
 
 @pytest.mark.parametrize("block_type", BLOCK_TYPES)
 def test_reference_decoder_gives_the_gguf_values(block_type):
     g = torch.Generator().manual_seed(200 + int(block_type))
-    blocks, values = random_weight(3, 64, block_type, g)
-    got = ref.dequantize(blocks, int(block_type), 64)
+    H = h_for(block_type, 64)
+    blocks, values = random_weight(3, H, block_type, g)
+    got = ref.dequantize(blocks, int(block_type), H)
     assert torch.equal(got.view(torch.int32), values.view(torch.int32))
+    if block_type in QUANT_TYPES:
+        raw = random_blocks(4, 2, block_type, g)
+        H = 2 * gguf_blocks.block_size(block_type)
+        got = ref.dequantize(raw, int(block_type), H)
+        assert torch.equal(got.view(torch.int32), gguf_values_of(raw, block_type, H).view(torch.int32))
 
 
 def test_block_type_helpers():
@@ -284,14 +362,19 @@ def test_block_type_helpers():
     assert gguf_blocks.row_bytes("BF16", 7) == 14
     for tid, (name, size, nbytes) in ops.GGUF_BLOCK_FORMATS.items():
         assert gguf.GGML_QUANT_SIZES[GGML(tid)] == (size, nbytes) and GGML(tid).name == name
+    assert gguf_blocks.type_id("q6_k") == 14 and gguf_blocks.type_id(GGML.Q5_0) == 6
+    assert (gguf_blocks.block_size("Q4_K"), gguf_blocks.block_bytes("Q4_K")) == (256, 144)
+    assert gguf_blocks.row_bytes("Q6_K", 1536) == 6 * 210 and gguf_blocks.row_bytes("Q5_1", 64) == 48
     with pytest.raises(ValueError, match="block type must be one of"):
-        gguf_blocks.type_id("Q5_0")
+        gguf_blocks.type_id("Q2_K")
     with pytest.raises(ValueError, match="block type must be one of"):
-        gguf_blocks.type_id(GGML.Q5_0)
+        gguf_blocks.type_id(GGML.Q8_1)
     with pytest.raises(ValueError, match="multiple of 32 weights, got H = 40"):
         gguf_blocks.row_bytes("Q4_1", 40)
     with pytest.raises(ValueError, match="multiple of 32"):
         gguf_blocks.quantize(torch.randn(2, 40), "Q8_0")
+    with pytest.raises(ValueError, match="a Q4_K row must hold a multiple of 256 weights, got H = 288"):
+        gguf_blocks.quantize(torch.randn(2, 288), "Q4_K")
 
 
 def test_quantized_weight_rows_cat_embedding():
@@ -316,6 +399,30 @@ def test_quantized_weight_rows_cat_embedding():
         q.linear(torch.randn(2, 32))
     with pytest.raises(ValueError, match=r"blocks must have shape \[10, 40\]"):
         QuantizedWeight(q.blocks[:, :20].contiguous(), 3, (10, 64))
+
+
+@pytest.mark.parametrize("block_type", [GGML.Q5_0, GGML.Q5_1, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K])
+def test_quantized_weight_of_the_qwen_formats(block_type):
+    """rows / cat / embedding / linear on the formats of the Qwen2.5-Coder files, from random
+    blocks as a file would hold them."""
+    g = torch.Generator().manual_seed(int(block_type))
+    H = 2 * gguf_blocks.block_size(block_type)
+    raw = random_blocks(10, 2, block_type, g, max_scale_exponent=15)
+    q = QuantizedWeight(raw, int(block_type), (10, H))
+    values = gguf_values_of(raw, block_type, H)
+    assert torch.equal(q.dequantize().view(torch.int32), values.view(torch.int32))
+    perm = torch.randperm(10, generator=g)
+    assert torch.equal(q.rows(perm).dequantize(), values[perm])
+    ids = torch.tensor([[3, 3], [0, 9]])
+    assert torch.equal(q.embedding(ids), values[ids])
+    assert torch.equal(q.embedding(ids.int()), values[ids])
+    fused = QuantizedWeight.cat([q.rows(slice(0, 4)), q.rows(slice(4, 10))])
+    assert torch.equal(fused.blocks, q.blocks)
+    x = torch.randn(2, 3, H, generator=g)
+    torch.testing.assert_close(q.linear(x), F.linear(x, values), **scaled_tol(x, values))
+    size, nbytes = gguf_blocks.block_size(block_type), gguf_blocks.block_bytes(block_type)
+    with pytest.raises(ValueError, match=rf"blocks must have shape \[10, {3 * nbytes}\], got \[10, {2 * nbytes}\]"):
+        QuantizedWeight(raw, int(block_type), (10, H + size))
 
 
 def test_block_weight_linear_is_quantized_linear():
@@ -360,12 +467,29 @@ def run_quantized(backend, x, blocks, block_type, bias=None, out=None):
 @pytest.mark.parametrize("M,N,H", [(1, 1, 32), (1, 7, 64), (3, 33, 96), (8, 5, 32), (9, 17, 64), (64, 3, 32)])
 def test_quantized_matches_reference(backend, block_type, M, N, H):
     g = torch.Generator().manual_seed(M * 1000 + N * 10 + int(block_type))
+    H = h_for(block_type, H)
     blocks, _ = random_weight(N, H, block_type, g)
     x, b = torch.randn(M, H, generator=g), torch.randn(N, generator=g)
     want = ref.quantized_linear(x, blocks, int(block_type), b)
     torch.testing.assert_close(run_quantized(backend, x, blocks, block_type, b).double(), want, **quantized_tol(H))
     want = ref.quantized_linear(x, blocks, int(block_type))
     torch.testing.assert_close(run_quantized(backend, x, blocks, block_type).double(), want, **quantized_tol(H))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("block_type", QUANT_TYPES)
+@pytest.mark.parametrize("M,N,blocks_per_row", [(1, 7, 1), (5, 9, 2), (9, 4, 3)])
+def test_quantized_on_random_blocks_matches_reference(backend, block_type, M, N, blocks_per_row):
+    """Blocks of random bytes (every bit pattern of the quants, high bits and 6-bit scales;
+    fp16 scales of either sign, subnormal ones included) against python_ref."""
+    g = torch.Generator().manual_seed(M * 100 + N + int(block_type))
+    blocks = random_blocks(N, blocks_per_row, block_type, g, max_scale_exponent=15)
+    H = blocks_per_row * gguf_blocks.block_size(block_type)
+    x, b = torch.randn(M, H, generator=g), torch.randn(N, generator=g)
+    values = gguf_values_of(blocks, block_type, H)
+    want = ref.quantized_linear(x, blocks, int(block_type), b)
+    got = run_quantized(backend, x, blocks, block_type, b).double()
+    torch.testing.assert_close(got, want, **scaled_tol(x, values))
 
 
 @pytest.mark.parametrize("block_type", [GGML.BF16, GGML.F16, GGML.F32])
@@ -409,7 +533,7 @@ def test_low_precision_activations_and_bias(backend, x_dtype):
 def test_quantized_is_batch_invariant(backend, block_type):
     """A row's result is bit-identical whatever M is and whatever the other rows hold."""
     g = torch.Generator().manual_seed(21 + int(block_type))
-    N, H = 19, 128
+    N, H = 19, h_for(block_type, 128)
     blocks, _ = random_weight(N, H, block_type, g)
     rows = torch.randn(64, H, generator=g)
     full = run_quantized(backend, rows, blocks, block_type)
@@ -430,7 +554,7 @@ def test_quantized_is_batch_invariant(backend, block_type):
 def test_quantized_hypothesis(M, N, blocks_per_row, type_index, with_bias, seed):
     block_type = BLOCK_TYPES[type_index]
     g = torch.Generator().manual_seed(seed)
-    H = 32 * blocks_per_row
+    H = max(32, gguf_blocks.block_size(block_type)) * blocks_per_row
     blocks, values = random_weight(N, H, block_type, g)
     x = torch.randn(M, H, generator=g)
     b = torch.randn(N, generator=g) if with_bias else None
@@ -459,6 +583,7 @@ def test_quantized_opcheck():
 
 
 _Q41 = gguf_blocks.quantize(torch.randn(5, 64), "Q4_1").blocks  # uint8 [5, 40]
+_Q4K = gguf_blocks.quantize(torch.randn(5, 256), "Q4_K").blocks  # uint8 [5, 144]
 
 
 @pytest.mark.parametrize("x,w,block_type,b,out,message", [
@@ -468,7 +593,10 @@ _Q41 = gguf_blocks.quantize(torch.randn(5, 64), "Q4_1").blocks  # uint8 [5, 40]
     (torch.randn(2, 64), _Q41[:, :38], 3, None, None, r"weight must have shape \[N, 40\] \(2 Q4_1 blocks of 20"),
     (torch.randn(2, 64), _Q41, 2, None, None, r"weight must have shape \[N, 36\]"),
     (torch.randn(2, 48), _Q41, 3, None, None, r"x.shape\[1\] \(H = 48\) must be a multiple of the Q4_1 block size 32"),
-    (torch.randn(2, 64), _Q41, 6, None, None, "block_type must be a GGML type id among F32 = 0"),
+    (torch.randn(2, 64), _Q41, 10, None, None, "block_type must be a GGML type id among F32 = 0"),
+    (torch.randn(2, 288), _Q4K, 12, None, None,
+     r"x.shape\[1\] \(H = 288\) must be a multiple of the Q4_K block size 256"),
+    (torch.randn(2, 512), _Q4K, 12, None, None, r"weight must have shape \[N, 288\] \(2 Q4_K blocks of 144"),
     (torch.randn(2, 64), _Q41, True, None, None, "block_type must be a GGML type id"),
     (torch.randn(2, 64), _Q41, "Q4_1", None, None, "block_type must be a GGML type id"),
     (torch.randn(2, 64), torch.cat([_Q41, _Q41], 1)[:, ::2], 3, None, None, "weight must be contiguous"),
@@ -491,7 +619,12 @@ def test_quantized_bad_inputs_raise(x, w, block_type, b, out, message):
      r"weight must have shape \[N, 40\] \(2 Q4_1 blocks of 20 bytes per row, x is \[2, 64\]\), got \[5, 38\]"),
     (torch.randn(2, 48), _Q41, 3, None, torch.empty(2, 5),
      r"x.size\(1\) \(H = 48\) must be a multiple of the Q4_1 block size 32"),
-    (torch.randn(2, 64), _Q41, 6, None, torch.empty(2, 5), "block_type must be a GGML type id among F32 = 0"),
+    (torch.randn(2, 64), _Q41, 10, None, torch.empty(2, 5), "block_type must be a GGML type id among F32 = 0"),
+    (torch.randn(2, 64), _Q41, 9, None, torch.empty(2, 5), "block_type must be a GGML type id among F32 = 0"),
+    (torch.randn(2, 288), _Q4K, 12, None, torch.empty(2, 5),
+     r"x.size\(1\) \(H = 288\) must be a multiple of the Q4_K block size 256"),
+    (torch.randn(2, 512), _Q4K, 12, None, torch.empty(2, 5),
+     r"weight must have shape \[N, 288\] \(2 Q4_K blocks of 144 bytes per row, x is \[2, 512\]\), got \[5, 144\]"),
     (torch.randn(2, 64), _Q41, -1, None, torch.empty(2, 5), "block_type must be a GGML type id"),
     (torch.randn(2, 64), torch.cat([_Q41, _Q41], 1)[:, ::2], 3, None, torch.empty(2, 5), "weight must be contiguous"),
     (torch.randn(2, 64), _Q41, 3, torch.randn(4), torch.empty(2, 5), r"bias must have shape \[5\]"),
@@ -514,7 +647,9 @@ def test_quantized_triton_launcher_checks_its_arguments():
     with pytest.raises(ValueError, match=r"out must have shape \[2, 5\]"):
         triton_linear.quantized_linear(torch.randn(2, 64), _Q41, 3, None, torch.empty(2, 6))
     with pytest.raises(ValueError, match="block_type must be a GGML type id"):
-        triton_linear.quantized_linear(torch.randn(2, 64), _Q41, 7, None, torch.empty(2, 5))
+        triton_linear.quantized_linear(torch.randn(2, 64), _Q41, 10, None, torch.empty(2, 5))
+    with pytest.raises(ValueError, match=r"must be a multiple of the Q6_K block size 256"):
+        triton_linear.quantized_linear(torch.randn(2, 320), _Q4K, 14, None, torch.empty(2, 5))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -524,6 +659,11 @@ def test_quantized_triton_launcher_checks_its_arguments():
     (GGML.Q4_0, 3, 7, 64, True),
     (GGML.Q4_1, 13, 7, 96, False),
     (GGML.Q8_0, 17, 18, 32, True),
+    (GGML.Q5_0, 3, 7, 64, True),
+    (GGML.Q5_1, 13, 5, 96, False),
+    (GGML.Q4_K, 3, 7, 256, True),
+    (GGML.Q5_K, 13, 5, 512, False),
+    (GGML.Q6_K, 9, 7, 256, True),
     (GGML.BF16, 3, 7, 37, True),
     (GGML.F16, 13, 5, 37, False),
     (GGML.F32, 9, 7, 37, True),
@@ -553,14 +693,22 @@ import torch
 from specdec_kernels import gguf_blocks, ops
 outs = {{}}
 g = torch.Generator().manual_seed(0)
-for name in ("Q4_0", "Q4_1", "Q8_0", "BF16", "F16", "F32"):
+for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "BF16", "F16", "F32"):
     for M, N, H in [(1, 7, 64), (5, 33, 96), (8, 9, 160), (17, 70, 128), (64, 13, 64)]:
+        H = H if gguf_blocks.block_size(name) < 256 else 256 * (H // 64)  # K-quants: 256, 512 or 768
         q = gguf_blocks.quantize(torch.randn(N, H, generator=g), name)
         x, b = torch.randn(M, H, generator=g), torch.randn(N, generator=g)
         outs[(name, M, N, H)] = ops.quantized_linear(x, q.blocks, q.block_type, b)
     if name in ("BF16", "F16", "F32"):
         q = gguf_blocks.quantize(torch.randn(6, 45, generator=g), name)
         outs[(name, "H45")] = ops.quantized_linear(torch.randn(11, 45, generator=g), q.blocks, q.block_type)
+    else:  # blocks of random bytes: every bit pattern of the quants and sub-block scales
+        tid, nbytes = gguf_blocks.type_id(name), gguf_blocks.block_bytes(name)
+        raw = torch.randint(0, 256, (9, 2, nbytes), dtype=torch.uint8, generator=g)
+        for at in {{6: [0], 12: [0, 2], 13: [0, 2], 14: [208]}}.get(tid, [0, 2] if tid in (3, 7) else [0]):
+            raw[..., at + 1] &= 0xBF  # finite fp16 scales, |scale| < 2
+        x = torch.randn(5, 2 * gguf_blocks.block_size(name), generator=g)
+        outs[(name, "random bytes")] = ops.quantized_linear(x, raw.reshape(9, -1), tid)
 torch.save(outs, sys.argv[1])
 """
 
@@ -634,3 +782,55 @@ def test_real_gguf_embedding_and_lm_head(smollm2_reader):
         np.asarray(gguf.dequantize(t.data[1000:3000], t.tensor_type), dtype=np.float32).copy())
     x = torch.randn(5, 576)
     torch.testing.assert_close(head.linear(x), F.linear(x, head_values), **quantized_tol(576))
+
+
+# ---------------------------------------------------------------------------------------
+# The Qwen2.5-Coder GGUF files (1.5B: Q4_K + Q6_K; 0.5B: Q5_0, Q8_0, Q6_K, Q4_K), when
+# present: SPECDEC_QWEN_GGUF_FILES lists their paths (os.pathsep-separated).
+# ---------------------------------------------------------------------------------------
+
+def _qwen_gguf_files():
+    import os
+
+    paths = [p for p in os.environ.get("SPECDEC_QWEN_GGUF_FILES", "").split(os.pathsep) if p]
+    return [pytest.param(p, id=os.path.basename(p)) for p in paths] or [
+        pytest.param(None, id="no-file", marks=pytest.mark.skip(reason="SPECDEC_QWEN_GGUF_FILES is not set"))]
+
+
+@pytest.mark.parametrize("path", _qwen_gguf_files())
+def test_real_qwen_gguf_blocks_dequantize_as_gguf_does(path):
+    """Every block type of the file: a layer's weight of each type dequantised whole, the
+    embedding's and the LM head's rows (a slice: 151936 rows would be slow), all bit for bit
+    equal to gguf.dequantize; quantized_linear on them equal to F.linear on those values."""
+    import os
+
+    if not os.path.exists(path):
+        pytest.skip(f"{path} is absent")
+    reader = gguf.GGUFReader(path)
+    two_d = [t for t in reader.tensors if len(t.shape) == 2]
+    first_of_type = {}
+    for t in two_d:
+        if t.name.startswith("blk."):
+            first_of_type.setdefault(int(t.tensor_type), t)
+    assert set(first_of_type) <= set(ops.GGUF_BLOCK_FORMATS), "a block type quantized_linear does not read"
+    g = torch.Generator().manual_seed(0)
+    for t in first_of_type.values():
+        q = QuantizedWeight.from_gguf(t)
+        values = torch.from_numpy(np.asarray(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32).copy())
+        values = values.reshape(q.shape)
+        assert torch.equal(q.dequantize().view(torch.int32), values.view(torch.int32)), t.name
+        x = torch.randn(3, q.shape[1], generator=g)
+        torch.testing.assert_close(q.linear(x), F.linear(x, values), **quantized_tol(q.shape[1]))
+    for name in ("token_embd.weight", "output.weight"):
+        t = next((t for t in two_d if t.name == name), None)
+        if t is None:
+            continue
+        H, N = (int(d) for d in t.shape)
+        ids = torch.tensor([0, 1, 1000, N // 2, N - 1])
+        rows = QuantizedWeight(torch.from_numpy(np.array(t.data[ids.numpy()], copy=True)).reshape(len(ids), -1),
+                               int(t.tensor_type), (len(ids), H))
+        values = torch.from_numpy(np.asarray(gguf.dequantize(t.data[ids.numpy()], t.tensor_type),
+                                             dtype=np.float32).copy()).reshape(len(ids), H)
+        assert torch.equal(rows.embedding(torch.arange(len(ids))).view(torch.int32), values.view(torch.int32)), name
+        x = torch.randn(2, H, generator=g)
+        torch.testing.assert_close(rows.linear(x), F.linear(x, values), **quantized_tol(H))

@@ -225,7 +225,8 @@ def linear_cases():
                        f"weight {dt}, HAS_BIAS={has_bias} RESIDUAL_SILU={silu}")
     # quantized_linear: one variant per GGUF block type (the float types read a typed view of
     # the bytes), without and with bias; x, bias and out are fp32 (the launcher widens them).
-    weight_dtypes = {0: "fp32", 1: "fp16", 30: "bf16", 2: "u8", 3: "u8", 8: "u8"}
+    weight_dtypes = {0: "fp32", 1: "fp16", 30: "bf16", 2: "u8", 3: "u8", 6: "u8", 7: "u8", 8: "u8", 12: "u8",
+                     13: "u8", 14: "u8"}
     for block_type, wdt in weight_dtypes.items():
         for has_bias in (False, True):
             yield Case(m._quantized_linear_kernel,

@@ -6,15 +6,30 @@
 //   Q4_0 (18 bytes / 32 weights): fp16 d, 16 bytes qs; weight j = d * ((qs[j % 16] >> 4 * (j / 16) & 15) - 8)
 //   Q4_1 (20 bytes / 32 weights): fp16 d, fp16 m, 16 bytes qs; weight j = d * nibble_j + m
 //   Q8_0 (34 bytes / 32 weights): fp16 d, 32 int8 qs; weight j = qs[j] * d
+//   Q5_0 (22 bytes / 32 weights): fp16 d, uint32 qh, 16 bytes qs; q_j = nibble_j | bit j of qh << 4;
+//     weight j = d * (q_j - 16)
+//   Q5_1 (24 bytes / 32 weights): fp16 d, fp16 m, uint32 qh, 16 bytes qs; weight j = d * q_j + m
+//   Q4_K (144 bytes / 256 weights, 8 sub-blocks of 32): fp16 d, fp16 dmin, 12 bytes of 6-bit
+//     scales sc[s] and mins m[s] (k_scale_min), 128 bytes qs (bytes 32t..32t+32: sub-block 2t
+//     in the low, 2t + 1 in the high nibbles); weight = (d * sc[s]) * nibble - (dmin * m[s])
+//   Q5_K (176 bytes / 256 weights): as Q4_K with 32 bytes qh between the scales and qs: the
+//     fifth bit of weight l of sub-block s is bit s of qh[l]
+//   Q6_K (210 bytes / 256 weights, 16 scales of 16 weights): 128 bytes ql (low 4 bits), 64
+//     bytes qh (high 2 bits), 16 int8 scales, fp16 d; weight e = (d * scale[e / 16]) * (q_e - 32)
+//     with, for e = 128 i + 32 t + l (l < 32): the low bits in ql[64 i + 32 (t % 2) + l] >> 4 (t / 2),
+//     the high bits in qh[32 i + l] >> 2 t
 //   F32 / F16 / BF16 (4 / 2 / 2 bytes per weight): the value, widened to fp32.
-// (d * nibble and qs * d are exact in fp32: 11 + 8 significant bits at most. So Q4_1's
-// fma(d, q, m) rounds once, like gguf's (d * q) + m.)
+// (d * q and q * d are exact in fp32: 11 + 8 significant bits at most; so are the K-quants'
+// d * sc, dmin * m (11 + 6 bits), d * scale (11 + 8) and their products with q (at most 23
+// bits). So one rounding is left where gguf rounds once: fma(d, q, m) for Q4_1 / Q5_1's
+// (d * q) + m, fma(d * sc, q, -(dmin * m)) for Q4_K / Q5_K's (d * sc) * q - dmin * m.)
 //
 // The kernel computes out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) in fp32 in one fixed
 // order that depends on H only (never on M, on the other rows, on the ISA path or on the
 // threads), so a row's result is bit-identical whatever batch it is computed in:
-//   acc[l], l < 16 lanes, starts at 0; for each chunk c of 32 weights (one block; 32
-//   elements of the float types, the last chunk zero-padded), in order:
+//   acc[l], l < 16 lanes, starts at 0; for each chunk c of 32 weights (one block; one
+//   sub-block of a K-quant super-block of 256, which is 8 chunks; 32 elements of the float
+//   types, the last chunk zero-padded), in order:
 //     acc[l] = fma(x[32c + l], w[32c + l], acc[l]), then
 //     acc[l] = fma(x[32c + 16 + l], w[32c + 16 + l], acc[l]);
 //   then the lanes are summed as a tree: s8[l] = acc[l] + acc[l + 8], s4[l] = s8[l] + s8[l + 4],
@@ -50,7 +65,10 @@ namespace specdec {
 namespace gguf {
 
 // GGML type ids (gguf.GGMLQuantizationType) of the formats quantized_linear reads.
-enum : int64_t { kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kBF16 = 30 };
+enum : int64_t {
+  kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+  kBF16 = 30
+};
 
 struct BlockFormat {
   const char* name;
@@ -61,19 +79,26 @@ struct BlockFormat {
 // The format of GGML type `type`, or nullptr when quantized_linear does not read it.
 inline const BlockFormat* block_format(int64_t type) {
   static const BlockFormat f32{"F32", 1, 4}, f16{"F16", 1, 2}, q4_0{"Q4_0", 32, 18}, q4_1{"Q4_1", 32, 20},
-      q8_0{"Q8_0", 32, 34}, bf16{"BF16", 1, 2};
+      q5_0{"Q5_0", 32, 22}, q5_1{"Q5_1", 32, 24}, q8_0{"Q8_0", 32, 34}, q4_k{"Q4_K", 256, 144},
+      q5_k{"Q5_K", 256, 176}, q6_k{"Q6_K", 256, 210}, bf16{"BF16", 1, 2};
   switch (type) {
     case kF32: return &f32;
     case kF16: return &f16;
     case kQ4_0: return &q4_0;
     case kQ4_1: return &q4_1;
+    case kQ5_0: return &q5_0;
+    case kQ5_1: return &q5_1;
     case kQ8_0: return &q8_0;
+    case kQ4_K: return &q4_k;
+    case kQ5_K: return &q5_k;
+    case kQ6_K: return &q6_k;
     case kBF16: return &bf16;
     default: return nullptr;
   }
 }
 
-constexpr const char* kSupportedTypes = "F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 30";
+constexpr const char* kSupportedTypes =
+    "F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, BF16 = 30";
 
 constexpr int64_t kChunk = 32;  // weights decoded at a time: one block, or 32 float weights
 
@@ -82,6 +107,15 @@ inline uint16_t load_u16(const uint8_t* p) {
   std::memcpy(&v, p, 2);
   return v;
 }
+
+inline uint32_t load_u32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// The fp16 at p as fp32 (exact; the same scalar conversion on every path).
+inline float f16_at(const uint8_t* p) { return static_cast<float>(c10::Half(load_u16(p), c10::Half::from_bits())); }
 
 // ---------------------------------------------------------------------------------------
 // 16-lane fp32 vectors, one type per ISA path, with the same lane semantics.
@@ -126,6 +160,26 @@ struct VecGeneric {
   static VecGeneric int8s(const uint8_t* p) {
     VecGeneric r;
     for (int l = 0; l < 16; ++l) r.v[l] = static_cast<float>(static_cast<int8_t>(p[l]));
+    return r;
+  }
+  static VecGeneric set1(float a) {
+    VecGeneric r;
+    for (int l = 0; l < 16; ++l) r.v[l] = a;
+    return r;
+  }
+  // Lane l: ((lo[l] >> lo_shift) & 15 | ((hi[l] >> hi_shift) & hi_mask) << 4) - offset, as a float
+  // (lo_shift 0 or 4; hi_mask 1 or 3; the integer lies in -32..63).
+  static VecGeneric quants(const uint8_t* lo, int lo_shift, const uint8_t* hi, int hi_shift, int hi_mask, int offset) {
+    VecGeneric r;
+    for (int l = 0; l < 16; ++l)
+      r.v[l] = static_cast<float>((((lo[l] >> lo_shift) & 15) | (((hi[l] >> hi_shift) & hi_mask) << 4)) - offset);
+    return r;
+  }
+  // Lane l: ((lo[l] >> lo_shift) & 15 | ((bits >> l) & 1) << 4) - offset, as a float.
+  static VecGeneric quants_bit(const uint8_t* lo, int lo_shift, uint32_t bits, int offset) {
+    VecGeneric r;
+    for (int l = 0; l < 16; ++l)
+      r.v[l] = static_cast<float>((((lo[l] >> lo_shift) & 15) | static_cast<int>(((bits >> l) & 1) << 4)) - offset);
     return r;
   }
   static VecGeneric f32s(const uint8_t* p) {
@@ -193,6 +247,28 @@ struct VecAvx2 {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)))};
   }
+  static VecAvx2 set1(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+  // The 16 integers of quants / quants_bit are formed as bytes (16-bit shifts, then byte masks
+  // that drop what crossed from the neighbouring byte), then widened as int8s.
+  static VecAvx2 quants(const uint8_t* lo, int lo_shift, const uint8_t* hi, int hi_shift, int hi_mask, int offset) {
+    const __m128i l = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo)),
+                                                  _mm_cvtsi32_si128(lo_shift)), _mm_set1_epi8(15));
+    const __m128i h = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)),
+                                                  _mm_cvtsi32_si128(hi_shift)), _mm_set1_epi8(static_cast<char>(hi_mask)));
+    const __m128i q = _mm_sub_epi8(_mm_or_si128(l, _mm_slli_epi16(h, 4)), _mm_set1_epi8(static_cast<char>(offset)));
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))};
+  }
+  static VecAvx2 quants_bit(const uint8_t* lo, int lo_shift, uint32_t bits, int offset) {
+    const __m128i l = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo)),
+                                                  _mm_cvtsi32_si128(lo_shift)), _mm_set1_epi8(15));
+    // Byte l gets byte l / 8 of the bits, keeps bit l % 8, and becomes 16 where it is set.
+    const __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128(static_cast<int>(bits)),
+                                            _mm_set_epi8(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0));
+    const __m128i bit = _mm_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+    const __m128i h = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit), _mm_set1_epi8(16));
+    const __m128i q = _mm_sub_epi8(_mm_or_si128(l, h), _mm_set1_epi8(static_cast<char>(offset)));
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))};
+  }
   static VecAvx2 f32s(const uint8_t* p) {
     return {_mm256_loadu_ps(reinterpret_cast<const float*>(p)), _mm256_loadu_ps(reinterpret_cast<const float*>(p) + 8)};
   }
@@ -244,6 +320,24 @@ struct VecAvx512 {
   SPECDEC_GGUF_AVX512 static VecAvx512 int8s(const uint8_t* p) {
     return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
   }
+  SPECDEC_GGUF_AVX512 static VecAvx512 set1(float a) { return {_mm512_set1_ps(a)}; }
+  // As VecAvx2's: the integers as bytes, then widened; quant_bit's high bits from a mask.
+  SPECDEC_GGUF_AVX512 static VecAvx512 quants(const uint8_t* lo, int lo_shift, const uint8_t* hi, int hi_shift,
+                                              int hi_mask, int offset) {
+    const __m128i l = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo)),
+                                                  _mm_cvtsi32_si128(lo_shift)), _mm_set1_epi8(15));
+    const __m128i h = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hi)),
+                                                  _mm_cvtsi32_si128(hi_shift)), _mm_set1_epi8(static_cast<char>(hi_mask)));
+    const __m128i q = _mm_sub_epi8(_mm_or_si128(l, _mm_slli_epi16(h, 4)), _mm_set1_epi8(static_cast<char>(offset)));
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))};
+  }
+  SPECDEC_GGUF_AVX512 static VecAvx512 quants_bit(const uint8_t* lo, int lo_shift, uint32_t bits, int offset) {
+    const __m128i l = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo)),
+                                                  _mm_cvtsi32_si128(lo_shift)), _mm_set1_epi8(15));
+    const __m128i h = _mm_maskz_mov_epi8(static_cast<__mmask16>(bits & 0xFFFF), _mm_set1_epi8(16));
+    const __m128i q = _mm_sub_epi8(_mm_or_si128(l, h), _mm_set1_epi8(static_cast<char>(offset)));
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))};
+  }
   SPECDEC_GGUF_AVX512 static VecAvx512 f32s(const uint8_t* p) { return {_mm512_loadu_ps(p)}; }
   SPECDEC_GGUF_AVX512 static VecAvx512 f16s(const uint8_t* p) {
     return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
@@ -264,6 +358,9 @@ struct VecAvx512 {
 
 // ---------------------------------------------------------------------------------------
 // Decoding one half (16 weights) of a chunk of 32, exactly as gguf.dequantize.
+// Decode<Type>::half<V>(row, c, h): weights 32c + 16h .. 32c + 16h + 16 of the row at `row`.
+// unit_bytes / unit_chunks: the bytes of the unit the decoder addresses (a block; for the
+// float types one chunk of 32 elements) and the chunks it holds (8 for the K-quants).
 // ---------------------------------------------------------------------------------------
 
 template <int64_t Type>
@@ -271,51 +368,143 @@ struct Decode;
 
 template <>
 struct Decode<kQ4_0> {
-  static constexpr int64_t chunk_bytes = 18;
+  static constexpr int64_t unit_bytes = 18, unit_chunks = 1;
   template <class V>
-  static V half(const uint8_t* b, int h) {  // gguf: d * float(int8(nibble) - 8)
+  static V half(const uint8_t* row, int64_t c, int h) {  // gguf: d * float(int8(nibble) - 8)
+    const uint8_t* b = row + c * unit_bytes;
     return V::mul(V::broadcast_f16(b), V::nibbles(b + 2, h, /*centered=*/true));
   }
 };
 
 template <>
 struct Decode<kQ4_1> {
-  static constexpr int64_t chunk_bytes = 20;
+  static constexpr int64_t unit_bytes = 20, unit_chunks = 1;
   template <class V>
-  static V half(const uint8_t* b, int h) {  // gguf: (d * nibble) + m, d * nibble exact
+  static V half(const uint8_t* row, int64_t c, int h) {  // gguf: (d * nibble) + m, d * nibble exact
+    const uint8_t* b = row + c * unit_bytes;
     return V::fma(V::broadcast_f16(b), V::nibbles(b + 4, h, /*centered=*/false), V::broadcast_f16(b + 2));
   }
 };
 
 template <>
-struct Decode<kQ8_0> {
-  static constexpr int64_t chunk_bytes = 34;
+struct Decode<kQ5_0> {
+  static constexpr int64_t unit_bytes = 22, unit_chunks = 1;
   template <class V>
-  static V half(const uint8_t* b, int h) {  // gguf: float(int8) * d
+  static V half(const uint8_t* row, int64_t c, int h) {  // gguf: d * float(int8(q) - 16)
+    const uint8_t* b = row + c * unit_bytes;
+    return V::mul(V::broadcast_f16(b), V::quants_bit(b + 6, 4 * h, load_u32(b + 2) >> (16 * h), 16));
+  }
+};
+
+template <>
+struct Decode<kQ5_1> {
+  static constexpr int64_t unit_bytes = 24, unit_chunks = 1;
+  template <class V>
+  static V half(const uint8_t* row, int64_t c, int h) {  // gguf: (d * q) + m, d * q exact
+    const uint8_t* b = row + c * unit_bytes;
+    return V::fma(V::broadcast_f16(b), V::quants_bit(b + 8, 4 * h, load_u32(b + 4) >> (16 * h), 0),
+                  V::broadcast_f16(b + 2));
+  }
+};
+
+template <>
+struct Decode<kQ8_0> {
+  static constexpr int64_t unit_bytes = 34, unit_chunks = 1;
+  template <class V>
+  static V half(const uint8_t* row, int64_t c, int h) {  // gguf: float(int8) * d
+    const uint8_t* b = row + c * unit_bytes;
     return V::mul(V::int8s(b + 2 + 16 * h), V::broadcast_f16(b));
+  }
+};
+
+// The 6-bit scale and min of sub-block s < 8 from a Q4_K / Q5_K super-block's 12 scale bytes:
+// bytes 0-3 hold sc[0..3] and bytes 4-7 m[0..3] in their low 6 bits; sc[4..7] and m[4..7] take
+// their low 4 bits from the low / high nibbles of bytes 8-11 and their top 2 bits from the top
+// 2 bits of bytes 0-3 / 4-7.
+inline void k_scale_min(const uint8_t* q, int s, int& sc, int& m) {
+  if (s < 4) {
+    sc = q[s] & 63, m = q[s + 4] & 63;
+  } else {
+    sc = (q[s + 4] & 15) | ((q[s - 4] >> 6) << 4), m = (q[s + 4] >> 4) | ((q[s] >> 6) << 4);
+  }
+}
+
+// Q4_K / Q5_K: the per-sub-block scale fp32(d * sc) and the negated offset -fp32(dmin * m)
+// (both exact), broadcast.
+template <class V>
+inline void k_scales(const uint8_t* b, int s, V& scale, V& neg_offset) {
+  int sc, m;
+  k_scale_min(b + 4, s, sc, m);
+  scale = V::set1(f16_at(b) * static_cast<float>(sc));
+  neg_offset = V::set1(-(f16_at(b + 2) * static_cast<float>(m)));
+}
+
+template <>
+struct Decode<kQ4_K> {
+  static constexpr int64_t unit_bytes = 144, unit_chunks = 8;
+  template <class V>
+  static V half(const uint8_t* row, int64_t c, int h) {  // gguf: (d * sc) * nibble - dmin * m
+    const uint8_t* b = row + (c >> 3) * unit_bytes;
+    const int s = static_cast<int>(c & 7);
+    V scale, neg_offset;
+    k_scales(b, s, scale, neg_offset);
+    return V::fma(scale, V::nibbles(b + 16 + 32 * (s >> 1) + 16 * h, s & 1, /*centered=*/false), neg_offset);
+  }
+};
+
+template <>
+struct Decode<kQ5_K> {
+  static constexpr int64_t unit_bytes = 176, unit_chunks = 8;
+  template <class V>
+  static V half(const uint8_t* row, int64_t c, int h) {  // gguf: (d * sc) * q - dmin * m
+    const uint8_t* b = row + (c >> 3) * unit_bytes;
+    const int s = static_cast<int>(c & 7);
+    V scale, neg_offset;
+    k_scales(b, s, scale, neg_offset);
+    const V q = V::quants(b + 48 + 32 * (s >> 1) + 16 * h, 4 * (s & 1), b + 16 + 16 * h, s, 1, 0);
+    return V::fma(scale, q, neg_offset);
+  }
+};
+
+template <>
+struct Decode<kQ6_K> {
+  static constexpr int64_t unit_bytes = 210, unit_chunks = 8;
+  template <class V>
+  static V half(const uint8_t* row, int64_t c, int h) {  // gguf: (d * scale) * float(int8(q) - 32)
+    const uint8_t* b = row + (c >> 3) * unit_bytes;
+    const int s = static_cast<int>(c & 7), i = s >> 2, t = s & 3;  // weights 128 i + 32 t + 16 h + lane
+    const float scale = f16_at(b + 208) * static_cast<float>(static_cast<int8_t>(b[192 + 2 * s + h]));
+    const V q = V::quants(b + 64 * i + 32 * (t & 1) + 16 * h, 4 * (t >> 1), b + 128 + 32 * i + 16 * h, 2 * t, 3, 32);
+    return V::mul(V::set1(scale), q);
   }
 };
 
 template <>
 struct Decode<kF32> {
-  static constexpr int64_t chunk_bytes = 128;
+  static constexpr int64_t unit_bytes = 128, unit_chunks = 1;
   template <class V>
-  static V half(const uint8_t* b, int h) { return V::f32s(b + 64 * h); }
+  static V half(const uint8_t* row, int64_t c, int h) { return V::f32s(row + c * unit_bytes + 64 * h); }
 };
 
 template <>
 struct Decode<kF16> {
-  static constexpr int64_t chunk_bytes = 64;
+  static constexpr int64_t unit_bytes = 64, unit_chunks = 1;
   template <class V>
-  static V half(const uint8_t* b, int h) { return V::f16s(b + 32 * h); }
+  static V half(const uint8_t* row, int64_t c, int h) { return V::f16s(row + c * unit_bytes + 32 * h); }
 };
 
 template <>
 struct Decode<kBF16> {
-  static constexpr int64_t chunk_bytes = 64;
+  static constexpr int64_t unit_bytes = 64, unit_chunks = 1;
   template <class V>
-  static V half(const uint8_t* b, int h) { return V::bf16s(b + 32 * h); }
+  static V half(const uint8_t* row, int64_t c, int h) { return V::bf16s(row + c * unit_bytes + 32 * h); }
 };
+
+// Bytes of a row up to chunk c (for prefetching; rounded down inside a K-quant super-block).
+template <int64_t Type>
+constexpr int64_t bytes_before_chunk(int64_t c) {
+  return c * Decode<Type>::unit_bytes / Decode<Type>::unit_chunks;
+}
 
 constexpr bool is_float_type(int64_t type) { return type == kF32 || type == kF16 || type == kBF16; }
 
@@ -362,7 +551,7 @@ struct BlockSource {
   Prefetcher* pf = nullptr;  // when set, advanced as the chunks are read
   int64_t pf_at = 0;         // the group's first byte, relative to pf->base
   const uint8_t* rows[NR];
-  uint8_t tail[NR][Decode<Type>::chunk_bytes];
+  uint8_t tail[NR][Decode<Type>::unit_bytes];  // float types: the last chunk, zero-padded
 
   BlockSource(const Problem& p, int64_t n0) {
     for (int j = 0; j < NR; ++j) rows[j] = p.w + std::min(n0 + j, p.N - 1) * p.row_bytes;
@@ -371,10 +560,10 @@ struct BlockSource {
       const int64_t tail_weights = p.H % kChunk;
       if (tail_weights != 0) {
         full_chunks = p.chunks - 1;
-        const int64_t elem = Decode<Type>::chunk_bytes / kChunk;
+        const int64_t elem = Decode<Type>::unit_bytes / kChunk;
         for (int j = 0; j < NR; ++j) {
           std::memset(tail[j], 0, sizeof(tail[j]));
-          std::memcpy(tail[j], rows[j] + full_chunks * Decode<Type>::chunk_bytes, tail_weights * elem);
+          std::memcpy(tail[j], rows[j] + full_chunks * Decode<Type>::unit_bytes, tail_weights * elem);
         }
       }
     }
@@ -382,12 +571,12 @@ struct BlockSource {
   template <class V>
   V half(int j, int64_t c, int h) const {
     if constexpr (is_float_type(Type)) {
-      if (c == full_chunks) return Decode<Type>::template half<V>(tail[j], h);
+      if (c == full_chunks) return Decode<Type>::template half<V>(tail[j], 0, h);
     }
-    return Decode<Type>::template half<V>(rows[j] + c * Decode<Type>::chunk_bytes, h);
+    return Decode<Type>::template half<V>(rows[j], c, h);
   }
   void on_chunk(int64_t c) {
-    if (pf != nullptr) pf->advance(pf_at + c * NR * Decode<Type>::chunk_bytes);
+    if (pf != nullptr) pf->advance(pf_at + NR * bytes_before_chunk<Type>(c));
   }
 };
 
@@ -455,7 +644,6 @@ inline void row_tiles(const Problem& p, Src&& src, int64_t n0) {
 template <class V, int64_t Type, int NR, int MR, bool kScratch>
 inline void run_groups(const Problem& p, int64_t n0, int64_t n1, float* scratch) {
   const int64_t group_bytes = NR * p.row_bytes;
-  const int64_t step = NR * Decode<Type>::chunk_bytes;  // bytes read per chunk of a group
   Prefetcher pf{p.w + n0 * p.row_bytes, (n1 - n0) * p.row_bytes,
                 kScratch ? std::max(kPrefetchBytes, group_bytes) : kPrefetchBytes};
   for (int64_t n = n0; n < n1; n += NR) {
@@ -466,7 +654,7 @@ inline void run_groups(const Problem& p, int64_t n0, int64_t n1, float* scratch)
       row_tiles<V, NR, MR>(p, blocks, n);
     } else {
       for (int64_t c = 0; c < p.chunks; ++c) {
-        pf.advance(at + c * step);
+        pf.advance(at + NR * bytes_before_chunk<Type>(c));
         for (int j = 0; j < NR; ++j)
           for (int h = 0; h < 2; ++h)
             V::store(scratch + j * p.ldx + c * kChunk + 16 * h, blocks.template half<V>(j, c, h));
@@ -504,7 +692,12 @@ inline void run_path(const Problem& p, int64_t type, int64_t n0, int64_t n1, flo
   switch (type) {
     SPECDEC_GGUF_CASE(kQ4_0)
     SPECDEC_GGUF_CASE(kQ4_1)
+    SPECDEC_GGUF_CASE(kQ5_0)
+    SPECDEC_GGUF_CASE(kQ5_1)
     SPECDEC_GGUF_CASE(kQ8_0)
+    SPECDEC_GGUF_CASE(kQ4_K)
+    SPECDEC_GGUF_CASE(kQ5_K)
+    SPECDEC_GGUF_CASE(kQ6_K)
     SPECDEC_GGUF_CASE(kF32)
     SPECDEC_GGUF_CASE(kF16)
     SPECDEC_GGUF_CASE(kBF16)

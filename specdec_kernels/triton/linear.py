@@ -113,6 +113,34 @@ def _fp16_at(ptr):
     return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
 
+@triton.jit
+def _k_quant_weights(block, s, rk, BLOCK_TYPE: tl.constexpr):
+    """fp32 [BLOCK_N, 32]: sub-block s (a scalar < 8) of the Q4_K / Q5_K / Q6_K super-blocks at
+    uint8 pointers ``block`` [BLOCK_N], exactly as gguf.dequantize (every product is exact in
+    fp32, so only Q4_K / Q5_K's final difference rounds, once)."""
+    if BLOCK_TYPE == 14:  # Q6_K: weight 128 i + 32 t + l; (d * scale) * (q - 32)
+        i = s // 4
+        t = s % 4
+        low = (tl.load(block[:, None] + 64 * i + 32 * (t % 2) + rk[None, :]).to(tl.int32) >> (4 * (t // 2))) & 15
+        high = (tl.load(block[:, None] + 128 + 32 * i + rk[None, :]).to(tl.int32) >> (2 * t)) & 3
+        scale = tl.load(block[:, None] + 192 + 2 * s + (rk // 16)[None, :]).to(tl.int8, bitcast=True).to(tl.float32)
+        return (_fp16_at(block + 208)[:, None] * scale) * ((low | (high << 4)) - 32).to(tl.float32)
+    # Q4_K / Q5_K: the 6-bit scale and min of sub-block s from the 12 scale bytes at block + 4
+    # (bytes s % 4, s % 4 + 4, s % 4 + 8 are the ones that hold them).
+    a = tl.load(block + 4 + s % 4).to(tl.int32)
+    b = tl.load(block + 8 + s % 4).to(tl.int32)
+    c = tl.load(block + 12 + s % 4).to(tl.int32)
+    sc = tl.where(s < 4, a & 63, (c & 15) | ((a >> 6) << 4))
+    m = tl.where(s < 4, b & 63, (c >> 4) | ((b >> 6) << 4))
+    QS: tl.constexpr = 16 if BLOCK_TYPE == 12 else 48  # Q5_K: 32 bytes of fifth bits before the nibbles
+    q = (tl.load(block[:, None] + QS + 32 * (s // 2) + rk[None, :]).to(tl.int32) >> (4 * (s % 2))) & 15
+    if BLOCK_TYPE == 13:
+        q = q | (((tl.load(block[:, None] + 16 + rk[None, :]).to(tl.int32) >> s) & 1) << 4)
+    scale = _fp16_at(block) * sc.to(tl.float32)
+    offset = _fp16_at(block + 2) * m.to(tl.float32)
+    return scale[:, None] * q.to(tl.float32) - offset[:, None]
+
+
 @triton.jit(do_not_specialize=["M"])
 def _quantized_linear_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,
@@ -121,8 +149,9 @@ def _quantized_linear_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """out [M, N] = x [M, H] (fp32) @ W^T (+ b), W [N, H] decoded from GGUF blocks 32 weights
-    at a time, exactly as gguf.dequantize (w_ptr: uint8 [N, row_bytes] for Q4_0 / Q4_1 /
-    Q8_0, or the float32 / float16 / bfloat16 [N, H] view of the bytes for F32 / F16 / BF16).
+    at a time (one block, or one sub-block of a K-quant super-block of 256), exactly as
+    gguf.dequantize (w_ptr: uint8 [N, row_bytes] for the block formats, or the float32 /
+    float16 / bfloat16 [N, H] view of the bytes for F32 / F16 / BF16; layouts in gguf_blocks.py).
 
     Each step adds sum_k x[m, k] * w[n, k] over 32 weights (a tree sum, the same for every
     (m, n)) to the fp32 accumulator: the order depends on H only, never on M or on the
@@ -143,6 +172,20 @@ def _quantized_linear_kernel(
                     other=0.0)
         if BLOCK_TYPE == 0 or BLOCK_TYPE == 1 or BLOCK_TYPE == 30:  # F32 / F16 / BF16: one value per weight
             w = tl.load(w_ptr + rn_safe[:, None] * H + kk[None, :], mask=kk[None, :] < H, other=0.0).to(tl.float32)
+        elif BLOCK_TYPE == 12 or BLOCK_TYPE == 13 or BLOCK_TYPE == 14:  # K-quants: sub-block s of a super-block
+            w = _k_quant_weights(w_ptr + rn_safe * row_bytes + (k0 // 256) * BLOCK_BYTES, (k0 // 32) % 8, rk,
+                                 BLOCK_TYPE)
+        elif BLOCK_TYPE == 6 or BLOCK_TYPE == 7:  # Q5_0: d * (q - 16); Q5_1: d * q + m (d * q exact)
+            block = w_ptr + rn_safe * row_bytes + (k0 // 32) * BLOCK_BYTES
+            d = _fp16_at(block)
+            QH: tl.constexpr = 2 if BLOCK_TYPE == 6 else 4  # the uint32 of fifth bits, then 16 bytes of nibbles
+            qb = tl.load(block[:, None] + QH + 4 + nibble_byte[None, :]).to(tl.int32)
+            hb = tl.load(block[:, None] + QH + (rk // 8)[None, :]).to(tl.int32)
+            q = ((qb >> nibble_shift[None, :]) & 15) | (((hb >> (rk % 8)[None, :]) & 1) << 4)
+            if BLOCK_TYPE == 6:
+                w = d[:, None] * (q - 16).to(tl.float32)
+            else:
+                w = d[:, None] * q.to(tl.float32) + _fp16_at(block + 2)[:, None]
         else:
             block = w_ptr + rn_safe * row_bytes + (k0 // 32) * BLOCK_BYTES
             d = _fp16_at(block)
