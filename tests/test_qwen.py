@@ -311,13 +311,14 @@ def hf_tokenizer(qwen05_path):
 def tokenizer_cases() -> list:
     """>= 300 strings: code from the Python standard library's sources, runs of digits and
     whitespace, non-ASCII text and special tokens (alone, adjacent, cut, inside text)."""
+    import heapq
     import inspect
     import json.decoder
     import string
     import textwrap
 
     cases = []
-    for module in (textwrap, json.decoder, string):
+    for module in (textwrap, json.decoder, string, heapq):
         lines = inspect.getsource(module).splitlines(keepends=True)
         cases += ["".join(lines[i:i + 1 + i % 9]) for i in range(0, len(lines), 5)][:60]
     digits = "31415926535897932384626433832795"
@@ -361,11 +362,19 @@ def test_qwen_chat_prompt_matches_transformers(qwen05, hf_tokenizer):
         [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Sort [3, 1, 2]."}],
         [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
          {"role": "user", "content": "日本語で？"}],
+        [{"role": "user", "content": "Is 3 < 4?"},
+         {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+             "name": "compare", "arguments": {"a": 3, "b": "<4> & ✓"}}}]},
+         {"role": "tool", "content": "true"}],
     ]
+    tools = [{"type": "function", "function": {"name": "compare", "description": "a < b?",
+                                               "parameters": {"type": "object", "properties": {}}}}]
     for messages in conversations:
         for add in (True, False):
             want = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
             assert tok.apply_chat_template(messages, add_generation_prompt=add) == want
+    want = hf_tokenizer.apply_chat_template(conversations[3], tools=tools, tokenize=False, add_generation_prompt=True)
+    assert tok.apply_chat_template(conversations[3], tools=tools) == want
     text = conversations[0][0]["content"]
     want = hf_tokenizer.encode(hf_tokenizer.apply_chat_template(conversations[0], tokenize=False,
                                                                 add_generation_prompt=True), add_special_tokens=False)

@@ -133,13 +133,28 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
+        """The checkpoint's chat template rendered as transformers renders it (sandboxed jinja2
+        with trim_blocks / lstrip_blocks and loop controls, a ``tojson`` that keeps non-ASCII and
+        does not HTML-escape, ``raise_exception``); ``variables``: more template inputs, e.g.
+        ``tools``."""
         if not self.chat_template:
             raise ValueError("this checkpoint has no chat template; pass a raw prompt instead")
         import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt)
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        # Sandboxed: a template comes with the checkpoint, i.e. it is code from the file.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                          **variables)
 
     def chat_prompt(self, user_text: str) -> list[int]:
         """Token ids of a one-turn chat (the template applied, generation prompt added)."""
