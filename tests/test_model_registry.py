@@ -57,6 +57,9 @@ def test_assembles_once_then_reuses_without_hashing(fake, tmp_path, capsys, monk
     assert Path(path).read_bytes() == whole
     assert "assembling fake-model" in capsys.readouterr().err  # the progress bar, on stderr
     assert cache_files(tmp_path) == ["fake-model.gguf", "fake-model.gguf.verified"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask  # as any file the user writes
 
     # Later uses check the stamp (size, mtime, inode), not the parts or the hash: they work
     # with the parts uninstalled and never hash.

@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 import sys
-import tempfile
+import uuid
 from dataclasses import dataclass
 
 from .gguf_loader import WEIGHT_FORMATS  # the one list (a GGUF file takes every format)
@@ -144,7 +144,10 @@ def _assemble(parted: PartedFile, path: str) -> None:
     if free < parted.size:
         raise OSError(f"model {parted.model!r} needs {parted.size / 2**30:.2f} GiB in {folder}, "
                       f"{free / 2**30:.2f} GiB are free (SPECDEC_CACHE_DIR moves the cache)")
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".partial")
+    # A unique name in the same folder (so os.replace is atomic); mode 0o666 less the umask, as
+    # for any file the user writes (mkstemp's 0o600 would hide a shared cache from others).
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex}.partial")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         h, written = hashlib.sha256(), 0
         with os.fdopen(fd, "wb") as out, _progress(parted.size, f"assembling {parted.model}") as bar:
