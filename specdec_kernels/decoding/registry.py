@@ -59,15 +59,16 @@ def default_schedule(name: str | None) -> str:
     return DRAFTER_INFO[name or "none"].schedule if (name or "none") in DRAFTER_INFO else "constant"
 
 
-def trained_file(kind: str, model, given: str | None, shipped: str | None) -> str:
+def trained_file(kind: str, model, given: str | None, shipped: str | None, shipped_for) -> str:
     """``given`` (a file or setting the user passed), else ``shipped`` (the package's file for
-    ``model``); neither is a ValueError that names the model and what to do instead."""
+    ``model``, one of the models ``shipped_for``); neither is a ValueError that names the model
+    and what to do instead."""
     if given is not None:
         return given
     if shipped is None:
         what, flag, instead = TRAINED[kind]
         raise ValueError(f"no trained {what} ships for model {model.name!r} (the package ships them for "
-                         f"smollm2-135m only): pass {flag} FILE, or use the drafter {instead}")
+                         f"{', '.join(sorted(shipped_for))}): pass {flag} FILE, or use the drafter {instead}")
     return shipped
 
 
@@ -96,20 +97,20 @@ def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: st
     if name == "ngram-tree":
         return NgramTreeDrafter(max_k=max_k)
     if name in ("self-spec", "self-spec-plain"):
-        from ..draft_model import default_exit_checkpoint, exit_model
+        from ..draft_model import SHIPPED_EXITS, default_exit_checkpoint, exit_model
 
         if name == "self-spec":
-            exit_head = trained_file("self-spec", model, exit_head, default_exit_checkpoint(model.name))
+            exit_head = trained_file("self-spec", model, exit_head, default_exit_checkpoint(model.name), SHIPPED_EXITS)
         exit_m = None if name == "self-spec-plain" or exit_head == "none" else exit_model(model, exit_head)
         drafter = SelfSpecDrafter(model, self_spec_layers, exit_model=exit_m, max_k=max_k, sized=True)
         if name == "self-spec-plain":
             drafter.name = name
         return drafter
     if name in ("medusa", "medusa+ngram"):  # the package's trained heads for the model unless a checkpoint is given
-        from ..medusa import default_medusa_checkpoint
+        from ..medusa import SHIPPED_HEADS, default_medusa_checkpoint
 
         heads = medusa_heads_for(model, trained_file("medusa", model, medusa_checkpoint,
-                                                     default_medusa_checkpoint(model.name)))
+                                                     default_medusa_checkpoint(model.name), SHIPPED_HEADS))
         # medusa+ngram: the trained heads' tree plus the prompt-lookup chain as one more branch
         return MedusaDrafter(model, heads, ngram=NgramDrafter(max_k=max_k) if name == "medusa+ngram" else None)
     if name == "medusa-untrained":  # for comparison: zero ResBlocks, the static small tree
@@ -117,16 +118,17 @@ def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: st
         drafter.name = "medusa-untrained"
         return drafter
     if name in ("eagle", "eagle+ngram", "eagle-untrained"):  # the package's trained head unless one is given
-        from ..eagle import default_eagle_checkpoint, eagle_head_for
+        from ..eagle import SHIPPED_HEADS, default_eagle_checkpoint, eagle_head_for
         from .eagle_drafter import EagleDrafter
 
         checkpoint = "untrained" if name == "eagle-untrained" else \
-            trained_file("eagle", model, eagle_checkpoint, default_eagle_checkpoint(model.name))
+            trained_file("eagle", model, eagle_checkpoint, default_eagle_checkpoint(model.name), SHIPPED_HEADS)
         head = eagle_head_for(model, checkpoint, weights=draft_weights)
         return EagleDrafter(model, head, ngram=NgramDrafter(max_k=max_k) if name == "eagle+ngram" else None,
                             name=name)
     if name in ("draft", "draft-tree", "draft-untrained"):
-        from ..draft_model import default_draft_checkpoint, draft_model_for, load_draft_model, truncated_draft
+        from ..draft_model import (SHIPPED_DRAFTS, default_draft_checkpoint, draft_model_for, load_draft_model,
+                                   truncated_draft)
 
         if name == "draft-untrained":  # the shipped draft's layers and vocabulary, before distillation
             shipped = default_draft_checkpoint(model.name)
@@ -136,7 +138,8 @@ def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: st
                 d = draft_model_for(model, shipped)
                 dm = truncated_draft(model, d.config.num_layers, d.draft_vocab)
         else:
-            draft_model = trained_file("draft", model, draft_model, default_draft_checkpoint(model.name))
+            draft_model = trained_file("draft", model, draft_model, default_draft_checkpoint(model.name),
+                                       SHIPPED_DRAFTS)
             if str(draft_model).endswith(".safetensors"):  # a draft file (given or shipped)
                 dm = load_draft_model(draft_model, model, draft_weights)
             else:  # a model of the target's vocabulary, by name or path
