@@ -73,3 +73,16 @@ def exit_if_command_line() -> None:
     if is_command_line():
         sys.stderr.write("\n[interrupted]\n")
         raise SystemExit(130)
+
+
+def package_cache_dir(kind: str) -> str:
+    """Where the package keeps what it makes for itself, per ``kind`` ("cost": measured
+    step-cost curves, "models": model files assembled from installed parts):
+    $SPECDEC_CACHE_DIR/<kind>, else $XDG_CACHE_HOME/specdec_kernels/<kind>, else
+    ~/.cache/specdec_kernels/<kind>. (SPECDEC_CACHE_DIR moves all of it, e.g. the tests put
+    it in a temporary directory.)"""
+    root = os.environ.get("SPECDEC_CACHE_DIR")
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(xdg, "specdec_kernels")
+    return os.path.join(root, kind)

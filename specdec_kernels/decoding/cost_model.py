@@ -324,11 +324,9 @@ def cost_key(model) -> str:
 def cache_dir() -> str:
     """Where measured cost curves are kept: $SPECDEC_CACHE_DIR, else
     $XDG_CACHE_HOME/specdec_kernels, else ~/.cache/specdec_kernels; then /cost."""
-    root = os.environ.get("SPECDEC_CACHE_DIR")
-    if not root:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(xdg, "specdec_kernels")
-    return os.path.join(root, "cost")
+    from .._platform import package_cache_dir
+
+    return package_cache_dir("cost")
 
 
 def cache_path(model) -> str:

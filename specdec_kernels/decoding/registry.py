@@ -25,16 +25,15 @@ DRAFTER_INFO = {
                                      "expected accepted tokens over the measured verify cost (no drafts where "
                                      "the output copies nothing)"),
     "self-spec": DrafterInfo("max", "the target's first layers with the exit head shipped for the model (or "
-                                    "--exit-head) draft a chain sized by the measured step cost; without one, plain "
-                                    "early exit after --self-spec-layers layers"),
+                                    "--exit-head) draft a chain sized by the measured step cost"),
     "self-spec-plain": DrafterInfo("max", "plain early exit after --self-spec-layers layers through the target's own "
                                           "norm and LM head (for comparison)"),
     "medusa": DrafterInfo("constant", "the Medusa heads shipped for the model (or --medusa-checkpoint) draft a tree"),
     "medusa+ngram": DrafterInfo("constant", "the Medusa tree plus the prompt-lookup chain as one more branch"),
     "medusa-untrained": DrafterInfo("constant", "untrained Medusa heads on a static small tree (for comparison)"),
-    "draft": DrafterInfo("max", "the distilled draft model shipped for the model (or --draft-model; without "
-                                "either, the target's first --self-spec-layers layers) drafts a chain sized by the "
-                                "measured step cost"),
+    "draft": DrafterInfo("max", "the distilled draft model shipped for the model (or --draft-model: a draft file, "
+                                "or a model of the same vocabulary such as qwen2.5-coder-0.5b) drafts a chain sized "
+                                "by the measured step cost"),
     "draft-tree": DrafterInfo("max", "the draft model's chain plus its next-best first tokens (top 3 at the root)"),
     "draft-untrained": DrafterInfo("max", "the distilled draft's architecture before distillation: the target's "
                                           "first layers, norm and LM head (for comparison)"),
@@ -44,6 +43,13 @@ DRAFTER_INFO = {
     "eagle-untrained": DrafterInfo("max", "an untrained EAGLE head (for comparison)"),
 }
 DRAFTERS = tuple(DRAFTER_INFO)
+# Drafters that run a trained file: (what it is, the flag that gives one, the drafter that
+# needs none). Without the flag they take the file the package ships for the model, and a
+# model without one is an error, never a silent fallback to an untrained drafter.
+TRAINED = {"medusa": ("Medusa heads", "--medusa-checkpoint", "medusa-untrained"),
+           "eagle": ("EAGLE head", "--eagle-checkpoint", "eagle-untrained"),
+           "self-spec": ("self-speculation exit head", "--exit-head", "self-spec-plain"),
+           "draft": ("distilled draft model", "--draft-model", "draft-untrained")}
 # The drafter a model runs by default (`specdec generate`, `specdec_kernels.generate`): the one
 # measured to pay on it (docs/drafters.md, "The default"). SmolLM2-135M: ngram-tree, the
 # fastest at batch 1 on the package's prompts and on Spec-Bench in every format measured
@@ -72,6 +78,19 @@ def default_schedule(name: str | None) -> str:
     return DRAFTER_INFO[name or "none"].schedule if (name or "none") in DRAFTER_INFO else "constant"
 
 
+def trained_file(kind: str, model, given: str | None, shipped: str | None, shipped_for) -> str:
+    """``given`` (a file or setting the user passed), else ``shipped`` (the package's file for
+    ``model``, one of the models ``shipped_for``); neither is a ValueError that names the model
+    and what to do instead."""
+    if given is not None:
+        return given
+    if shipped is None:
+        what, flag, instead = TRAINED[kind]
+        raise ValueError(f"no trained {what} ships for model {model.name!r} (the package ships them for "
+                         f"{', '.join(sorted(shipped_for))}): pass {flag} FILE, or use the drafter {instead}")
+    return shipped
+
+
 def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: str | None = None,
                  medusa_checkpoint: str | None = None, max_k: int = 16,
                  eagle_checkpoint: str | None = None, draft_weights: str = "stored",
@@ -83,7 +102,8 @@ def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: st
     ``draft_weights``: how a draft file's linears run ("stored", "fp32", "q8_0", "q4_0"); for
     an EAGLE head "stored" means Q8_0 blocks on a GGUF-block target, dense otherwise.
     ``exit_head``: the self-speculation exit head file; None = the shipped one; "none" =
-    plain early exit."""
+    plain early exit. A trained drafter (``TRAINED``) without a file given for a model the
+    package ships none for is a ValueError naming the model."""
     # Imported here: the table above serves --help and argument checks without loading the
     # decode loop's modules.
     from .drafters import (MEDUSA_SMALL_CHOICES, MedusaDrafter, ModelDrafter, NgramDrafter, NgramTreeDrafter,
@@ -96,31 +116,38 @@ def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: st
     if name == "ngram-tree":
         return NgramTreeDrafter(max_k=max_k)
     if name in ("self-spec", "self-spec-plain"):
-        from ..draft_model import exit_model_for
+        from ..draft_model import SHIPPED_EXITS, default_exit_checkpoint, exit_model
 
-        exit_m = None if name == "self-spec-plain" or exit_head == "none" else exit_model_for(model, exit_head)
+        if name == "self-spec":
+            exit_head = trained_file("self-spec", model, exit_head, default_exit_checkpoint(model.name), SHIPPED_EXITS)
+        exit_m = None if name == "self-spec-plain" or exit_head == "none" else exit_model(model, exit_head)
         drafter = SelfSpecDrafter(model, self_spec_layers, exit_model=exit_m, max_k=max_k, sized=True)
         if name == "self-spec-plain":
             drafter.name = name
         return drafter
-    if name == "medusa":  # the package's trained heads for the model unless a checkpoint is given
-        return MedusaDrafter(model, medusa_heads_for(model, medusa_checkpoint))
-    if name == "medusa+ngram":  # the trained heads' tree plus the prompt-lookup chain as one more branch
-        return MedusaDrafter(model, medusa_heads_for(model, medusa_checkpoint), ngram=NgramDrafter(max_k=max_k))
+    if name in ("medusa", "medusa+ngram"):  # the package's trained heads for the model unless a checkpoint is given
+        from ..medusa import SHIPPED_HEADS, default_medusa_checkpoint
+
+        heads = medusa_heads_for(model, trained_file("medusa", model, medusa_checkpoint,
+                                                     default_medusa_checkpoint(model.name), SHIPPED_HEADS))
+        # medusa+ngram: the trained heads' tree plus the prompt-lookup chain as one more branch
+        return MedusaDrafter(model, heads, ngram=NgramDrafter(max_k=max_k) if name == "medusa+ngram" else None)
     if name == "medusa-untrained":  # for comparison: zero ResBlocks, the static small tree
         drafter = MedusaDrafter(model, medusa_heads_for(model, "untrained"), MEDUSA_SMALL_CHOICES)
         drafter.name = "medusa-untrained"
         return drafter
     if name in ("eagle", "eagle+ngram", "eagle-untrained"):  # the package's trained head unless one is given
-        from ..eagle import eagle_head_for
+        from ..eagle import SHIPPED_HEADS, default_eagle_checkpoint, eagle_head_for
         from .eagle_drafter import EagleDrafter
 
-        head = eagle_head_for(model, "untrained" if name == "eagle-untrained" else eagle_checkpoint,
-                              weights=draft_weights)
+        checkpoint = "untrained" if name == "eagle-untrained" else \
+            trained_file("eagle", model, eagle_checkpoint, default_eagle_checkpoint(model.name), SHIPPED_HEADS)
+        head = eagle_head_for(model, checkpoint, weights=draft_weights)
         return EagleDrafter(model, head, ngram=NgramDrafter(max_k=max_k) if name == "eagle+ngram" else None,
                             name=name)
     if name in ("draft", "draft-tree", "draft-untrained"):
-        from ..draft_model import default_draft_checkpoint, draft_model_for, truncated_draft
+        from ..draft_model import (SHIPPED_DRAFTS, default_draft_checkpoint, draft_model_for, load_draft_model,
+                                   truncated_draft)
 
         if name == "draft-untrained":  # the shipped draft's layers and vocabulary, before distillation
             shipped = default_draft_checkpoint(model.name)
@@ -129,14 +156,32 @@ def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: st
             else:
                 d = draft_model_for(model, shipped)
                 dm = truncated_draft(model, d.config.num_layers, d.draft_vocab)
-        elif draft_model and not str(draft_model).endswith(".safetensors"):
-            from ..models import load_model
-
-            dm, _ = load_model(draft_model)
-            if dm.config.vocab_size != model.config.vocab_size:
-                raise ValueError(f"draft model vocabulary ({dm.config.vocab_size}) differs from the target's "
-                                 f"({model.config.vocab_size})")
-        else:  # a draft file, or the one the package ships (else the target's first layers)
-            dm = draft_model_for(model, draft_model, weights=draft_weights, fallback_layers=self_spec_layers)
+        else:
+            draft_model = trained_file("draft", model, draft_model, default_draft_checkpoint(model.name),
+                                       SHIPPED_DRAFTS)
+            if str(draft_model).endswith(".safetensors"):  # a draft file (given or shipped)
+                dm = load_draft_model(draft_model, model, draft_weights)
+            else:  # a model of the target's vocabulary, by name or path
+                dm = draft_by_name(model, draft_model, draft_weights)
         return ModelDrafter(dm, tree_width=3 if name == "draft-tree" else 1, max_k=max_k, name=name, sized=True)
     raise ValueError(f"unknown drafter {name!r}; choose from {DRAFTERS}")
+
+
+def draft_by_name(target, name_or_path: str, draft_weights: str = "stored"):
+    """A whole model (registered name, GGUF file or checkpoint folder) as the draft of
+    ``target``: loaded in the target's weight format (``draft_weights`` "stored"), or as
+    fp32 / q8_0 / q4_0. Its vocabulary must be the target's: the same size and, where both
+    loaders recorded it, the same tokens (``Llama.vocab_digest``)."""
+    from ..models import load_model
+
+    weights = target.weight_format if draft_weights == "stored" else draft_weights
+    dm, _ = load_model(name_or_path, weights=weights)
+    if dm.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"draft model {name_or_path!r} has a vocabulary of {dm.config.vocab_size:,} tokens, the "
+                         f"target {target.name!r} one of {target.config.vocab_size:,}: a draft must share the "
+                         "target's vocabulary")
+    ours, theirs = getattr(target, "vocab_digest", None), getattr(dm, "vocab_digest", None)
+    if ours is not None and theirs is not None and ours != theirs:
+        raise ValueError(f"draft model {name_or_path!r} has as many tokens as the target {target.name!r} but not the "
+                         "same ones: a draft must share the target's vocabulary")
+    return dm

@@ -5,10 +5,15 @@ the file's own GGUF blocks (``gguf_blocks.QuantizedWeight``: SmolLM2's file hold
 linears and a Q8_0 embedding/LM head, 98 MB instead of 540 MB of fp32); "fp32"/"bf16"
 dequantise with the ``gguf`` package; "q8_0"/"q4_0" dequantise and quantise again.
 
-llama.cpp's converter permutes the rows of attn_q/attn_k so that its RoPE rotates
-interleaved pairs; ``unpermute_rope_rows`` undoes that, giving the Hugging Face (rotate-half)
-layout the model uses — on block weights as a row gather of whole rows of blocks (a row of
-blocks is one output row of the weight).
+Architectures: ``llama`` and ``qwen2`` (a Llama with F32 biases on q, k and v:
+``blk.N.attn_{q,k,v}.bias``, fused into one q|k|v bias next to the fused weight).
+
+llama.cpp's converter permutes the rows of attn_q/attn_k of a ``llama`` file so that its RoPE
+rotates interleaved pairs; ``unpermute_rope_rows`` undoes that, giving the Hugging Face
+(rotate-half) layout the model uses — on block weights as a row gather of whole rows of blocks
+(a row of blocks is one output row of the weight). A ``qwen2`` file keeps the Hugging Face rows
+(llama.cpp runs Qwen2 with NEOX, i.e. rotate-half, RoPE), so nothing is un-permuted there
+(``ROPE_PERMUTED``; checked against transformers' Qwen2 in tests/test_qwen.py).
 """
 from __future__ import annotations
 
@@ -39,14 +44,23 @@ def rope_row_order(num_rows: int, n_head: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(unpermute_rope_rows(np.arange(num_rows), n_head)))
 
 
+# general.architecture -> whether llama.cpp's converter permuted the q/k rows (and biases)
+ROPE_PERMUTED = {"llama": True, "qwen2": False}
+QKV_BIASES = {"attn_q.bias", "attn_k.bias", "attn_v.bias"}
+
+
 def read_config(reader) -> LlamaConfig:
     arch = _field(reader, "general.architecture", "llama")
-    if arch != "llama":
-        raise ValueError(f"only Llama-architecture GGUF files are supported, this one is {arch!r}")
-    g = lambda k, d=None: _field(reader, f"llama.{k}", d)  # noqa: E731
+    if arch not in ROPE_PERMUTED:
+        raise ValueError(f"only {' / '.join(ROPE_PERMUTED)} GGUF files are supported, this one is {arch!r}")
+    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
     hidden = int(g("embedding_length"))
     heads = int(g("attention.head_count"))
     names = {t.name for t in reader.tensors}
+    biases = {n.split(".", 2)[2] for n in names if n.startswith("blk.") and n.endswith(".bias")}
+    if biases and biases != QKV_BIASES:
+        raise ValueError(f"this {arch} file has biases {sorted(biases)}; the model supports only "
+                         f"{sorted(QKV_BIASES)} (all three)")
     vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     return LlamaConfig(
         vocab_size=int(vocab),
@@ -61,6 +75,8 @@ def read_config(reader) -> LlamaConfig:
         tie_word_embeddings="output.weight" not in names,
         max_position_embeddings=int(g("context_length", 8192)),
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        architecture=arch,
+        attention_bias=bool(biases),
     )
 
 
@@ -77,6 +93,7 @@ def load_gguf_state_dict(path: str, config: LlamaConfig | None = None, reader=No
                  "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                  "ffn_down": "mlp.down_proj"}
     sd = {}
+    permuted = ROPE_PERMUTED[config.architecture]
     for t in reader.tensors:
         if t.name in rename:
             name = rename[t.name]
@@ -89,9 +106,9 @@ def load_gguf_state_dict(path: str, config: LlamaConfig | None = None, reader=No
             continue
         w = gguf.dequantize(t.data, t.tensor_type)
         w = np.asarray(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
-        if t.name.endswith("attn_q.weight"):
+        if permuted and t.name.endswith(("attn_q.weight", "attn_q.bias")):
             w = unpermute_rope_rows(w, config.num_heads)
-        elif t.name.endswith("attn_k.weight"):
+        elif permuted and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             w = unpermute_rope_rows(w, config.num_kv_heads)
         w = np.ascontiguousarray(w)
         sd[name] = torch.from_numpy(w if w.flags.writeable else w.copy())
@@ -128,15 +145,18 @@ def weights_format(reader, running: str = "fp32") -> str:
 
 def load_gguf_native(reader, config: LlamaConfig, *, name: str = "gguf"):
     """A Llama on the file's own blocks: QuantizedWeight linears (q/k rows un-permuted by a row
-    gather; q|k|v and gate|up fused by concatenating rows when the parts share a block type,
-    else kept as a tuple of parts), QuantizedWeight embedding (rows dequantised on lookup) and
-    LM head (the embedding when tied), fp32 norms."""
+    gather where the architecture's file permuted them, ``ROPE_PERMUTED``; q|k|v and gate|up
+    fused by concatenating rows when the parts share a block type, else kept as a tuple of
+    parts), QuantizedWeight embedding (rows dequantised on lookup) and LM head (the embedding
+    when tied), fp32 norms and q|k|v biases."""
     import gguf
 
     from ..gguf_blocks import QuantizedWeight
     from .llama import Llama
 
     tensors = {t.name: t for t in reader.tensors}
+    permuted = ROPE_PERMUTED[config.architecture]
+    q_heads, kv_heads = (config.num_heads, config.num_kv_heads) if permuted else (None, None)
 
     # Rows are gathered and concatenated with numpy (one single-threaded copy out of the file
     # mapping per weight): torch.cat / index_select on uint8 go through torch's thread pool,
@@ -156,9 +176,10 @@ def load_gguf_native(reader, config: LlamaConfig, *, name: str = "gguf"):
     def blocks(key: str, n_head: int | None = None) -> QuantizedWeight:
         return block_weight(*rows(key, n_head))
 
-    def vector(key: str) -> torch.Tensor:
+    def vector(key: str, n_head: int | None = None) -> torch.Tensor:
         t = tensors[key]
-        return torch.from_numpy(np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1))
+        v = torch.from_numpy(np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1))
+        return v[rope_row_order(v.shape[0], n_head)] if n_head else v
 
     def fused(parts):
         if len({bt for _, bt, _ in parts}) == 1:
@@ -171,13 +192,16 @@ def load_gguf_native(reader, config: LlamaConfig, *, name: str = "gguf"):
         p = f"blk.{i}."
         layers.append(dict(
             attn_norm=vector(p + "attn_norm.weight"),
-            wqkv=fused([rows(p + "attn_q.weight", config.num_heads), rows(p + "attn_k.weight", config.num_kv_heads),
+            wqkv=fused([rows(p + "attn_q.weight", q_heads), rows(p + "attn_k.weight", kv_heads),
                         rows(p + "attn_v.weight")]),
             wo=blocks(p + "attn_output.weight"),
             mlp_norm=vector(p + "ffn_norm.weight"),
             w_gate_up=fused([rows(p + "ffn_gate.weight"), rows(p + "ffn_up.weight")]),
             w_down=blocks(p + "ffn_down.weight"),
         ))
+        if config.attention_bias:
+            layers[-1]["bqkv"] = torch.cat([vector(p + "attn_q.bias", q_heads), vector(p + "attn_k.bias", kv_heads),
+                                            vector(p + "attn_v.bias")])
     embed = blocks("token_embd.weight")
     lm_head = blocks("output.weight") if "output.weight" in tensors else embed
     return Llama(config, dict(embed=embed, norm=vector("output_norm.weight"), lm_head=lm_head, layers=layers),
@@ -207,10 +231,12 @@ def load_gguf(path: str, weights: str = "native"):
         if weights == "native-int8act":
             model = model.with_int8_activations()
         model.weights_format = weights_format(reader, weights)
-        return model, tokenizer
-    config, sd = load_gguf_state_dict(path, config, reader)
-    model = Llama.from_hf_state_dict(config, sd, name=name, dtype=torch.bfloat16 if weights == "bf16" else torch.float32)
-    if weights in ("q8_0", "q4_0"):
-        model = model.quantized(weights.upper())
-    model.weights_format = weights_format(reader, weights if weights in ("fp32", "bf16") else weights.upper())
+    else:
+        config, sd = load_gguf_state_dict(path, config, reader)
+        model = Llama.from_hf_state_dict(config, sd, name=name,
+                                         dtype=torch.bfloat16 if weights == "bf16" else torch.float32)
+        if weights in ("q8_0", "q4_0"):
+            model = model.quantized(weights.upper())
+        model.weights_format = weights_format(reader, weights if weights in ("fp32", "bf16") else weights.upper())
+    model.vocab_digest = tokenizer.vocab_digest()
     return model, tokenizer

@@ -48,6 +48,7 @@ def load_hf_dir(path: str, weights: str = "native"):
     stored = "+".join(sorted({str(t.dtype).removeprefix("torch.") for t in sd.values()}))
     running = {"native": "fp32", "q8_0": "Q8_0", "q4_0": "Q4_0"}.get(weights, weights)
     model.weights_format = f"safetensors, {stored} weights, running as {running}"
+    model.vocab_digest = tokenizer.vocab_digest() if tokenizer is not None else None
     return model, tokenizer
 
 

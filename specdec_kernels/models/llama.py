@@ -1,7 +1,9 @@
-"""A Llama-family transformer (Llama, SmolLM2, ...) for speculative decoding.
+"""A Llama-family transformer (Llama, SmolLM2, Qwen2, ...) for speculative decoding.
 
 One readable implementation: RMSNorm, rotary embeddings at explicit positions, grouped-query
-attention, SwiGLU MLP, tied or untied LM head. Every token that is decoded or verified goes
+attention, SwiGLU MLP, tied or untied LM head; Qwen2 is the same layer with biases on the
+q, k and v projections (``config.attention_bias``: one fused q|k|v bias next to the fused
+weight, added by the product itself). Every token that is decoded or verified goes
 through ``specdec::tree_attention`` over a paged KV cache: a forward takes the new tokens of a
 batch of requests flattened to [T] (request b owns rows ``qo_indptr[b]:qo_indptr[b+1]``), their
 positions (``prefix_len + depth`` for tree nodes), and an optional tree mask. Prefill of a
@@ -61,17 +63,18 @@ def dense(w) -> torch.Tensor:
     return w.dequantize() if is_block_weight(w) else w
 
 
-def linear(x: torch.Tensor, w) -> torch.Tensor:
-    """x @ w^T: block weights through ``QuantizedWeight.linear``, tensors through
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w^T (+ bias [N]): block weights through ``QuantizedWeight.linear``, tensors through
     ``ops.linear`` with the model's rule for which row counts go to skinny_linear
     (``skinny_rows.skinny_linear_rows``); ``w`` may be a tuple of row blocks kept
     separate (block weights of different types that cannot be concatenated), whose outputs
-    are concatenated."""
+    are concatenated (the bias is cut at the same rows)."""
     if isinstance(w, tuple):
-        return torch.cat([linear(x, p) for p in w], dim=-1)
+        biases = bias.split([p.shape[0] for p in w]) if bias is not None else [None] * len(w)
+        return torch.cat([linear(x, p, b) for p, b in zip(w, biases)], dim=-1)
     if isinstance(w, QuantizedWeight):
-        return w.linear(x)  # every row count: the blocks' batch-invariant kernel
-    return ops.linear(x, w, skinny_rows=skinny_linear_rows(x.dtype))
+        return w.linear(x, bias)  # every row count: the blocks' batch-invariant kernel
+    return ops.linear(x, w, bias, skinny_rows=skinny_linear_rows(x.dtype))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -101,7 +104,8 @@ class Llama:
 
     ``weights`` holds ``embed`` [V, H], ``norm`` [H], ``lm_head`` [V, H] (the embedding when
     tied) and per layer ``layers[i]`` = dict(attn_norm, wqkv [(Hq+2Hkv)*D, H], wo [H, Hq*D],
-    mlp_norm, w_gate_up [2I, H], w_down [H, I]).
+    mlp_norm, w_gate_up [2I, H], w_down [H, I]) plus, with ``config.attention_bias``, bqkv
+    [(Hq+2Hkv)*D] (in the activation dtype: fp32 next to block weights).
 
     Draft models may carry ``draft_vocab`` (int64 [Vd]): their LM head has Vd rows, the
     target-vocabulary ids of those rows, so ``logits`` are [T, Vd] and index into it (the
@@ -115,7 +119,11 @@ class Llama:
         self.norm = weights["norm"]
         self.lm_head = weights["lm_head"]
         self.layers = weights["layers"]
+        if any(("bqkv" in L) != config.attention_bias for L in self.layers):
+            raise ValueError(f"config.attention_bias is {config.attention_bias} but the layers "
+                             f"{'lack' if config.attention_bias else 'have'} q/k/v biases (bqkv)")
         self.draft_vocab = weights.get("draft_vocab")
+        self.vocab_digest: str | None = None  # the tokenizer's (Tokenizer.vocab_digest), set by the loaders
         self.device = self.embed.device
         # Activations (and the KV cache) are fp32 with block weights, else the weights' dtype.
         self.dtype = self.norm.dtype
@@ -128,7 +136,9 @@ class Llama:
     # ---- construction -------------------------------------------------------------------
     @classmethod
     def random(cls, config: LlamaConfig, seed: int = 0, dtype=torch.float32) -> "Llama":
-        """A randomly initialised model (tests): std 0.02 projections, unit norms."""
+        """A randomly initialised model (tests): projections scaled to keep activations near unit
+        size, norms near 1; with ``config.attention_bias`` q/k/v biases of std 0.5 (Qwen2's
+        k biases are large, so they must matter in the tests)."""
         g = torch.Generator().manual_seed(seed)
         H, D, I = config.hidden_size, config.head_dim, config.intermediate_size
         qkv = (config.num_heads + 2 * config.num_kv_heads) * D
@@ -140,13 +150,17 @@ class Llama:
         layers = [dict(attn_norm=1 + w(H, std=0.1), wqkv=w(qkv, H, std=H ** -0.5), wo=w(H, config.num_heads * D, std=(config.num_heads * D) ** -0.5),
                        mlp_norm=1 + w(H, std=0.1), w_gate_up=w(2 * config.intermediate_size, H, std=H ** -0.5),
                        w_down=w(H, I, std=I ** -0.5)) for _ in range(config.num_layers)]
+        if config.attention_bias:
+            for L in layers:
+                L["bqkv"] = w(qkv, std=0.5)
         lm_head = embed if config.tie_word_embeddings else w(config.vocab_size, H, std=H ** -0.5)
         return cls(config, dict(embed=embed, norm=1 + w(H, std=0.1), lm_head=lm_head, layers=layers), name="random")
 
     @classmethod
     def from_hf_state_dict(cls, config: LlamaConfig, sd: dict, *, name: str = "llama",
                            dtype: torch.dtype = torch.float32) -> "Llama":
-        """From Hugging Face names (model.layers.N.self_attn.q_proj.weight, ...), as ``dtype``."""
+        """From Hugging Face names (model.layers.N.self_attn.q_proj.weight, ... and q/k/v_proj.bias
+        with ``config.attention_bias``), as ``dtype``."""
         def get(k):
             return sd[k].to(dtype).contiguous()
 
@@ -161,6 +175,8 @@ class Llama:
                 w_gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
                 w_down=get(p + "mlp.down_proj.weight"),
             ))
+            if config.attention_bias:
+                layers[-1]["bqkv"] = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
         embed = get("model.embed_tokens.weight")
         lm_head = embed if (config.tie_word_embeddings or "lm_head.weight" not in sd) else get("lm_head.weight")
         return cls(config, dict(embed=embed, norm=get("model.norm.weight"), lm_head=lm_head, layers=layers), name=name)
@@ -221,6 +237,10 @@ class Llama:
                        p + "self_attn.k_proj.weight": k, p + "self_attn.v_proj.weight": v,
                        p + "self_attn.o_proj.weight": dense(L["wo"]), p + "post_attention_layernorm.weight": L["mlp_norm"],
                        p + "mlp.gate_proj.weight": g, p + "mlp.up_proj.weight": u, p + "mlp.down_proj.weight": dense(L["w_down"])})
+            if c.attention_bias:
+                qb, kb, vb = L["bqkv"].split([c.num_heads * D, c.num_kv_heads * D, c.num_kv_heads * D])
+                sd.update({p + "self_attn.q_proj.bias": qb, p + "self_attn.k_proj.bias": kb,
+                           p + "self_attn.v_proj.bias": vb})
         return {k: v.contiguous() for k, v in sd.items()}
 
     def truncated(self, num_layers: int) -> "Llama":
@@ -250,7 +270,7 @@ class Llama:
         """cos, sin: [T, D], the rotary tables at the tokens' positions (gathered once per forward)."""
         c = self.config
         D = c.head_dim
-        qkv = linear(rms_norm(x, L["attn_norm"], c.rms_norm_eps), L["wqkv"])
+        qkv = linear(rms_norm(x, L["attn_norm"], c.rms_norm_eps), L["wqkv"], L.get("bqkv"))
         q, k, v = qkv.split([c.num_heads * D, c.num_kv_heads * D, c.num_kv_heads * D], dim=-1)
         q = apply_rope(q.view(-1, c.num_heads, D), cos, sin)
         k = apply_rope(k.view(-1, c.num_kv_heads, D), cos, sin)

@@ -1,10 +1,19 @@
 """Tokenizer and chat template, built from the checkpoint itself (GGUF metadata or an HF dir).
 
 GGUF files of GPT-2-style models store the byte-level BPE vocabulary and merges; we build a
-``tokenizers`` BPE from them. Pre-tokenisation follows the file's ``tokenizer.ggml.pre``: for
-``smollm`` (SmolLM/SmolLM2) digits are split one by one before the GPT-2 byte-level regex, as
-in the original tokenizer.json and in llama.cpp. (transformers' GGUF reader has no rule for
-``smollm`` and uses the plain GPT-2 regex, so it differs from us only on runs of digits.)
+``tokenizers`` BPE from them. Pre-tokenisation follows the file's ``tokenizer.ggml.pre``:
+
+- ``smollm`` (SmolLM/SmolLM2): digits are split one by one before the GPT-2 byte-level regex,
+  as in the original tokenizer.json and in llama.cpp. (transformers' GGUF reader has no rule
+  for ``smollm`` and uses the plain GPT-2 regex, so it differs from us only on runs of digits.)
+- ``qwen2`` (Qwen2, Qwen2.5): the Qwen2 split regex (``QWEN2_SPLIT``: one digit per piece,
+  letters with at most one leading non-letter, runs of other symbols with their newlines),
+  then byte-level mapping without the GPT-2 regex — as llama.cpp and transformers' GGUF
+  reader do (no NFC normalisation: the original tokenizer.json has one, llama.cpp does not).
+- anything else: the GPT-2 byte-level regex.
+
+Tokens the file marks as control (e.g. ``<|im_end|>``) are special tokens; those it marks as
+user-defined (Qwen2's ``<tool_call>``) are matched whole in the text but are not special.
 """
 from __future__ import annotations
 
@@ -12,6 +21,11 @@ import json
 import os
 
 CONTROL = 3  # llama.cpp token type of special tokens
+USER_DEFINED = 4  # llama.cpp token type of added tokens matched whole but not special
+
+# Qwen2's pre-tokenizer split (its tokenizer.json; llama.cpp's LLAMA_VOCAB_PRE_TYPE_QWEN2).
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 class Tokenizer:
@@ -23,7 +37,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, reader) -> "Tokenizer":
-        from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+        from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
         def field(k, d=None):
             f = reader.fields.get(k)
@@ -38,17 +52,25 @@ class Tokenizer:
         tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
                                      fuse_unk=False, byte_fallback=False))
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if field("tokenizer.ggml.pre") == "smollm":
+        pre = field("tokenizer.ggml.pre")
+        if pre == "smollm":
             tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        elif pre == "qwen2":
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         else:
             tok.pre_tokenizer = byte_level
         tok.decoder = decoders.ByteLevel()
         specials = [t for t, ty in zip(tokens, types) if ty == CONTROL]
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types)
+                        if ty == USER_DEFINED])
         eos = {field("tokenizer.ggml.eos_token_id")}
-        # Chat models end a turn with their end-of-turn token; stop on it and on end-of-text.
+        # Chat models end a turn with their end-of-turn token; stop on it and on end-of-text
+        # (only as special tokens: Qwen2's vocabulary also has "</s>" as plain text).
         for name in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>"):
-            if tok.token_to_id(name) is not None:
+            if name in specials:
                 eos.add(tok.token_to_id(name))
         return cls(tok, chat_template=field("tokenizer.chat_template"), eos_token_ids={e for e in eos if e is not None},
                    bos_token_id=field("tokenizer.ggml.bos_token_id"))
@@ -97,19 +119,42 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.tok.get_vocab_size()
 
+    def vocab_digest(self) -> str:
+        """SHA-256 of the token strings in id order: equal for two tokenizers of one
+        vocabulary (a draft model must share its target's, ``decoding.registry.draft_by_name``)."""
+        import hashlib
+
+        by_id = sorted((i, t) for t, i in self.tok.get_vocab(with_added_tokens=True).items())
+        return hashlib.sha256("\n".join(f"{i} {t}" for i, t in by_id).encode()).hexdigest()
+
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
+        """The checkpoint's chat template rendered as transformers renders it (sandboxed jinja2
+        with trim_blocks / lstrip_blocks and loop controls, a ``tojson`` that keeps non-ASCII and
+        does not HTML-escape, ``raise_exception``); ``variables``: more template inputs, e.g.
+        ``tools``."""
         if not self.chat_template:
             raise ValueError("this checkpoint has no chat template; pass a raw prompt instead")
         import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt)
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        # Sandboxed: a template comes with the checkpoint, i.e. it is code from the file.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                          **variables)
 
     def chat_prompt(self, user_text: str) -> list[int]:
         """Token ids of a one-turn chat (the template applied, generation prompt added)."""

@@ -50,6 +50,7 @@ from . import distill_data
 from .eagle_training import draft_vocabulary  # the EAGLE trainer's draft vocabulary
 from .medusa_training import warmup_cosine
 from ..decoding.cost_model import draft_token_seconds
+from ..draft_model import LAYER_KEYS
 from ..models.llama import apply_rope, dense, rope_tables
 
 
@@ -82,7 +83,7 @@ class DraftLM(nn.Module):
         x = self.embed[tokens]
         for L in self.layers:
             h = F.rms_norm(x, (x.shape[-1],), L.attn_norm, c.rms_norm_eps)
-            q, k, v = F.linear(h, L.wqkv).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+            q, k, v = F.linear(h, L.wqkv, getattr(L, "bqkv", None)).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
             q = apply_rope(q.reshape(B, T, Hq, D), cos, sin).transpose(1, 2)
             k = apply_rope(k.reshape(B, T, Hkv, D), cos, sin).transpose(1, 2)
             v = v.reshape(B, T, Hkv, D).transpose(1, 2)
@@ -98,8 +99,8 @@ class DraftLM(nn.Module):
         return F.linear(self.hidden(tokens), self.lm_head)
 
     def layer_weights(self) -> list:
-        return [{k: getattr(L, k).detach().clone() for k in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")}
-                for L in self.layers]
+        keys = LAYER_KEYS + (("bqkv",) if self.config.attention_bias else ())
+        return [{k: getattr(L, k).detach().clone() for k in keys} for L in self.layers]
 
 
 class ExitHead(nn.Module):
