@@ -48,12 +48,16 @@
 // ~8.5 GB/s on one Zen 4 core, ~1.7x the copy bandwidth); each further row costs two fused
 // multiply-adds per 32 weights, so from M ~ 4 on the kernel is bound by the fp32 FMA rate
 // (M = 8 ~2.7x and M = 16 ~5.5x the M = 1 time with Q4_1). Only integer dot products on
-// quantised activations (llama.cpp's way, not done here) would be cheaper per row.
+// quantised activations (llama.cpp's way, not done here) would be cheaper per row. The
+// K-quants decode at about half Q4_0's weights per second (one AVX2 core, hot: Q4_K 3.7,
+// Q6_K 4.2, Q4_0 7.0 Gweights/s), ~14% / ~19% of the copy bandwidth at M = 1 on Qwen2.5-1.5B's
+// shapes: decode-bound too.
 #pragma once
 #include <ATen/ATen.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -114,9 +118,6 @@ inline uint32_t load_u32(const uint8_t* p) {
   return v;
 }
 
-// The fp16 at p as fp32 (exact; the same scalar conversion on every path).
-inline float f16_at(const uint8_t* p) { return static_cast<float>(c10::Half(load_u16(p), c10::Half::from_bits())); }
-
 // ---------------------------------------------------------------------------------------
 // 16-lane fp32 vectors, one type per ISA path, with the same lane semantics.
 // ---------------------------------------------------------------------------------------
@@ -173,6 +174,12 @@ struct VecGeneric {
     VecGeneric r;
     for (int l = 0; l < 16; ++l)
       r.v[l] = static_cast<float>((((lo[l] >> lo_shift) & 15) | (((hi[l] >> hi_shift) & hi_mask) << 4)) - offset);
+    return r;
+  }
+  // Lane l: (lo[l] >> lo_shift) & 15, as a float (lo_shift 0 or 4, known at run time only).
+  static VecGeneric nibbles_shifted(const uint8_t* lo, int lo_shift) {
+    VecGeneric r;
+    for (int l = 0; l < 16; ++l) r.v[l] = static_cast<float>((lo[l] >> lo_shift) & 15);
     return r;
   }
   // Lane l: ((lo[l] >> lo_shift) & 15 | ((bits >> l) & 1) << 4) - offset, as a float.
@@ -258,6 +265,11 @@ struct VecAvx2 {
     const __m128i q = _mm_sub_epi8(_mm_or_si128(l, _mm_slli_epi16(h, 4)), _mm_set1_epi8(static_cast<char>(offset)));
     return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)))};
   }
+  static VecAvx2 nibbles_shifted(const uint8_t* lo, int lo_shift) {
+    const __m128i q = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo)),
+                                                  _mm_cvtsi32_si128(lo_shift)), _mm_set1_epi8(15));
+    return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)))};
+  }
   static VecAvx2 quants_bit(const uint8_t* lo, int lo_shift, uint32_t bits, int offset) {
     const __m128i l = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo)),
                                                   _mm_cvtsi32_si128(lo_shift)), _mm_set1_epi8(15));
@@ -331,6 +343,11 @@ struct VecAvx512 {
     const __m128i q = _mm_sub_epi8(_mm_or_si128(l, _mm_slli_epi16(h, 4)), _mm_set1_epi8(static_cast<char>(offset)));
     return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))};
   }
+  SPECDEC_GGUF_AVX512 static VecAvx512 nibbles_shifted(const uint8_t* lo, int lo_shift) {
+    const __m128i q = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo)),
+                                                  _mm_cvtsi32_si128(lo_shift)), _mm_set1_epi8(15));
+    return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q))};
+  }
   SPECDEC_GGUF_AVX512 static VecAvx512 quants_bit(const uint8_t* lo, int lo_shift, uint32_t bits, int offset) {
     const __m128i l = _mm_and_si128(_mm_srl_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(lo)),
                                                   _mm_cvtsi32_si128(lo_shift)), _mm_set1_epi8(15));
@@ -357,10 +374,11 @@ struct VecAvx512 {
 #endif  // x86 with AVX2
 
 // ---------------------------------------------------------------------------------------
-// Decoding one half (16 weights) of a chunk of 32, exactly as gguf.dequantize.
-// Decode<Type>::half<V>(row, c, h): weights 32c + 16h .. 32c + 16h + 16 of the row at `row`.
-// unit_bytes / unit_chunks: the bytes of the unit the decoder addresses (a block; for the
-// float types one chunk of 32 elements) and the chunks it holds (8 for the K-quants).
+// Decoding a chunk of 32 weights, exactly as gguf.dequantize.
+// Decode<Type>::chunk<V>(row, c, w0, w1): weights 32c .. 32c + 16 (w0) and 32c + 16 .. 32c + 32
+// (w1) of the row at `row`. unit_bytes / unit_chunks: the bytes of the unit the decoder
+// addresses (a block; for the float types one chunk of 32 elements) and the chunks it holds
+// (8 for the K-quants). A chunk is decoded whole so that its scales are formed once.
 // ---------------------------------------------------------------------------------------
 
 template <int64_t Type>
@@ -369,51 +387,67 @@ struct Decode;
 template <>
 struct Decode<kQ4_0> {
   static constexpr int64_t unit_bytes = 18, unit_chunks = 1;
+  struct State {};
   template <class V>
-  static V half(const uint8_t* row, int64_t c, int h) {  // gguf: d * float(int8(nibble) - 8)
+  static void chunk(const uint8_t* row, int64_t c, State&, V& w0, V& w1) {  // gguf: d * float(int8(nibble) - 8)
     const uint8_t* b = row + c * unit_bytes;
-    return V::mul(V::broadcast_f16(b), V::nibbles(b + 2, h, /*centered=*/true));
+    const V d = V::broadcast_f16(b);
+    w0 = V::mul(d, V::nibbles(b + 2, 0, /*centered=*/true));
+    w1 = V::mul(d, V::nibbles(b + 2, 1, /*centered=*/true));
   }
 };
 
 template <>
 struct Decode<kQ4_1> {
   static constexpr int64_t unit_bytes = 20, unit_chunks = 1;
+  struct State {};
   template <class V>
-  static V half(const uint8_t* row, int64_t c, int h) {  // gguf: (d * nibble) + m, d * nibble exact
+  static void chunk(const uint8_t* row, int64_t c, State&, V& w0, V& w1) {  // gguf: (d * nibble) + m, d * nibble exact
     const uint8_t* b = row + c * unit_bytes;
-    return V::fma(V::broadcast_f16(b), V::nibbles(b + 4, h, /*centered=*/false), V::broadcast_f16(b + 2));
+    const V d = V::broadcast_f16(b), m = V::broadcast_f16(b + 2);
+    w0 = V::fma(d, V::nibbles(b + 4, 0, /*centered=*/false), m);
+    w1 = V::fma(d, V::nibbles(b + 4, 1, /*centered=*/false), m);
   }
 };
 
 template <>
 struct Decode<kQ5_0> {
   static constexpr int64_t unit_bytes = 22, unit_chunks = 1;
+  struct State {};
   template <class V>
-  static V half(const uint8_t* row, int64_t c, int h) {  // gguf: d * float(int8(q) - 16)
+  static void chunk(const uint8_t* row, int64_t c, State&, V& w0, V& w1) {  // gguf: d * float(int8(q) - 16)
     const uint8_t* b = row + c * unit_bytes;
-    return V::mul(V::broadcast_f16(b), V::quants_bit(b + 6, 4 * h, load_u32(b + 2) >> (16 * h), 16));
+    const V d = V::broadcast_f16(b);
+    const uint32_t qh = load_u32(b + 2);
+    w0 = V::mul(d, V::quants_bit(b + 6, 0, qh, 16));
+    w1 = V::mul(d, V::quants_bit(b + 6, 4, qh >> 16, 16));
   }
 };
 
 template <>
 struct Decode<kQ5_1> {
   static constexpr int64_t unit_bytes = 24, unit_chunks = 1;
+  struct State {};
   template <class V>
-  static V half(const uint8_t* row, int64_t c, int h) {  // gguf: (d * q) + m, d * q exact
+  static void chunk(const uint8_t* row, int64_t c, State&, V& w0, V& w1) {  // gguf: (d * q) + m, d * q exact
     const uint8_t* b = row + c * unit_bytes;
-    return V::fma(V::broadcast_f16(b), V::quants_bit(b + 8, 4 * h, load_u32(b + 4) >> (16 * h), 0),
-                  V::broadcast_f16(b + 2));
+    const V d = V::broadcast_f16(b), m = V::broadcast_f16(b + 2);
+    const uint32_t qh = load_u32(b + 4);
+    w0 = V::fma(d, V::quants_bit(b + 8, 0, qh, 0), m);
+    w1 = V::fma(d, V::quants_bit(b + 8, 4, qh >> 16, 0), m);
   }
 };
 
 template <>
 struct Decode<kQ8_0> {
   static constexpr int64_t unit_bytes = 34, unit_chunks = 1;
+  struct State {};
   template <class V>
-  static V half(const uint8_t* row, int64_t c, int h) {  // gguf: float(int8) * d
+  static void chunk(const uint8_t* row, int64_t c, State&, V& w0, V& w1) {  // gguf: float(int8) * d
     const uint8_t* b = row + c * unit_bytes;
-    return V::mul(V::int8s(b + 2 + 16 * h), V::broadcast_f16(b));
+    const V d = V::broadcast_f16(b);
+    w0 = V::mul(V::int8s(b + 2), d);
+    w1 = V::mul(V::int8s(b + 18), d);
   }
 };
 
@@ -429,75 +463,117 @@ inline void k_scale_min(const uint8_t* q, int s, int& sc, int& m) {
   }
 }
 
-// Q4_K / Q5_K: the per-sub-block scale fp32(d * sc) and the negated offset -fp32(dmin * m)
-// (both exact), broadcast.
-template <class V>
-inline void k_scales(const uint8_t* b, int s, V& scale, V& neg_offset) {
-  int sc, m;
-  k_scale_min(b + 4, s, sc, m);
-  scale = V::set1(f16_at(b) * static_cast<float>(sc));
-  neg_offset = V::set1(-(f16_at(b + 2) * static_cast<float>(m)));
+// float(i) for i < 256 (byte_as_float) and float(int8_t(i)) (int8_as_float).
+struct SmallFloats {
+  float byte_as_float[256], int8_as_float[256];
+  constexpr SmallFloats() : byte_as_float(), int8_as_float() {
+    for (int i = 0; i < 256; ++i)
+      byte_as_float[i] = static_cast<float>(i), int8_as_float[i] = static_cast<float>(i < 128 ? i : i - 256);
+  }
+};
+inline constexpr SmallFloats kSmallFloats{};
+
+// The K-quants' sub-block scales (and Q4_K / Q5_K's negated offsets) of the super-block a row
+// is in, as fp32, formed once per super-block (all exact products: d * sc, dmin * -m =
+// -(dmin * m), d * scale) and broadcast from here for each chunk. (Formed per chunk they cost
+// 3-4x the decode: scalar conversions and spilled 6-bit unpacking stalled the loop, measured.)
+struct KScales {
+  int64_t block = -1;  // the super-block they are of
+  float scale[16], neg_offset[8];
+};
+
+inline float f16_value(const uint8_t* p) { return static_cast<float>(c10::Half(load_u16(p), c10::Half::from_bits())); }
+
+// Q4_K / Q5_K: sc[s], m[s] from the 12 scale bytes (see k_scale_min) for the 8 sub-blocks.
+inline void fill_k_scales_mins(const uint8_t* b, KScales& st) {
+  const float d = f16_value(b), dmin = f16_value(b + 2);
+  for (int s = 0; s < 8; ++s) {
+    int sc, m;
+    k_scale_min(b + 4, s, sc, m);
+    st.scale[s] = d * kSmallFloats.byte_as_float[sc];
+    st.neg_offset[s] = dmin * -kSmallFloats.byte_as_float[m];
+  }
 }
 
 template <>
 struct Decode<kQ4_K> {
   static constexpr int64_t unit_bytes = 144, unit_chunks = 8;
+  using State = KScales;
   template <class V>
-  static V half(const uint8_t* row, int64_t c, int h) {  // gguf: (d * sc) * nibble - dmin * m
+  static void chunk(const uint8_t* row, int64_t c, State& st, V& w0, V& w1) {  // gguf: (d * sc) * nibble - dmin * m
     const uint8_t* b = row + (c >> 3) * unit_bytes;
+    if (st.block != (c >> 3)) fill_k_scales_mins(b, st), st.block = c >> 3;
     const int s = static_cast<int>(c & 7);
-    V scale, neg_offset;
-    k_scales(b, s, scale, neg_offset);
-    return V::fma(scale, V::nibbles(b + 16 + 32 * (s >> 1) + 16 * h, s & 1, /*centered=*/false), neg_offset);
+    const V scale = V::set1(st.scale[s]), neg_offset = V::set1(st.neg_offset[s]);
+    const uint8_t* qs = b + 16 + 32 * (s >> 1);
+    w0 = V::fma(scale, V::nibbles_shifted(qs, 4 * (s & 1)), neg_offset);
+    w1 = V::fma(scale, V::nibbles_shifted(qs + 16, 4 * (s & 1)), neg_offset);
   }
 };
 
 template <>
 struct Decode<kQ5_K> {
   static constexpr int64_t unit_bytes = 176, unit_chunks = 8;
+  using State = KScales;
   template <class V>
-  static V half(const uint8_t* row, int64_t c, int h) {  // gguf: (d * sc) * q - dmin * m
+  static void chunk(const uint8_t* row, int64_t c, State& st, V& w0, V& w1) {  // gguf: (d * sc) * q - dmin * m
     const uint8_t* b = row + (c >> 3) * unit_bytes;
+    if (st.block != (c >> 3)) fill_k_scales_mins(b, st), st.block = c >> 3;
     const int s = static_cast<int>(c & 7);
-    V scale, neg_offset;
-    k_scales(b, s, scale, neg_offset);
-    const V q = V::quants(b + 48 + 32 * (s >> 1) + 16 * h, 4 * (s & 1), b + 16 + 16 * h, s, 1, 0);
-    return V::fma(scale, q, neg_offset);
+    const V scale = V::set1(st.scale[s]), neg_offset = V::set1(st.neg_offset[s]);
+    const uint8_t *qs = b + 48 + 32 * (s >> 1), *qh = b + 16;
+    w0 = V::fma(scale, V::quants(qs, 4 * (s & 1), qh, s, 1, 0), neg_offset);
+    w1 = V::fma(scale, V::quants(qs + 16, 4 * (s & 1), qh + 16, s, 1, 0), neg_offset);
   }
 };
 
 template <>
 struct Decode<kQ6_K> {
   static constexpr int64_t unit_bytes = 210, unit_chunks = 8;
+  using State = KScales;
   template <class V>
-  static V half(const uint8_t* row, int64_t c, int h) {  // gguf: (d * scale) * float(int8(q) - 32)
+  static void chunk(const uint8_t* row, int64_t c, State& st, V& w0, V& w1) {  // gguf: (d * scale) * float(int8(q) - 32)
     const uint8_t* b = row + (c >> 3) * unit_bytes;
-    const int s = static_cast<int>(c & 7), i = s >> 2, t = s & 3;  // weights 128 i + 32 t + 16 h + lane
-    const float scale = f16_at(b + 208) * static_cast<float>(static_cast<int8_t>(b[192 + 2 * s + h]));
-    const V q = V::quants(b + 64 * i + 32 * (t & 1) + 16 * h, 4 * (t >> 1), b + 128 + 32 * i + 16 * h, 2 * t, 3, 32);
-    return V::mul(V::set1(scale), q);
+    if (st.block != (c >> 3)) {
+      const float d = f16_value(b + 208);
+      for (int k = 0; k < 16; ++k) st.scale[k] = d * kSmallFloats.int8_as_float[b[192 + k]];
+      st.block = c >> 3;
+    }
+    const int s = static_cast<int>(c & 7), i = s >> 2, t = s & 3;  // weights 128 i + 32 t + lane
+    const uint8_t *ql = b + 64 * i + 32 * (t & 1), *qh = b + 128 + 32 * i;
+    w0 = V::mul(V::set1(st.scale[2 * s]), V::quants(ql, 4 * (t >> 1), qh, 2 * t, 3, 32));
+    w1 = V::mul(V::set1(st.scale[2 * s + 1]), V::quants(ql + 16, 4 * (t >> 1), qh + 16, 2 * t, 3, 32));
   }
 };
 
 template <>
 struct Decode<kF32> {
   static constexpr int64_t unit_bytes = 128, unit_chunks = 1;
+  struct State {};
   template <class V>
-  static V half(const uint8_t* row, int64_t c, int h) { return V::f32s(row + c * unit_bytes + 64 * h); }
+  static void chunk(const uint8_t* row, int64_t c, State&, V& w0, V& w1) {
+    w0 = V::f32s(row + c * unit_bytes), w1 = V::f32s(row + c * unit_bytes + 64);
+  }
 };
 
 template <>
 struct Decode<kF16> {
   static constexpr int64_t unit_bytes = 64, unit_chunks = 1;
+  struct State {};
   template <class V>
-  static V half(const uint8_t* row, int64_t c, int h) { return V::f16s(row + c * unit_bytes + 32 * h); }
+  static void chunk(const uint8_t* row, int64_t c, State&, V& w0, V& w1) {
+    w0 = V::f16s(row + c * unit_bytes), w1 = V::f16s(row + c * unit_bytes + 32);
+  }
 };
 
 template <>
 struct Decode<kBF16> {
   static constexpr int64_t unit_bytes = 64, unit_chunks = 1;
+  struct State {};
   template <class V>
-  static V half(const uint8_t* row, int64_t c, int h) { return V::bf16s(row + c * unit_bytes + 32 * h); }
+  static void chunk(const uint8_t* row, int64_t c, State&, V& w0, V& w1) {
+    w0 = V::bf16s(row + c * unit_bytes), w1 = V::bf16s(row + c * unit_bytes + 32);
+  }
 };
 
 // Bytes of a row up to chunk c (for prefetching; rounded down inside a K-quant super-block).
@@ -551,6 +627,7 @@ struct BlockSource {
   Prefetcher* pf = nullptr;  // when set, advanced as the chunks are read
   int64_t pf_at = 0;         // the group's first byte, relative to pf->base
   const uint8_t* rows[NR];
+  typename Decode<Type>::State state[NR];       // the K-quants' scales of each row's super-block
   uint8_t tail[NR][Decode<Type>::unit_bytes];  // float types: the last chunk, zero-padded
 
   BlockSource(const Problem& p, int64_t n0) {
@@ -569,11 +646,11 @@ struct BlockSource {
     }
   }
   template <class V>
-  V half(int j, int64_t c, int h) const {
+  void chunk(int j, int64_t c, V& w0, V& w1) {
     if constexpr (is_float_type(Type)) {
-      if (c == full_chunks) return Decode<Type>::template half<V>(tail[j], 0, h);
+      if (c == full_chunks) return Decode<Type>::template chunk<V>(tail[j], 0, state[j], w0, w1);
     }
-    return Decode<Type>::template half<V>(rows[j], c, h);
+    Decode<Type>::template chunk<V>(rows[j], c, state[j], w0, w1);
   }
   void on_chunk(int64_t c) {
     if (pf != nullptr) pf->advance(pf_at + NR * bytes_before_chunk<Type>(c));
@@ -586,7 +663,9 @@ struct ScratchSource {
   const float* s;
   int64_t ld;
   template <class V>
-  V half(int j, int64_t c, int h) const { return V::load(s + j * ld + c * kChunk + 16 * h); }
+  void chunk(int j, int64_t c, V& w0, V& w1) {
+    w0 = V::load(s + j * ld + c * kChunk), w1 = V::load(s + j * ld + c * kChunk + 16);
+  }
   void on_chunk(int64_t) const {}
 };
 
@@ -599,12 +678,12 @@ inline void tile(const Problem& p, Src& src, int64_t n0, int64_t m0) {
   const float* x = p.x + m0 * p.ldx;
   for (int64_t c = 0; c < p.chunks; ++c) {
     src.on_chunk(c);
+    V w[2][NR];
+    for (int j = 0; j < NR; ++j) src.template chunk<V>(j, c, w[0][j], w[1][j]);
     for (int h = 0; h < 2; ++h) {
-      V w[NR];
-      for (int j = 0; j < NR; ++j) w[j] = src.template half<V>(j, c, h);
       for (int i = 0; i < MR; ++i) {
         const V xv = V::load(x + i * p.ldx + c * kChunk + 16 * h);
-        for (int j = 0; j < NR; ++j) acc[j][i] = V::fma(xv, w[j], acc[j][i]);
+        for (int j = 0; j < NR; ++j) acc[j][i] = V::fma(xv, w[h][j], acc[j][i]);
       }
     }
   }
@@ -655,9 +734,12 @@ inline void run_groups(const Problem& p, int64_t n0, int64_t n1, float* scratch)
     } else {
       for (int64_t c = 0; c < p.chunks; ++c) {
         pf.advance(at + NR * bytes_before_chunk<Type>(c));
-        for (int j = 0; j < NR; ++j)
-          for (int h = 0; h < 2; ++h)
-            V::store(scratch + j * p.ldx + c * kChunk + 16 * h, blocks.template half<V>(j, c, h));
+        for (int j = 0; j < NR; ++j) {
+          V w0, w1;
+          blocks.template chunk<V>(j, c, w0, w1);
+          V::store(scratch + j * p.ldx + c * kChunk, w0);
+          V::store(scratch + j * p.ldx + c * kChunk + 16, w1);
+        }
       }
       row_tiles<V, NR, MR>(p, ScratchSource<NR>{scratch, p.ldx}, n);
     }
