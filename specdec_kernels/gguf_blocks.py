@@ -108,14 +108,14 @@ def _bits(packed: torch.Tensor) -> torch.Tensor:
 
 
 def _k_scales_mins(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K / Q5_K: the 12 scale bytes [..., 12] -> (sc, m) [..., 8] as fp32, 6 bits each.
+    """Q4_K / Q5_K: the 12 scale bytes [..., 12] -> (sc, m) uint8 [..., 8], 6 bits each.
     Bytes 0-3 / 4-7 hold sc[0..3] / m[0..3] in their low 6 bits and the top 2 bits of
     sc[4..7] / m[4..7] in their top 2 bits; bytes 8-11 hold the low 4 bits of sc[4..7] (low
     nibble) and of m[4..7] (high nibble)."""
     d, m, low = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
     sc = torch.cat([d & 63, (low & 15) | ((d >> 6) << 4)], dim=-1)
     mn = torch.cat([m & 63, (low >> 4) | ((m >> 6) << 4)], dim=-1)
-    return sc.float(), mn.float()
+    return sc, mn
 
 
 def _dequantize_k(b: torch.Tensor, tid: int) -> torch.Tensor:
@@ -311,20 +311,6 @@ def _int8_type(block_type) -> int:
     return tid
 
 
-def _bits(b: torch.Tensor, count: int) -> torch.Tensor:
-    """uint8 [..., n] -> [..., 8n] of 0/1: bit i % 8 of byte i // 8 (little-endian bit order)."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=b.device)
-    return ((b[..., None] >> shifts) & 1).reshape(*b.shape[:-1], 8 * b.shape[-1])[..., :count]
-
-
-def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K / Q5_K: the 12 bytes of 6-bit scales and mins -> (sc, mn) uint8 [..., 8] (gguf's get_scale_min)."""
-    d, m, md = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
-    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
-    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
-    return sc, mn
-
-
 def _block_integers(b: torch.Tensor, tid: int):
     """GGUF blocks uint8 [..., block bytes] -> (fp16 fields, per-sub-block integer fields, q): the
     fp16 scales as raw bytes [..., 2] each (d; Q4_1 / Q5_1: m; K-quants: dmin), the small
@@ -339,12 +325,12 @@ def _block_integers(b: torch.Tensor, tid: int):
             return f16, [], (b[..., 2:34] ^ 128)[..., None, :]
         high = None
         if tid in (Q5_0, Q5_1):
-            high, at = _bits(b[..., at:at + 4], 32), at + 4
+            high, at = _bits(b[..., at:at + 4]), at + 4
         qs = b[..., at:at + 16]
         q = torch.cat([qs & 15, qs >> 4], dim=-1)
         return f16, [], (q if high is None else q | (high << 4))[..., None, :]
     if tid in (Q4_K, Q5_K):
-        sc, mn = _k_scale_min(b[..., 4:16])
+        sc, mn = _k_scales_mins(b[..., 4:16])
         qs = b[..., -128:].reshape(*b.shape[:-1], 4, 1, 32)  # 32 bytes per pair of sub-blocks
         q = torch.cat([qs & 15, qs >> 4], dim=-2).reshape(*b.shape[:-1], 8, 32)
         if tid == Q5_K:  # bit s of qh[i]: the high bit of weight i of sub-block s

@@ -104,8 +104,7 @@ def load_gguf_state_dict(path: str, config: LlamaConfig | None = None, reader=No
             name = f"model.layers.{i}.{per_layer[kind]}.{suffix}"
         else:
             continue
-        w = gguf.dequantize(t.data, t.tensor_type)
-        w = np.asarray(w, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        w = dequantize_tensor(t).reshape([int(d) for d in reversed(t.shape)])
         if permuted and t.name.endswith(("attn_q.weight", "attn_q.bias")):
             w = unpermute_rope_rows(w, config.num_heads)
         elif permuted and t.name.endswith(("attn_k.weight", "attn_k.bias")):
@@ -113,6 +112,22 @@ def load_gguf_state_dict(path: str, config: LlamaConfig | None = None, reader=No
         w = np.ascontiguousarray(w)
         sd[name] = torch.from_numpy(w if w.flags.writeable else w.copy())
     return config, sd
+
+
+def dequantize_tensor(t) -> np.ndarray:
+    """fp32 values of a ``gguf.ReaderTensor`` (flat): the block formats quantized_linear reads
+    through ``gguf_blocks.dequantize`` (vectorised torch, bit-identical to ``gguf.dequantize``,
+    which is numpy and took minutes for the 1.5B's K-quant blocks), any other type through
+    ``gguf.dequantize``."""
+    import gguf
+
+    from .. import gguf_blocks, ops
+
+    tid = int(t.tensor_type)
+    if tid in ops.GGUF_BLOCK_FORMATS:
+        raw = torch.from_numpy(np.array(t.data, copy=True).view(np.uint8).reshape(-1))  # out of the read-only mapping
+        return gguf_blocks.dequantize(raw, tid).numpy()
+    return np.asarray(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1)
 
 
 def _type_label(type_name: str) -> str:
@@ -178,7 +193,7 @@ def load_gguf_native(reader, config: LlamaConfig, *, name: str = "gguf"):
 
     def vector(key: str, n_head: int | None = None) -> torch.Tensor:
         t = tensors[key]
-        v = torch.from_numpy(np.array(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(-1))
+        v = torch.from_numpy(np.array(dequantize_tensor(t), dtype=np.float32))
         return v[rope_row_order(v.shape[0], n_head)] if n_head else v
 
     def fused(parts):
