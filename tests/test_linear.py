@@ -785,27 +785,17 @@ def test_real_gguf_embedding_and_lm_head(smollm2_reader):
 
 
 # ---------------------------------------------------------------------------------------
-# The Qwen2.5-Coder GGUF files (1.5B: Q4_K + Q6_K; 0.5B: Q5_0, Q8_0, Q6_K, Q4_K), when
-# present: SPECDEC_QWEN_GGUF_FILES lists their paths (os.pathsep-separated).
+# The Qwen2.5-Coder GGUF files (1.5B: Q4_K + Q6_K; 0.5B: Q5_0, Q8_0, Q6_K, Q4_K), from the
+# registry (the [qwen] extra's parts; a real-model test: under CI=true a skip fails).
 # ---------------------------------------------------------------------------------------
 
-def _qwen_gguf_files():
-    import os
-
-    paths = [p for p in os.environ.get("SPECDEC_QWEN_GGUF_FILES", "").split(os.pathsep) if p]
-    return [pytest.param(p, id=os.path.basename(p)) for p in paths] or [
-        pytest.param(None, id="no-file", marks=pytest.mark.skip(reason="SPECDEC_QWEN_GGUF_FILES is not set"))]
-
-
-@pytest.mark.parametrize("path", _qwen_gguf_files())
-def test_real_qwen_gguf_blocks_dequantize_as_gguf_does(path):
+@pytest.mark.real_model
+@pytest.mark.parametrize("model", ["qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"])
+def test_real_qwen_gguf_blocks_dequantize_as_gguf_does(model):
     """Every block type of the file: a layer's weight of each type dequantised whole, the
     embedding's and the LM head's rows (a slice: 151936 rows would be slow), all bit for bit
     equal to gguf.dequantize; quantized_linear on them equal to F.linear on those values."""
-    import os
-
-    if not os.path.exists(path):
-        pytest.skip(f"{path} is absent")
+    path = require_real_model(model)
     reader = gguf.GGUFReader(path)
     two_d = [t for t in reader.tensors if len(t.shape) == 2]
     first_of_type = {}

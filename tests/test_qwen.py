@@ -17,6 +17,7 @@ from specdec_kernels.decoding import DRAFTERS, Generator, SpecSchedule, make_dra
 from specdec_kernels.decoding.registry import TRAINED
 from specdec_kernels.models import Llama, load_model, tiny_config
 from specdec_kernels.models.llama import Batch
+from tests.helpers import require_real_model
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 needs_transformers = pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
@@ -270,33 +271,19 @@ def test_a_draft_model_by_path_must_share_the_vocabulary(tiny_gguf, tiny_vocab_m
 
 
 # ---- the real Qwen2.5-Coder-0.5B-Instruct ---------------------------------------------------
-def _real_model_skip_reason():
-    from specdec_kernels.models.registry import QWEN_CODER
-
-    if os.environ.get("SPECDEC_SKIP_REAL_MODEL") == "1":
-        return "real-model tests disabled (SPECDEC_SKIP_REAL_MODEL=1)"
-    parted = QWEN_CODER["qwen2.5-coder-0.5b"]
-    if any(parted.part_path(n) is None for n in range(1, parted.count + 1)):
-        return "the qwen2.5-coder-0.5b parts are not installed (pip install '.[qwen]')"
-    return None
-
-
-needs_qwen = pytest.mark.skipif(_real_model_skip_reason() is not None, reason=str(_real_model_skip_reason()))
+needs_qwen = pytest.mark.real_model  # tests.helpers.require_real_model: under CI=true a skip fails
 
 
 @pytest.fixture(scope="module")
 def qwen05_path():
     """The registry's own copy, assembled from the installed parts into the test session's
     cache folder (SPECDEC_CACHE_DIR, tests/conftest.py) — a real first use."""
-    from specdec_kernels.models.registry import resolve
-
-    return resolve("qwen2.5-coder-0.5b")
+    return require_real_model("qwen2.5-coder-0.5b")
 
 
 @pytest.fixture(scope="module")
 def qwen05(qwen05_path):
-    """(model, tokenizer), fp32 weights dequantised by the gguf package (the native path
-    needs the Q5_0 / Q6_K / Q4_K block formats in quantized_linear)."""
+    """(model, tokenizer), fp32 weights (what transformers' GGUF reader computes in)."""
     return load_model(qwen05_path, weights="fp32")
 
 
@@ -416,3 +403,18 @@ def test_qwen_speculative_equals_autoregressive(qwen05):
     for name in ("medusa", "eagle", "self-spec", "draft"):
         with pytest.raises(ValueError, match=f"ships for model '{model.name}'"):
             make_drafter(name, model)
+
+
+@needs_qwen
+def test_qwen_1_5b_native_speculative_equals_autoregressive():
+    """The 1.5B on its own Q4_K / Q6_K blocks with int8 activations (the fast path), drafted
+    by prompt lookup and by the 0.5B on its own blocks: greedy output identical to
+    autoregressive decoding, a few tokens each (CI budget)."""
+    model, tok = load_model(require_real_model("qwen2.5-coder-1.5b"), weights="native-int8act")
+    assert (model.config.num_layers, model.config.num_heads, model.config.num_kv_heads) == (28, 12, 2)
+    prompts = [tok.chat_prompt("Repeat exactly: def add(a, b): return a + b")]
+    ar = [r.output for r in Generator(model).generate(prompts, 8)]
+    assert "def" in tok.decode(ar[0])
+    for name, kw in (("ngram", {}), ("draft", {"draft_model": require_real_model("qwen2.5-coder-0.5b")})):
+        drafter = make_drafter(name, model, **kw)
+        assert [r.output for r in Generator(model, drafter).generate(prompts, 8)] == ar, name
