@@ -406,14 +406,20 @@ def test_shipped_head_accepts_on_the_real_model():
     assert results["trained"] >= 1.25 and results["untrained"] <= 1.1, results
 
 
-def test_cli_drafters_by_name(model, prompts):
-    """``make_drafter`` builds the eagle drafters (a model without a shipped head gets an
-    untrained one) and they decode exactly."""
+def test_cli_drafters_by_name(model, prompts, tmp_path):
+    """``make_drafter`` builds the eagle drafters (a model without a shipped head needs one
+    given, and says so) and they decode exactly."""
     from specdec_kernels.cli import make_drafter
 
+    path = tmp_path / "head.safetensors"
+    save_eagle_head(make_head(model), path)
     ar = Generator(model, None).generate(prompts[1:3], 8)
-    for name in ("eagle", "eagle+ngram", "eagle-untrained"):
-        drafter = make_drafter(name, model)
+    for name in ("eagle", "eagle+ngram"):
+        with pytest.raises(ValueError, match=f"ships for model '{model.name}'"):
+            make_drafter(name, model)
+    for name, kw in (("eagle", {"eagle_checkpoint": str(path)}), ("eagle+ngram", {"eagle_checkpoint": str(path)}),
+                     ("eagle-untrained", {})):
+        drafter = make_drafter(name, model, **kw)
         assert drafter.name == name
         reqs = Generator(model, drafter, SpecSchedule("max", 4, max_k=4)).generate(prompts[1:3], 8)
         assert [r.output for r in reqs] == [r.output for r in ar], name

@@ -361,7 +361,7 @@ def test_quantized_weight_of_the_newer_formats_carries_the_packing(block_type):
     w8 = w.with_int8_activations()
     assert torch.equal(w8.int8_packed, gguf_blocks.pack_int8_activation(w.blocks, block_type))
     x = torch.randn(5, H, generator=g)
-    assert torch.equal(ops.linear(x, w8), ops.int8_activation_linear(x, w8.int8_packed, block_type, 24))
+    assert torch.equal(w8.linear(x), ops.int8_activation_linear(x, w8.int8_packed, block_type, 24))
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,11 +1,11 @@
 """The soak's short CI variant (bench/soak.py runs 2,000 tokens x 8 requests on SmolLM2):
-every drafter on a tiny random model, batch 4, EOS ignored — outputs equal autoregressive,
+every drafter that needs no trained file on a tiny random model, batch 4, EOS ignored — outputs equal autoregressive,
 no request fails, resident size stable after the warm-up, every cache block returned."""
 import pytest
 import torch
 
 from bench.soak import check, run_soak
-from specdec_kernels.decoding import DRAFTERS
+from specdec_kernels.decoding import DRAFTERS, make_drafter
 from specdec_kernels.models import Llama, tiny_config
 
 
@@ -18,9 +18,18 @@ def test_soak_every_drafter(model):
     g = torch.Generator().manual_seed(0)
     # Repetitive prompts so that the n-gram drafters find matches and accept.
     prompts = [(torch.randint(0, 64, (6,), generator=g).tolist() * 4)[: 10 + 3 * i] for i in range(4)]
-    results = run_soak(model, list(DRAFTERS), prompts, 300, rss_growth_mb=64.0, self_spec_layers=1,
-                       show_progress=False)
-    assert set(results) == set(DRAFTERS)
+    runnable = []  # a random model ships no trained file: those drafters say so and are left out
+    for name in DRAFTERS:
+        try:
+            make_drafter(name, model, self_spec_layers=1)
+        except ValueError as e:
+            assert "ships for model" in str(e), (name, e)
+            continue
+        runnable.append(name)
+    assert {"ngram", "ngram-tree", "self-spec-plain", "medusa-untrained", "draft-untrained",
+            "eagle-untrained"} <= set(runnable)
+    results = run_soak(model, runnable, prompts, 300, rss_growth_mb=64.0, self_spec_layers=1, show_progress=False)
+    assert set(results) == set(runnable) | {"none"}
     for name, r in results.items():
         assert r["failures"] == [], f"{name}: {r['failures']}"
         assert r["caches"]["target"]["num_blocks"] > 0
