@@ -82,7 +82,7 @@ def main() -> int:
                 row["prefill_ratio"] = row["ours_prefill_tok_s"] / row["llama_cpp_pp_tok_s"]
             rows.append(row)
     print_table(rows, list(rows[0]))
-    out = write_results(f"decode_{Path(str(args.model)).name.removesuffix(".gguf")}", {
+    out = write_results(f"decode_{Path(str(args.model)).name.removesuffix('.gguf')}", {
         "command": " ".join(["python", "bench/bench_decode.py"] + sys.argv[1:]), "model": args.model,
         "weights": args.weights, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
         "rounds": args.rounds, "rows": rows})

@@ -84,7 +84,7 @@ def main() -> int:
               "mean_abs_logit_diff": float(np.abs(ours - theirs).mean()),
               "command": " ".join(["python", "bench/check_against_llama_cpp.py"] + sys.argv[1:])}
     print(result)
-    out = write_results(f"llama_cpp_agreement_{Path(str(args.model)).name.removesuffix(".gguf")}_{args.weights}", result)
+    out = write_results(f"llama_cpp_agreement_{Path(str(args.model)).name.removesuffix('.gguf')}_{args.weights}", result)
     print(f"wrote {out}")
     return 0
 
