@@ -32,13 +32,13 @@ import os
 
 import torch
 
+from .models.block import LAYER_KEYS, layer_keys
 from .models.llama import Llama, dense, is_block_weight
 from .models.registry import read_metadata
 
 SHIPPED_DRAFTS = {"smollm2-135m": "draft_smollm2_135m.safetensors"}
 SHIPPED_EXITS = {"smollm2-135m": "exit_smollm2_135m.safetensors"}
 LINEAR_KEYS = Llama.LINEAR_KEYS
-LAYER_KEYS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
 DRAFT_WEIGHTS = ("stored", "fp32", "q8_0", "q4_0")  # how a draft model's linears run (``--draft-weights``)
 
 
@@ -124,7 +124,7 @@ def load_draft_model(path, target: Llama, weights: str = "stored") -> Llama:
     layers = []
     for i in range(config.num_layers):
         L = {}
-        for k in LAYER_KEYS + (("bqkv",) if config.attention_bias else ()):
+        for k in layer_keys(config.attention_bias):
             v = state[f"layers.{i}.{k}"]
             if k in LINEAR_KEYS:
                 h = config.intermediate_size if k == "w_down" else (config.num_heads * config.head_dim if k == "wo" else H)

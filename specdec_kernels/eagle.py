@@ -38,7 +38,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .models.llama import apply_rope, dense, is_block_weight, linear, rms_norm, rope_tables
+from .models.block import DecoderBlock, layer_keys, linear, rms_norm, rope_at, rope_tables
+from .models.llama import dense, is_block_weight
 from .draft_model import DRAFT_WEIGHTS  # --draft-weights: the same choices for an EAGLE head
 from .models.registry import read_metadata
 
@@ -46,25 +47,37 @@ DECODE_FORMATS = (None, "Q8_0", "Q4_0")  # how the decode fast paths run the hea
 
 
 class EagleHead(nn.Module):
-    """The draft layer. Parameters: ``fc`` [H, 2H]; the decoder layer ``attn_norm`` [H],
-    ``wqkv`` [(Hq+2Hkv)*D, H], ``wo`` [H, Hq*D], ``mlp_norm`` [H], ``w_gate_up`` [2I, H],
-    ``w_down`` [H, I]. Buffers (not trained): ``draft_vocab`` int64 [Vd] and, once
-    :meth:`attach` ed to a target, its ``embed`` [V, H], ``norm`` [H] and ``lm_head_draft``
-    [Vd, H] (the LM head's rows of the draft vocabulary)."""
+    """The draft layer. Parameters: ``fc`` [H, 2H]; the decoder layer (``models.block``)
+    ``attn_norm`` [H], ``wqkv`` [(Hq+2Hkv)*D, H], ``bqkv`` [(Hq+2Hkv)*D] (with
+    ``attention_bias``: a Qwen2 target's layer), ``wo`` [H, Hq*D], ``mlp_norm`` [H],
+    ``w_gate_up`` [2I, H], ``w_down`` [H, I]. Buffers (not trained): ``draft_vocab`` int64
+    [Vd] and, once :meth:`attach` ed to a target, its ``embed`` [V, H], ``norm`` [H] and
+    ``lm_head_draft`` [Vd, H] (the LM head's rows of the draft vocabulary).
 
-    def __init__(self, config, draft_vocab: torch.Tensor, *, intermediate_size: int | None = None):
+    The layer is the target's :class:`~specdec_kernels.models.block.DecoderBlock` twice over:
+    ``block`` multiplies with ``F.linear`` (autograd: :meth:`qkv`, :meth:`output`, the
+    trainer), ``decode_block`` with the model's linear on :meth:`decode_weights` (the
+    ``decode_*`` fast paths)."""
+
+    def __init__(self, config, draft_vocab: torch.Tensor, *, intermediate_size: int | None = None,
+                 attention_bias: bool | None = None):
         super().__init__()
         H, D = config.hidden_size, config.head_dim
         self.config = config
         self.hidden_size, self.head_dim = H, D
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.eps = config.rms_norm_eps
+        self.attention_bias = config.attention_bias if attention_bias is None else bool(attention_bias)
+        self.block = DecoderBlock.of(config, F.linear)
+        self.decode_block = DecoderBlock.of(config, self._linear)
         inter = intermediate_size or config.intermediate_size
         self.intermediate_size = inter
         qkv = (config.num_heads + 2 * config.num_kv_heads) * D
         self.fc = nn.Parameter(torch.zeros(H, 2 * H))
         self.attn_norm = nn.Parameter(torch.ones(H))
         self.wqkv = nn.Parameter(torch.randn(qkv, H) * H ** -0.5)
+        if self.attention_bias:
+            self.bqkv = nn.Parameter(torch.zeros(qkv))
         self.wo = nn.Parameter(torch.randn(H, config.num_heads * D) * (config.num_heads * D) ** -0.5 * 0.1)
         self.mlp_norm = nn.Parameter(torch.ones(H))
         self.w_gate_up = nn.Parameter(torch.randn(2 * inter, H) * H ** -0.5)
@@ -89,7 +102,7 @@ class EagleHead(nn.Module):
         if init_layer is not None:
             L = target.layers[init_layer]
             with torch.no_grad():
-                for name in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down"):
+                for name in layer_keys(head.attention_bias):
                     getattr(head, name).copy_(dense(L[name]).float())  # native weights: dequantised
         return head.attach(target)
 
@@ -107,14 +120,20 @@ class EagleHead(nn.Module):
         self._decode_weights = None
         return self
 
-    def _rope(self, n: int):
+    def _rope_at(self, positions: torch.Tensor, dtype):
+        """The rotary tables at ``positions`` (int64 [T]) as ``dtype`` (``models.block.rope_at``)."""
+        n = int(positions.max()) + 1 if positions.numel() else 1
         if n > self._rope_len:
             n = max(n, 2 * self._rope_len, 256)
             self.cos, self.sin = rope_tables(self.config, n)
             self._rope_len = n
-        return self.cos, self.sin
+        return rope_at(self.cos, self.sin, positions, dtype)
 
     # ---- the layer, in pieces the trainer and the drafter share ------------------------------
+    def block_weights(self, dtype) -> dict:
+        """The decoder layer's parameters as ``dtype`` (autograd follows the casts)."""
+        return {n: getattr(self, n).to(dtype) for n in layer_keys(self.attention_bias)}
+
     def inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """[..., H] features (f_t or a draft's g) and int64 [...] next tokens -> x [..., H]."""
         e = self.embed(tokens).to(features.dtype)
@@ -122,21 +141,11 @@ class EagleHead(nn.Module):
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor):
         """x [T, H], positions int64 [T] -> q [T, Hq, D], k, v [T, Hkv, D] (RoPE applied)."""
-        D = self.head_dim
-        cos, sin = self._rope(int(positions.max()) + 1 if positions.numel() else 1)
-        cos, sin = cos[positions].to(x.dtype), sin[positions].to(x.dtype)
-        h = rms_norm(x, self.attn_norm.to(x.dtype), self.eps)
-        q, k, v = F.linear(h, self.wqkv.to(x.dtype)).split(
-            [self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
-        q = apply_rope(q.reshape(-1, self.num_heads, D), cos, sin)
-        k = apply_rope(k.reshape(-1, self.num_kv_heads, D), cos, sin)
-        return q, k, v.reshape(-1, self.num_kv_heads, D)
+        return self.block.qkv(self.block_weights(x.dtype), x, self._rope_at(positions, x.dtype))
 
     def output(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Residual + attention output projection + MLP: x [T, H], attn [T, Hq*D] -> g [T, H]."""
-        h = x + F.linear(attn, self.wo.to(x.dtype))
-        gate, up = F.linear(rms_norm(h, self.mlp_norm.to(x.dtype), self.eps), self.w_gate_up.to(x.dtype)).chunk(2, -1)
-        return h + F.linear(F.silu(gate) * up, self.w_down.to(x.dtype))
+        return self.block.output(self.block_weights(x.dtype), x, attn)
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:
         """g [..., H] -> fp32 draft logits [..., Vd] (index into ``draft_vocab``)."""
@@ -189,9 +198,10 @@ class EagleHead(nn.Module):
         return self
 
     @staticmethod
-    def _linear(x: torch.Tensor, w) -> torch.Tensor:
-        """x @ w^T in x's dtype (quantized_linear returns fp32)."""
-        return linear(x, w).to(x.dtype)
+    def _linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The decode block's product: the model's linear, in x's dtype (quantized_linear
+        returns fp32)."""
+        return linear(x, w, bias).to(x.dtype)
 
     @torch.inference_mode()
     def decode_inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -200,23 +210,15 @@ class EagleHead(nn.Module):
 
     @torch.inference_mode()
     def decode_qkv(self, x: torch.Tensor, positions: torch.Tensor):
-        w = self.decode_weights(x.dtype)
-        D = self.head_dim
-        cos, sin = self._rope(int(positions.max()) + 1)
-        cos, sin = cos[positions].to(x.dtype), sin[positions].to(x.dtype)
-        q, k, v = self._linear(rms_norm(x, w["attn_norm"], self.eps), w["wqkv"]).split(
-            [self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
-        q = apply_rope(q.reshape(-1, self.num_heads, D), cos, sin)
-        k = apply_rope(k.reshape(-1, self.num_kv_heads, D), cos, sin)
-        return q, k, v.reshape(-1, self.num_kv_heads, D)
+        """:meth:`qkv` on the decode weights (x [T, H] in the decode dtype)."""
+        return self.decode_block.qkv(self.decode_weights(x.dtype), x, self._rope_at(positions, x.dtype))
 
     @torch.inference_mode()
     def decode_output(self, x: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (g [T, H], fp32 draft log-probs [T, Vd])."""
+        """:meth:`output` then the draft logits on the decode weights -> (g [T, H], fp32
+        draft log-probs [T, Vd])."""
         w = self.decode_weights(x.dtype)
-        h = x + self._linear(attn, w["wo"])
-        gate, up = self._linear(rms_norm(h, w["mlp_norm"], self.eps), w["w_gate_up"]).chunk(2, -1)
-        g = h + self._linear(F.silu(gate) * up, w["w_down"])
+        g = self.decode_block.output(w, x, attn)
         logits = linear(rms_norm(g, w["norm"], self.eps), w["lm_head_draft"]).float()
         return g, logits.log_softmax(-1)
 
@@ -269,7 +271,8 @@ def load_eagle_head(path, target) -> EagleHead:
     if state["fc"].shape != (target.config.hidden_size, 2 * target.config.hidden_size):
         raise ValueError(f"{path}: fc has shape {tuple(state['fc'].shape)}, the target's hidden size is "
                          f"{target.config.hidden_size}")
-    head = EagleHead(target.config, state["draft_vocab"], intermediate_size=state["w_down"].shape[1])
+    head = EagleHead(target.config, state["draft_vocab"], intermediate_size=state["w_down"].shape[1],
+                     attention_bias="bqkv" in state)
     head.load_state_dict({k: v.float() for k, v in state.items()})
     head.metadata = meta
     head.to(target.dtype)

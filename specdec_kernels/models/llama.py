@@ -1,9 +1,10 @@
 """A Llama-family transformer (Llama, SmolLM2, Qwen2, ...) for speculative decoding.
 
-One readable implementation: RMSNorm, rotary embeddings at explicit positions, grouped-query
-attention, SwiGLU MLP, tied or untied LM head; Qwen2 is the same layer with biases on the
-q, k and v projections (``config.attention_bias``: one fused q|k|v bias next to the fused
-weight, added by the product itself). Every token that is decoded or verified goes
+One readable implementation: the layers are ``models.block.DecoderBlock`` (RMSNorm, rotary
+embeddings at explicit positions, grouped-query attention, SwiGLU MLP), then a tied or untied
+LM head; Qwen2 is the same layer with biases on the q, k and v projections
+(``config.attention_bias``: one fused q|k|v bias next to the fused weight, added by the
+product itself). Every token that is decoded or verified goes
 through ``specdec::tree_attention`` over a paged KV cache: a forward takes the new tokens of a
 batch of requests flattened to [T] (request b owns rows ``qo_indptr[b]:qo_indptr[b+1]``), their
 positions (``prefix_len + depth`` for tree nodes), and an optional tree mask. Prefill of a
@@ -20,15 +21,13 @@ weights keep fp32 activations, or with ``with_int8_activations`` (weight format
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from .block import DecoderBlock, linear, paged_attention, rms_norm, rope_at, rope_tables
 from .config import LlamaConfig
-from .skinny_rows import skinny_linear_rows
-from .. import ops
 from ..gguf_blocks import QuantizedWeight
 from ..kv_cache import PagedKVCache
 
@@ -63,42 +62,6 @@ def dense(w) -> torch.Tensor:
     return w.dequantize() if is_block_weight(w) else w
 
 
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ w^T (+ bias [N]): block weights through ``QuantizedWeight.linear``, tensors through
-    ``ops.linear`` with the model's rule for which row counts go to skinny_linear
-    (``skinny_rows.skinny_linear_rows``); ``w`` may be a tuple of row blocks kept
-    separate (block weights of different types that cannot be concatenated), whose outputs
-    are concatenated (the bias is cut at the same rows)."""
-    if isinstance(w, tuple):
-        biases = bias.split([p.shape[0] for p in w]) if bias is not None else [None] * len(w)
-        return torch.cat([linear(x, p, b) for p, b in zip(w, biases)], dim=-1)
-    if isinstance(w, QuantizedWeight):
-        return w.linear(x, bias)  # every row count: the blocks' batch-invariant kernel
-    return ops.linear(x, w, bias, skinny_rows=skinny_linear_rows(x.dtype))
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight over the last dim (torch's fused kernel: one op
-    instead of six per call, 61 calls per decode step)."""
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
-def rope_tables(config: LlamaConfig, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: fp32 [max_pos, head_dim] in the rotate-half layout."""
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
-
-
 class Llama:
     """Weights as plain tensors (no nn.Module machinery on the hot path).
 
@@ -130,6 +93,7 @@ class Llama:
         if weight_format is None:
             weight_format = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(self.dtype, str(self.dtype))
         self.weight_format = weight_format
+        self.block = DecoderBlock.of(config)  # every layer's arithmetic (models.block)
         self._rope_len = 0
         self._ensure_rope(min(config.max_position_embeddings, 4096))
 
@@ -266,20 +230,6 @@ class Llama:
             self._rope_len = n
 
     # ---- forward ------------------------------------------------------------------------
-    def _qkv(self, L: dict, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """cos, sin: [T, D], the rotary tables at the tokens' positions (gathered once per forward)."""
-        c = self.config
-        D = c.head_dim
-        qkv = linear(rms_norm(x, L["attn_norm"], c.rms_norm_eps), L["wqkv"], L.get("bqkv"))
-        q, k, v = qkv.split([c.num_heads * D, c.num_kv_heads * D, c.num_kv_heads * D], dim=-1)
-        q = apply_rope(q.view(-1, c.num_heads, D), cos, sin)
-        k = apply_rope(k.view(-1, c.num_kv_heads, D), cos, sin)
-        return q, k, v.reshape(-1, c.num_kv_heads, D)
-
-    def _mlp(self, L: dict, h: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(rms_norm(h, L["mlp_norm"], self.config.rms_norm_eps), L["w_gate_up"]).chunk(2, dim=-1)
-        return h + linear(F.silu(gate) * up, L["w_down"])
-
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: [T, H] -> fp32 [T, V] ([T, Vd] with a ``draft_vocab``)."""
         return linear(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head).float()
@@ -297,22 +247,12 @@ class Llama:
         """Run T new tokens (int64 [T], positions int64 [T]) of a batch through the first
         ``num_layers`` layers (all by default), writing their K/V into ``cache`` at
         ``batch.slot_mapping`` (nothing is committed: the caller owns the cache lengths). Returns the last hidden states [T, H] (before the final norm)."""
-        c = self.config
         self._ensure_rope(int(positions.max()) + 1)
-        sm_scale = 1.0 / math.sqrt(c.head_dim)
-        cos, sin = self.cos[positions], self.sin[positions]
+        rope = rope_at(self.cos, self.sin, positions)
         h = self.embed_tokens(tokens)
         for i, L in enumerate(self.layers[:num_layers]):
-            q, k, v = self._qkv(L, h, cos, sin)
-            cache.write(i, batch.slot_mapping, k, v)
-            # The op directly, not ops.tree_attention: the wrapper's Python argument checks
-            # cost ~tens of microseconds per layer per step, and the C++/Triton kernel checks
-            # every argument again anyway (RuntimeError).
-            attn = torch.empty_like(q)
-            torch.ops.specdec.tree_attention(q, cache.k_caches[i], cache.v_caches[i], batch.block_table,
-                                             batch.prefix_lens, batch.qo_indptr, batch.tree_mask, sm_scale, attn, None)
-            h = h + linear(attn.reshape(attn.shape[0], -1), L["wo"])
-            h = self._mlp(L, h)
+            q, k, v = self.block.qkv(L, h, rope)
+            h = self.block.output(L, h, paged_attention(cache, i, batch, q, k, v))
         return h
 
     @torch.inference_mode()
@@ -336,18 +276,17 @@ class Llama:
         all_slots = cache.slot_mapping(slot, torch.arange(start + S, device=tokens.device))
         # The mask lets query s see keys 0..start+s.
         mask = None if start == 0 else torch.ones(S, start + S, dtype=torch.bool, device=tokens.device).tril(start)
-        cos, sin = self.cos[positions], self.sin[positions]
+        rope = rope_at(self.cos, self.sin, positions)
         h = self.embed_tokens(tokens)
         for i, L in enumerate(self.layers[:num_layers]):
-            q, k, v = self._qkv(L, h, cos, sin)
+            q, k, v = self.block.qkv(L, h, rope)
             cache.write(i, new.slot_mapping, k, v)
             keys = cache.k_caches[i].view(-1, c.num_kv_heads, c.head_dim)[all_slots]
             values = cache.v_caches[i].view(-1, c.num_kv_heads, c.head_dim)[all_slots]
             attn = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
                 attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-            h = h + linear(attn[0].transpose(0, 1).reshape(S, -1), L["wo"])
-            h = self._mlp(L, h)
+            h = self.block.output(L, h, attn[0].transpose(0, 1).reshape(S, -1))
             captured[i + 1] = h
         if commit:
             cache.commit([slot], [S])

@@ -50,25 +50,24 @@ from . import distill_data
 from .eagle_training import draft_vocabulary  # the EAGLE trainer's draft vocabulary
 from .medusa_training import warmup_cosine
 from ..decoding.cost_model import draft_token_seconds
-from ..draft_model import LAYER_KEYS
-from ..models.llama import apply_rope, dense, rope_tables
+from ..models.block import DecoderBlock, causal_attention, layer_keys, rms_norm, rope_at, rope_tables
+from ..models.llama import dense
 
 
 # ---- the trainable models ---------------------------------------------------------------------
 class DraftLM(nn.Module):
     """Trainable twin of a Llama draft (the decode loop's plain-tensor class has no autograd):
-    ``layers`` of the Llama layout as parameters, the final norm, and frozen buffers
-    ``embed`` [V, H] (the target's) and ``lm_head`` [Vd, H] (the target's draft-vocabulary rows)."""
+    the same :class:`~specdec_kernels.models.block.DecoderBlock` with ``F.linear`` as its
+    product and causal SDPA as its attention, over ``layers`` of the Llama layout as
+    parameters (one ``nn.ParameterDict`` each), the final norm, and frozen buffers ``embed``
+    [V, H] (the target's) and ``lm_head`` [Vd, H] (the target's draft-vocabulary rows)."""
 
     def __init__(self, config, layers: list, norm: torch.Tensor, embed: torch.Tensor, lm_head: torch.Tensor):
         super().__init__()
         self.config = config
-        self.layers = nn.ModuleList()
-        for L in layers:
-            m = nn.Module()
-            for k, v in L.items():
-                setattr(m, k, nn.Parameter(dense(v).float().clone()))
-            self.layers.append(m)
+        self.block = DecoderBlock.of(config, F.linear)
+        self.layers = nn.ModuleList(
+            nn.ParameterDict({k: nn.Parameter(dense(v).float().clone()) for k, v in L.items()}) for L in layers)
         self.norm = nn.Parameter(norm.float().clone())
         self.register_buffer("embed", embed.float(), persistent=False)
         self.register_buffer("lm_head", lm_head.float(), persistent=False)
@@ -76,31 +75,18 @@ class DraftLM(nn.Module):
 
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens int64 [B, T] -> final-normed hidden states [B, T, H] (causal)."""
-        c = self.config
-        B, T = tokens.shape
-        D, Hq, Hkv = c.head_dim, c.num_heads, c.num_kv_heads
-        cos, sin = self._rope[0][:T], self._rope[1][:T]
+        rope = rope_at(*self._rope, torch.arange(tokens.shape[1]))
         x = self.embed[tokens]
         for L in self.layers:
-            h = F.rms_norm(x, (x.shape[-1],), L.attn_norm, c.rms_norm_eps)
-            q, k, v = F.linear(h, L.wqkv, getattr(L, "bqkv", None)).split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-            q = apply_rope(q.reshape(B, T, Hq, D), cos, sin).transpose(1, 2)
-            k = apply_rope(k.reshape(B, T, Hkv, D), cos, sin).transpose(1, 2)
-            v = v.reshape(B, T, Hkv, D).transpose(1, 2)
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            x = x + F.linear(a.transpose(1, 2).reshape(B, T, Hq * D), L.wo)
-            h = F.rms_norm(x, (x.shape[-1],), L.mlp_norm, c.rms_norm_eps)
-            gate, up = F.linear(h, L.w_gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, L.w_down)
-        return F.rms_norm(x, (x.shape[-1],), self.norm, c.rms_norm_eps)
+            x = self.block(L, x, rope, causal_attention)
+        return rms_norm(x, self.norm, self.config.rms_norm_eps)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens int64 [B, T] -> fp32 draft logits [B, T, Vd]."""
         return F.linear(self.hidden(tokens), self.lm_head)
 
     def layer_weights(self) -> list:
-        keys = LAYER_KEYS + (("bqkv",) if self.config.attention_bias else ())
-        return [{k: getattr(L, k).detach().clone() for k in keys} for L in self.layers]
+        return [{k: L[k].detach().clone() for k in layer_keys(self.config.attention_bias)} for L in self.layers]
 
 
 class ExitHead(nn.Module):
