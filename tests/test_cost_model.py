@@ -260,14 +260,18 @@ def test_chain_tokens():
 
 
 def test_best_chain_length():
-    k, speed = best_chain_length(0.8, 12, lambda rows: 1.0)  # free drafts and rows: the longest chain
+    k, speed = best_chain_length(0.8, 12, as_step_cost(lambda rows: 1.0))  # free drafts and rows: the longest chain
     assert k == 12 and speed > 3
-    assert best_chain_length(0.8, 12, lambda rows: 1.0, draft_cost=0.05)[0] == 8  # a draft token: 5% of a step
-    assert best_chain_length(0.1, 12, lambda rows: 1.0 + rows, draft_cost=0.5) == (0, 1.0)  # nothing pays
+    assert best_chain_length(0.8, 12, as_step_cost(lambda rows: 1.0), draft_cost=0.05)[0] == 8  # a draft token: 5% of a step
+    assert best_chain_length(0.1, 12, as_step_cost(lambda rows: 1.0 + rows), draft_cost=0.5) == (0, 1.0)  # nothing pays
     # The batch's rows: free at batch 1, costly at batch 4 (the batch already fills the step).
     curve = StepCost({1: {1: 1.0, 64: 1.0}, 4: {4: 1.0, 5: 50.0, 256: 5000.0}})
     assert best_chain_length(0.9, 6, curve, batch=1)[0] == 6 and best_chain_length(0.9, 6, curve, batch=4)[0] == 0
-    values = chain_payoffs(0.5, 3, [1.0, 1.5, 2.0, 2.5], width=2)  # a root with one extra child: k + 2 rows
+    # ... through any (rows, batch) callable, e.g. a drafter's ``cost``: the batch is passed on.
+    assert best_chain_length(0.9, 6, lambda rows, batch: curve(rows, batch), batch=4)[0] == 0
+    assert best_node_count([0.9] * 4, lambda rows, batch: curve(rows, batch), batch=4)[0] == 0
+    assert best_node_count([0.9] * 4, lambda rows, batch: curve(rows, batch), batch=1)[0] == 4
+    values = chain_payoffs(0.5, 3, as_step_cost([1.0, 1.5, 2.0, 2.5]), width=2)  # a root with one extra child: k + 2 rows
     assert values == [1.0, 1.5 / 2.0, 1.75 / 2.5, 1.875 / 3.0]
 
 
@@ -278,7 +282,7 @@ def test_best_node_count_and_row_price():
     assert n == 2 and value == pytest.approx(3.7 / (1.17 / 1.08))
     assert tree_payoffs([], cost, batch=2) == [2.0]
     assert best_node_count([0.9], cost, batch=2, draft_cost=5.0)[0] == 1  # spent drafting does not stop a node
-    assert best_node_count([0.9, 0.8], lambda rows: 1.0)[0] == 2  # free rows: every node
+    assert best_node_count([0.9, 0.8], as_step_cost(lambda rows: 1.0))[0] == 2  # free rows: every node
     # A node pays for its row exactly when its probability beats row_price.
     for curve in CURVES:
         for rows, tokens in ((1, 1.0), (4, 4.6), (9, 5.0)):

@@ -564,7 +564,8 @@ def relative_cost(seconds: float, cost, batch: int = 1) -> float:
 def payoff(tokens: float, rows: int, cost, *, batch: int = 1, draft_cost: float = 0.0) -> float:
     """Expected tokens per unit time of a step: ``tokens`` expected emitted tokens over
     ``cost(rows, batch) + draft_cost`` (``rows``: verified rows in all, roots included;
-    ``cost``: a (rows, batch) -> relative cost callable, e.g. a StepCost)."""
+    ``cost``: a (rows, batch) -> relative cost callable: a StepCost, a RelativeStepCost, a
+    drafter's ``cost`` or ``as_step_cost(...)`` of a curve of rows alone)."""
     return tokens / (cost(rows, batch) + draft_cost)
 
 
@@ -593,8 +594,7 @@ def chain_payoffs(acceptance: float, cap: int, cost, *, batch: int = 1, width: i
     width), batch) + k draft_cost)``. ``width``: rows per request besides the chain (1: the
     root; a top-k tree's extra root children add to it and count as cost only);
     ``draft_cost``: one drafted token's time (:func:`relative_cost`). k = 0 drafts nothing
-    (no drafting runs): 1.0."""
-    cost = as_step_cost(cost)
+    (no drafting runs): 1.0. ``cost``: as in :func:`payoff`."""
     return [1.0] + [payoff(chain_tokens(acceptance, k), batch * (k + width), cost, batch=batch, draft_cost=k * draft_cost)
                     for k in range(1, cap + 1)]
 
@@ -605,8 +605,8 @@ def tree_payoffs(probs, cost, *, batch: int = 1, draft_cost: float = 0.0) -> lis
     ``probs``: the candidate nodes' probabilities of being accepted, over the whole batch,
     most probable first (a node's expected tokens are its probability: its path is accepted
     up to it); each request's root is one of the ``batch`` rows and emits one token.
-    ``draft_cost``: the drafting time spent for these candidates (:func:`relative_cost`)."""
-    cost = as_step_cost(cost)
+    ``draft_cost``: the drafting time spent for these candidates (:func:`relative_cost`);
+    ``cost``: as in :func:`payoff`."""
     total = float(batch)
     values = [payoff(total, batch, cost, batch=batch, draft_cost=draft_cost)]
     for n, p in enumerate(probs, 1):

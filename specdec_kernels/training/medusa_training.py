@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from .._platform import user_cache_dir
-from ..decoding.cost_model import tree_payoffs
+from ..decoding.cost_model import as_step_cost, tree_payoffs
 from ..medusa import MedusaHeads, save_medusa_heads
 from .medusa_loss import medusa_targets, train_step
 
@@ -344,7 +344,8 @@ def pick_tree_size(scored: list, *, cost_per_node: float, draft_cost: float) -> 
     added 5-10% of an autoregressive step — the forward turns compute-bound beyond a few
     tokens — and the heads ~7% with a 4k-token draft vocabulary, ~20% without). No tree (n
     = 0) is an autoregressive step: speedup 1, the heads do not run."""
-    values = tree_payoffs([v for _, v in scored], lambda rows: 1 + cost_per_node * (rows - 1), draft_cost=draft_cost)
+    cost = as_step_cost(lambda rows: 1 + cost_per_node * (rows - 1))
+    values = tree_payoffs([v for _, v in scored], cost, draft_cost=draft_cost)
     table, acc, best = [], 1.0, (1.0, 0)
     for n, ((_, v), speed) in enumerate(zip(scored, values[1:]), start=1):
         acc += v
