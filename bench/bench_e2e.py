@@ -244,7 +244,7 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
         return reqs, time.perf_counter() - t
 
     ours([None][0], [prompts[0]["ids"]])  # warm-up
-    for spec in args.drafters:  # drafter construction measures the step cost once (cached per machine)
+    for spec in args.drafters:  # warm-up: the first generation measures the step cost once (cached per machine)
         ours(spec, [prompts[0]["ids"][:8]])
     methods = ["ours-ar"] + list(args.drafters)
     if fp32_model is not None and fp32_model is not model:

@@ -31,7 +31,7 @@ spelled out in ``dequantize``).
 ``pack_int8_activation`` repacks Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks 16
 rows at a time for ``ops.int8_activation_linear`` (activations quantised to int8, integer dot
 products);
-``QuantizedWeight.with_int8_activations`` attaches that packing to a weight, and ``ops.linear``
+``QuantizedWeight.with_int8_activations`` attaches that packing to a weight, and its ``linear``
 then uses it.
 """
 from __future__ import annotations
@@ -418,7 +418,7 @@ class QuantizedWeight:
 
     blocks: uint8 [N, row_bytes(block_type, H)], contiguous; block_type: GGML type id;
     shape: (N, H), the logical shape (GGUF files list it reversed, as [H, N]);
-    int8_packed: None, or ``pack_int8_activation(blocks)``: then ``ops.linear`` multiplies
+    int8_packed: None, or ``pack_int8_activation(blocks)``: then :meth:`linear` multiplies
     with ``int8_activation_linear`` (activations quantised to int8) instead of
     ``quantized_linear`` (see ``with_int8_activations``).
     Row operations (``rows``, ``cat``) move whole rows of blocks: a row gather of the
@@ -470,7 +470,7 @@ class QuantizedWeight:
         return QuantizedWeight(self.blocks.to(device), self.block_type, self.shape, packed)
 
     def with_int8_activations(self) -> "QuantizedWeight":
-        """This weight with its int8-activation packing attached (``ops.linear`` then uses
+        """This weight with its int8-activation packing attached (its ``linear`` then uses
         ``int8_activation_linear``); the weight itself when its type has no such kernel
         (the types in INT8_ACTIVATION_TYPES have one)."""
         if self.block_type not in INT8_ACTIVATION_TYPES or self.int8_packed is not None:

@@ -8,7 +8,9 @@ import torch
 
 from specdec_kernels.decoding import Generator, NgramTreeDrafter, SpecSchedule
 from specdec_kernels.decoding import cost_model
-from specdec_kernels.decoding.cost_model import StepCost, as_step_cost, calibrate, step_cost_for
+from specdec_kernels.decoding.cost_model import (RelativeStepCost, StepCost, as_step_cost, best_chain_length,
+                                                 best_node_count, calibrate, chain_payoffs, chain_tokens, payoff,
+                                                 relative_cost, row_price, step_cost_for, tree_payoffs, with_seconds)
 from specdec_kernels.models import Llama, tiny_config
 
 
@@ -239,3 +241,121 @@ def test_drafter_uses_the_injected_or_generator_cost(monkeypatch):
     assert sum(out_steep.stats.drafted_per_pos) == 0
     with pytest.raises(RuntimeError, match="no step cost"):
         NgramTreeDrafter().cost(2)
+
+
+# ---- the pay-off model ------------------------------------------------------------------
+MEASURED = StepCost({1: {1: 0.010, 2: 0.0116, 4: 0.0139, 16: 0.037, 64: 0.12}, 4: {4: 0.021, 16: 0.05, 64: 0.16}})
+CURVES = [MEASURED, as_step_cost([1.0, 1.08, 1.14, 1.17, 1.24, 1.31]), as_step_cost({1: 1.0, 2: 1.3, 128: 39.1}),
+          StepCost({1: {1: 1.0, 64: 1.0}, 4: {4: 1.0, 256: 1.0}}), as_step_cost(lambda rows: 1.0 + 0.09 * (rows - 1))]
+
+
+def test_chain_tokens():
+    for a in (0.0, 0.3, 0.8, 0.99):
+        for k in (0, 1, 5):
+            assert chain_tokens(a, k) == pytest.approx((1 - a ** (k + 1)) / (1 - a))
+    assert chain_tokens([0.5, 0.4, 0.1]) == pytest.approx(1 + 0.5 + 0.2 + 0.02)
+    assert chain_tokens([0.5, 0.4, 0.1], 1) == 1.5
+    with pytest.raises(ValueError, match="chain length"):
+        chain_tokens(0.5)
+
+
+def test_best_chain_length():
+    k, speed = best_chain_length(0.8, 12, as_step_cost(lambda rows: 1.0))  # free drafts and rows: the longest chain
+    assert k == 12 and speed > 3
+    assert best_chain_length(0.8, 12, as_step_cost(lambda rows: 1.0), draft_cost=0.05)[0] == 8  # a draft token: 5% of a step
+    assert best_chain_length(0.1, 12, as_step_cost(lambda rows: 1.0 + rows), draft_cost=0.5) == (0, 1.0)  # nothing pays
+    # The batch's rows: free at batch 1, costly at batch 4 (the batch already fills the step).
+    curve = StepCost({1: {1: 1.0, 64: 1.0}, 4: {4: 1.0, 5: 50.0, 256: 5000.0}})
+    assert best_chain_length(0.9, 6, curve, batch=1)[0] == 6 and best_chain_length(0.9, 6, curve, batch=4)[0] == 0
+    # ... through any (rows, batch) callable, e.g. a drafter's ``cost``: the batch is passed on.
+    assert best_chain_length(0.9, 6, lambda rows, batch: curve(rows, batch), batch=4)[0] == 0
+    assert best_node_count([0.9] * 4, lambda rows, batch: curve(rows, batch), batch=4)[0] == 0
+    assert best_node_count([0.9] * 4, lambda rows, batch: curve(rows, batch), batch=1)[0] == 4
+    values = chain_payoffs(0.5, 3, as_step_cost([1.0, 1.5, 2.0, 2.5]), width=2)  # a root with one extra child: k + 2 rows
+    assert values == [1.0, 1.5 / 2.0, 1.75 / 2.5, 1.875 / 3.0]
+
+
+def test_best_node_count_and_row_price():
+    # Two requests: rows at 1.08, 1.14, 1.17, 1.24 of a 2-row step; 0.9 and 0.8 pay, 0.05 does not.
+    cost = StepCost({2: {2: 1.0, 3: 1.14 / 1.08, 4: 1.17 / 1.08, 5: 1.24 / 1.08}})
+    n, value = best_node_count([0.9, 0.8, 0.05], cost, batch=2)
+    assert n == 2 and value == pytest.approx(3.7 / (1.17 / 1.08))
+    assert tree_payoffs([], cost, batch=2) == [2.0]
+    assert best_node_count([0.9], cost, batch=2, draft_cost=5.0)[0] == 1  # spent drafting does not stop a node
+    assert best_node_count([0.9, 0.8], as_step_cost(lambda rows: 1.0))[0] == 2  # free rows: every node
+    # A node pays for its row exactly when its probability beats row_price.
+    for curve in CURVES:
+        for rows, tokens in ((1, 1.0), (4, 4.6), (9, 5.0)):
+            value = payoff(tokens, rows, as_step_cost(curve))
+            price = row_price(value, rows, as_step_cost(curve))
+            for p in (price * 0.99, price * 1.01):
+                if p > 0:
+                    assert (payoff(tokens + p, rows + 1, as_step_cost(curve)) > value) == (p > price)
+
+
+def test_relative_curves_take_their_seconds():
+    relative = with_seconds({1: 1.0, 2: 1.3, 128: 39.1}, 0.02)
+    assert isinstance(relative, RelativeStepCost) and relative(2) == pytest.approx(1.3)
+    assert relative.seconds(2) == pytest.approx(0.026) and relative_cost(0.013, relative, 2) == pytest.approx(0.5)
+    assert with_seconds(MEASURED, 5.0) is MEASURED  # a StepCost holds its own seconds
+    with pytest.raises(RuntimeError, match="one-row step"):
+        with_seconds([1.0, 1.1]).seconds(1)
+    model = Llama.random(tiny_config(num_layers=1), seed=0)
+    gen = Generator(model, step_cost=[1.0, 1.5])
+    own = gen.drafter_step_cost([1.0, 2.0], step_seconds=0.5)
+    assert own(2) == 2.0 and own.seconds(2) == 1.0  # the drafter's own curve and seconds
+    gen.step_cost = MEASURED
+    assert gen.drafter_step_cost() is MEASURED
+    rel = gen.drafter_step_cost([1.0, 2.0])  # a relative curve: the seconds of the Generator's curve
+    assert rel.seconds(1) == pytest.approx(0.010) and relative_cost(0.010, rel, 1) == pytest.approx(1.0)
+
+
+# The sizing rules as each drafter and trainer wrote them before the pay-off model (issue 24),
+# to show the pay-off functions make the same decisions.
+def _old_chain_length(a, cap, cost, width, c, batch):  # ModelDrafter.chain_length
+    best_k, best = 0, 1.0
+    for k in range(1, cap + 1):
+        value = sum(a ** i for i in range(k + 1)) / (cost(batch * (k + width), batch) + k * c)
+        if value > best:
+            best_k, best = k, value
+    return best_k
+
+
+def _old_select(probs, cost, B, draft_rel):  # NgramTreeDrafter.select (draft_rel 0), EagleDrafter._select
+    best_n, best, total = 0, B / (cost(B, B) + draft_rel), float(B)
+    for n, p in enumerate(probs, 1):
+        total += p
+        value = total / (cost(B + n, B) + draft_rel)
+        if value > best:
+            best_n, best = n, value
+    return best_n, best
+
+
+def _old_pick_tree_size(values, cost_per_node, draft_cost):  # medusa_training.pick_tree_size
+    acc, best = 1.0, (1.0, 0)
+    for n, v in enumerate(values, start=1):
+        acc += v
+        speed = acc / (1 + cost_per_node * n + draft_cost)
+        if speed > best[0]:
+            best = (speed, n)
+    return best[1]
+
+
+def test_pay_off_sizes_as_the_drafters_did():
+    from specdec_kernels.training.medusa_training import pick_tree_size
+
+    g = torch.Generator().manual_seed(0)
+    for case in range(60):
+        cost = CURVES[case % len(CURVES)]
+        batch = (1, 2, 4)[case % 3]
+        a = float(torch.rand(1, generator=g))
+        c = float(torch.rand(1, generator=g)) * 0.2
+        for width in (1, 3):
+            k, _ = best_chain_length(a, 8, cost, batch=batch, width=width, draft_cost=c)
+            assert k == _old_chain_length(a, 8, as_step_cost(cost), width, c, batch)
+        probs = sorted(torch.rand(12, generator=g).pow(3).tolist(), reverse=True)
+        for draft_rel in (0.0, c):
+            assert best_node_count(probs, cost, batch=batch, draft_cost=draft_rel) == \
+                _old_select(probs, as_step_cost(cost), batch, draft_rel)
+        scored = [((i,), p) for i, p in enumerate(probs)]
+        assert pick_tree_size(scored, cost_per_node=c, draft_cost=c / 2)[0] == _old_pick_tree_size(probs, c, c / 2)

@@ -175,7 +175,7 @@ def test_sampling_distribution_equals_target(drafter, params):
     m = Llama.random(tiny_config(vocab_size=8, num_layers=2), seed=3)
     make = {"ngram": lambda: NgramDrafter(min_ngram=1),
             # Every token of the prompt recurs: the first draft is a tree with 3 children of the root.
-            "ngram-tree": lambda: NgramTreeDrafter(verify_cost=[1.0] * 32),  # free rows: keep every node
+            "ngram-tree": lambda: NgramTreeDrafter(step_cost=[1.0] * 32),  # free rows: keep every node
             "draft": lambda: ModelDrafter(Llama.random(tiny_config(vocab_size=8, num_layers=1), seed=4)),
             "draft-tree": lambda: ModelDrafter(m.truncated(1), tree_width=2),
             "self-spec": lambda: SelfSpecDrafter(m, 1)}[drafter]
@@ -338,15 +338,15 @@ class _TreeDrafter(NgramTreeDrafter):
     FIRST = (0.21, 0.46, 0.64, 0.70, 0.70, 0.85)
     NEXT = (0.60, 0.68, 0.72, 0.75, 0.78, 0.86)
     RANK = (1.0, 0.85, 0.75, 0.55)
-    VERIFY_COST = (1.0, 1.08, 1.14, 1.17, 1.24, 1.31, 1.36, 1.41, 1.46, 1.52, 1.56, 1.61)
+    STEP_COST = (1.0, 1.08, 1.14, 1.17, 1.24, 1.31, 1.36, 1.41, 1.46, 1.52, 1.56, 1.61)
 
     def __init__(self, **kw):  # an injected cost table, not the target's measured curve
-        kw.setdefault("verify_cost", self.VERIFY_COST)
+        kw.setdefault("step_cost", self.STEP_COST)
         super().__init__(**kw)
 
 
 def test_ngram_tree_merges_matches_into_a_trie():
-    d = _TreeDrafter(max_nodes=32, verify_cost=[1.0] * 64)  # free rows: keep every node
+    d = _TreeDrafter(max_nodes=32, step_cost=[1.0] * 64)  # free rows: keep every node
     # The last tokens (2, 3) occur three times before: [1 2 3] once (match length 3), [2 3] twice.
     toks = [1, 2, 3, 4, 5, 9, 2, 3, 6, 7, 8, 2, 3, 4, 9, 1, 2, 3]
     ends, lengths = d.matches(np.asarray(toks))
@@ -362,9 +362,9 @@ def test_ngram_tree_merges_matches_into_a_trie():
     _, _, _, ranked = d.candidates(toks, 3)
     assert [round(p, 2) for p, _ in ranked[:5]] == [0.81, 0.46, 0.39, 0.33, 0.31]
     # Budget per request: the most probable nodes, still a tree, and no deeper than k.
-    parents, tokens = _TreeDrafter(max_nodes=4, verify_cost=[1.0] * 64).build(toks, 3)
+    parents, tokens = _TreeDrafter(max_nodes=4, step_cost=[1.0] * 64).build(toks, 3)
     assert set(_paths(parents, tokens)) == {(), (4,), (4, 5), (6,)}
-    parents, tokens = _TreeDrafter(max_nodes=5, verify_cost=[1.0] * 64).build(toks, 3)
+    parents, tokens = _TreeDrafter(max_nodes=5, step_cost=[1.0] * 64).build(toks, 3)
     assert set(_paths(parents, tokens)) == {(), (4,), (4, 5), (6,), (4, 5, 9)}
     assert max(len(p) for p in _paths(*d.build(toks, 2))) == 2
 
@@ -377,7 +377,7 @@ def test_ngram_tree_size_follows_the_verification_cost():
     # A lone one-token match (p = 0.21, then 0.13): worth two extra rows at the default cost...
     assert d.build([5, 6, 5], 4) == ([-1, 0, 1], [5, 6, 5])
     # ... not at 50% more per row: a plain autoregressive step.
-    assert _TreeDrafter(verify_cost=[1.0, 1.5, 2.0, 2.5]).build([5, 6, 5], 4) == ([-1], [5])
+    assert _TreeDrafter(step_cost=[1.0, 1.5, 2.0, 2.5]).build([5, 6, 5], 4) == ([-1], [5])
     # Batch: the rows go to the most probable nodes of the batch, while they pay for themselves
     # (B = 2 rows cost 1.08; + 0.9 -> 1.14, + 0.8 -> 1.17, + 0.05 -> 1.24 does not pay).
     assert d.select([[(0.9, 1), (0.8, 2)], [(0.05, 1)]]) == [2, 0]

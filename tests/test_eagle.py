@@ -40,7 +40,7 @@ def greedy_reference(model, prompt, n):
 def test_greedy_equals_autoregressive(model, prompts, variant):
     head = make_head(model, vocab=24 if variant == "eagle-small-vocab" else None)
     measured = variant == "eagle-measured-cost"
-    kw = dict(verify_cost=None if measured else FREE, step_seconds=None if measured else SLOW_STEP, top_k=3,
+    kw = dict(step_cost=None if measured else FREE, step_seconds=None if measured else SLOW_STEP, top_k=3,
               max_depth=4, max_tree_nodes=12)
     drafter = EagleDrafter(model, head, ngram=NgramDrafter() if variant == "eagle+ngram" else None, **kw)
     gen = Generator(model, drafter, SpecSchedule("max", 4, max_k=5))
@@ -58,7 +58,7 @@ def test_continuous_batching_equals_autoregressive(model, prompts, variant):
     their prompt's features: outputs equal autoregressive decoding, and the head's cache
     has one slot per running request."""
     drafter = EagleDrafter(model, make_head(model), ngram=NgramDrafter() if variant == "eagle+ngram" else None,
-                           verify_cost=FREE, step_seconds=SLOW_STEP, top_k=3, max_depth=4, max_tree_nodes=12)
+                           step_cost=FREE, step_seconds=SLOW_STEP, top_k=3, max_depth=4, max_tree_nodes=12)
     ps = prompts + [prompts[3][::-1], prompts[2][:5]]
     reqs = Generator(model, drafter, SpecSchedule("max", 4, max_k=5)).generate(ps, 16, max_batch=2)
     assert [r.output for r in reqs] == [greedy_reference(model, p, 16) for p in ps]
@@ -136,7 +136,7 @@ def test_tree_matches_brute_force(model):
             return drafts
 
     got = {}
-    drafter = Capture(model, head, top_k=top_k, max_depth=depth, max_tree_nodes=n, verify_cost=FREE, step_seconds=SLOW_STEP)
+    drafter = Capture(model, head, top_k=top_k, max_depth=depth, max_tree_nodes=n, step_cost=FREE, step_seconds=SLOW_STEP)
     Generator(model, drafter, SpecSchedule("max", depth, max_k=depth)).generate([prompt], depth + 2, stop_at_eos=False)
     d = got["draft"]
     ref = brute_force_tree(model, head, prompt, top_k, depth, n)
@@ -171,7 +171,7 @@ def test_quantized_decode_weights(model, prompts, fmt):
         assert torch.equal(qhead.decode_weights(torch.float32)["lm_head_draft"].blocks,
                            target.lm_head.rows(qhead.draft_vocab).blocks)
     qhead._decode_weights = None
-    drafter = EagleDrafter(target, qhead, verify_cost=FREE, step_seconds=SLOW_STEP, top_k=3, max_depth=4,
+    drafter = EagleDrafter(target, qhead, step_cost=FREE, step_seconds=SLOW_STEP, top_k=3, max_depth=4,
                            max_tree_nodes=12)
     # The blocks are made when the drafter is built (once), not inside its first step.
     assert qhead._decode_weights is not None and qhead._decode_key == (target.dtype, "Q8_0", False)
@@ -200,7 +200,7 @@ def test_int8_activation_decode_weights(model, prompts):
         head.set_decode_format(None, int8_activations=True)
     assert eagle_head_for(target, "untrained").int8_activations
     assert not eagle_head_for(model.quantized("Q8_0"), "untrained").int8_activations
-    drafter = EagleDrafter(target, head, verify_cost=FREE, step_seconds=SLOW_STEP, top_k=3, max_depth=4,
+    drafter = EagleDrafter(target, head, step_cost=FREE, step_seconds=SLOW_STEP, top_k=3, max_depth=4,
                            max_tree_nodes=12)
     reqs = Generator(target, drafter, SpecSchedule("max", 4, max_k=5)).generate(prompts, 16)
     for p, r in zip(prompts, reqs):
@@ -211,7 +211,7 @@ def test_int8_activation_decode_weights(model, prompts):
 def test_tree_size_follows_verification_cost(model, prompts):
     head = make_head(model)
     expensive = {1: 1.0, 2: 100.0}  # any extra row costs 100 steps: nothing pays
-    drafter = EagleDrafter(model, head, top_k=3, verify_cost=expensive, step_seconds=1.0)
+    drafter = EagleDrafter(model, head, top_k=3, step_cost=expensive, step_seconds=1.0)
     reqs = Generator(model, drafter, SpecSchedule("max", 4, max_k=4)).generate(prompts[1:2], 6)
     assert drafter.stats["nodes"] == 0 and reqs[0].stats.steps == 6
 
@@ -223,7 +223,7 @@ def test_tree_size_follows_the_batch_cost(model, prompts):
 
     curve = StepCost({1: {1: 1.0, 128: 1.0}, 4: {4: 1.0, 5: 50.0, 512: 5000.0}})
     for batch, drafts in ((1, True), (4, False)):
-        drafter = EagleDrafter(model, make_head(model), top_k=3, max_depth=3, verify_cost=curve)
+        drafter = EagleDrafter(model, make_head(model), top_k=3, max_depth=3, step_cost=curve)
         Generator(model, drafter, SpecSchedule("max", 4, max_k=4)).generate((prompts * 4)[:batch], 6)
         assert (drafter.stats["nodes"] > 0) == drafts, batch
 
@@ -233,7 +233,7 @@ def test_back_off_after_empty_trees_keeps_the_head_cache_whole(model, prompts):
     of skipped steps wait and go through the next catch-up pass, so the head's cache still
     holds one entry per position. Greedy output stays equal to autoregressive."""
     expensive = {1: 1.0, 2: 100.0}
-    drafter = EagleDrafter(model, make_head(model), top_k=3, verify_cost=expensive, step_seconds=1.0)
+    drafter = EagleDrafter(model, make_head(model), top_k=3, step_cost=expensive, step_seconds=1.0)
     gen = Generator(model, drafter, SpecSchedule("max", 4, max_k=4))
     seen = {}
     original = drafter.catch_up
@@ -260,7 +260,7 @@ def test_back_off_when_trees_do_not_pay_for_drafting(model, prompts, step_second
     """Free rows keep trees non-empty, but when the drafting time dwarfs a step (a 1 ns step)
     no tree pays for it — the drafter backs off all the same; when a step takes 10^6 s it
     never does. Greedy output stays equal to autoregressive either way."""
-    drafter = EagleDrafter(model, make_head(model), top_k=3, verify_cost=FREE, step_seconds=step_seconds)
+    drafter = EagleDrafter(model, make_head(model), top_k=3, step_cost=FREE, step_seconds=step_seconds)
     (r,) = Generator(model, drafter, SpecSchedule("max", 4, max_k=4)).generate(prompts[1:2], 20)
     assert r.output == greedy_reference(model, prompts[1], 20)
     assert drafter.stats["nodes"] > 0
@@ -274,7 +274,7 @@ def test_prompt_lookup_chain_is_cut_to_what_pays(model):
     chain matched the tokens the target emitted, whether the chain was kept or not."""
     from specdec_kernels.decoding.drafters import Draft
 
-    drafter = EagleDrafter(model, make_head(model), ngram=NgramDrafter(), verify_cost={1: 1.0, 2: 1.3, 128: 39.1},
+    drafter = EagleDrafter(model, make_head(model), ngram=NgramDrafter(), step_cost={1: 1.0, 2: 1.3, 128: 39.1},
                            step_seconds=1.0)
     drafter._chains, drafter._chain_rate = {}, {}
 
@@ -293,7 +293,7 @@ def test_prompt_lookup_chain_is_cut_to_what_pays(model):
     Req.tokens = Req.tokens + [3, 4]  # the target emitted 3 (accepted or bonus), then 4
     drafter._score_chain(Req, 1)
     assert abs(drafter._chain_rate[7] - (0.9 * (0.9 * 0.2 + 0.1) + 0.1)) < 1e-9
-    free = EagleDrafter(model, make_head(model), ngram=NgramDrafter(), verify_cost=FREE, step_seconds=SLOW_STEP)
+    free = EagleDrafter(model, make_head(model), ngram=NgramDrafter(), step_cost=FREE, step_seconds=SLOW_STEP)
     free._chains, free._chain_rate = {}, {7: 0.01}
     assert len(free._with_ngram([Req], [4], [Draft.root_only(4)])[0].tokens) > 1  # free rows: the whole chain
 
@@ -314,13 +314,13 @@ def test_prompt_lookup_chain_is_cut_to_what_pays(model):
 def test_beam_keeps_only_nodes_whose_children_can_pay(model):
     """A parent whose cumulative probability is below (tokens per unit cost) x (cost of one
     more row) has no child worth verifying, so it is not expanded; free rows keep the beam."""
-    costly = EagleDrafter(model, make_head(model), top_k=4, verify_cost={1: 1.0, 2: 1.25, 128: 32.75},
+    costly = EagleDrafter(model, make_head(model), top_k=4, step_cost={1: 1.0, 2: 1.25, 128: 32.75},
                           step_seconds=1.0)
     costly._depth_seconds = 1e-6  # drafting is nearly free: the depth pays, the rows decide
     scores = [torch.tensor([[0.9, 0.05, 0.03, 0.02]]).log()]
     threshold = costly._expansion_threshold(scores, 1)
     assert 0.05 < threshold < 0.9  # only the 0.9 node can have children worth a 0.25-step row
-    free = EagleDrafter(model, make_head(model), top_k=4, verify_cost=FREE, step_seconds=SLOW_STEP)
+    free = EagleDrafter(model, make_head(model), top_k=4, step_cost=FREE, step_seconds=SLOW_STEP)
     free._depth_seconds = 1e-6
     assert free._expansion_threshold(scores, 1) == 0.0
 
@@ -338,7 +338,7 @@ def test_sampling_distribution_equals_target(temperature, fmt):
     (its q changes, the target's distribution must not)."""
     m = Llama.random(tiny_config(vocab_size=8, num_layers=2), seed=3)
     head = make_head(m, seed=5, vocab=6).set_decode_format(fmt)  # a draft vocabulary smaller than the target's
-    drafter = EagleDrafter(m, head, sample_width=2, max_depth=3, verify_cost=FREE, step_seconds=SLOW_STEP)
+    drafter = EagleDrafter(m, head, sample_width=2, max_depth=3, step_cost=FREE, step_seconds=SLOW_STEP)
     n, prompt = 1500, (3, 1, 4)
     pairs = _sampled_pairs(m, drafter, n, dict(temperature=temperature), prompt)
     assert drafter.stats["nodes"] > 0
@@ -398,7 +398,7 @@ def test_shipped_head_accepts_on_the_real_model():
     ar = Generator(model, None).generate([ids], 32)[0].output
     results = {}
     for name, head in (("trained", eagle_head_for(model)), ("untrained", eagle_head_for(model, "untrained"))):
-        drafter = EagleDrafter(model, head, verify_cost=FREE, step_seconds=SLOW_STEP, top_k=4, max_depth=4,
+        drafter = EagleDrafter(model, head, step_cost=FREE, step_seconds=SLOW_STEP, top_k=4, max_depth=4,
                                max_tree_nodes=16)
         (r,) = Generator(model, drafter, SpecSchedule("max", 4, max_k=4)).generate([ids], 32)
         assert r.output == ar, name

@@ -72,7 +72,7 @@ def eagle(model, cls=EagleDrafter):
     beam, whatever else is in the batch (so a request's drafts are its own)."""
     torch.manual_seed(1)
     head = EagleHead.for_target(model, torch.arange(model.config.vocab_size)).eval().requires_grad_(False)
-    return cls(model, head, verify_cost={r: 1.0 for r in range(1, 129)}, step_seconds=1e6, top_k=3, max_depth=3,
+    return cls(model, head, step_cost={r: 1.0 for r in range(1, 129)}, step_seconds=1e6, top_k=3, max_depth=3,
                max_tree_nodes=8)
 
 

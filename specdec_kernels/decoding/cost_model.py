@@ -1,4 +1,5 @@
-"""The measured cost of a verification step: seconds against verified rows and batch size.
+"""The measured cost of a verification step (seconds against verified rows and batch size),
+and the one pay-off model every drafter and trainer sizes its drafts by.
 
 Speculation pays when verifying R drafted rows costs about as much as decoding one, and how
 much more R rows cost depends on the model, its weight format (fp32 matrices vs GGUF blocks:
@@ -15,7 +16,18 @@ CPU. So the tree-sizing drafters do not use a table measured on one machine; the
   ``SPECDEC_CACHE_DIR`` overrides the root), so calibration runs once per machine;
 - or pass your own: ``StepCost({1: {1: 0.010, 8: 0.012}})`` or any callable
   ``rows -> cost relative to a one-row step`` to a drafter (``step_cost=``), or to the
-  Generator (``Generator(..., step_cost=)``, the one place drafters read it from).
+  Generator (``Generator(..., step_cost=)``, the one place drafters read it from:
+  ``Generator.drafter_step_cost`` resolves, and if need be measures, the curve; no drafter
+  measures it). A relative curve gets the seconds of a one-row step
+  (:class:`RelativeStepCost`, :func:`with_seconds`) to weigh measured drafting time.
+
+The pay-off model (the end of this module): a draft's value is its expected emitted tokens
+per unit time, ``tokens / (cost(rows, batch) + draft cost)`` (:func:`payoff`), costs relative
+to a step of one row per request. :func:`chain_tokens` gives a chain's expected tokens from
+its acceptance rate(s); :func:`best_chain_length` sizes a chain (the draft-model drafters,
+the draft trainer), :func:`best_node_count` a tree from its nodes' probabilities (the
+prompt-lookup tree, EAGLE, the Medusa trainer), :func:`row_price` says what one more row
+must bring (EAGLE's beam and its prompt-lookup branch).
 
 A curve measured on a busy machine can be nonsense (issue 28: 1 row 1.18 s, 4 rows 0.135 s,
 64 rows 1.75 s, cached and reused forever). So: a calibration checks its own measurements
@@ -45,7 +57,9 @@ from typing import Callable, Mapping
 import torch
 
 __all__ = ["StepCost", "calibrate", "step_cost_for", "cache_dir", "cache_path", "cost_key", "cpu_model",
-           "as_step_cost", "curve_problems", "LiveCheck", "draft_token_seconds"]
+           "as_step_cost", "curve_problems", "LiveCheck", "draft_token_seconds", "RelativeStepCost", "with_seconds",
+           "relative_cost", "payoff", "chain_tokens", "chain_payoffs", "tree_payoffs", "best_size",
+           "best_chain_length", "best_node_count", "row_price"]
 
 # (batch, rows per request) timed, in this order: the first CALIBRATION_MIN_POINTS always
 # (the curve's shape: one row, a small tree, a large one, and batch 4), the rest while the
@@ -133,10 +147,13 @@ class StepCost:
 
 def as_step_cost(cost) -> Callable:
     """A drafter's ``step_cost`` argument as a callable ``(rows, batch=1) -> relative cost``:
-    a StepCost, a callable of ``rows`` (relative cost; batch ignored), or a sequence of
-    relative costs at 1, 2, ... rows (+ the last step per row past its end)."""
-    if isinstance(cost, StepCost):
+    a StepCost or RelativeStepCost (as they are), a callable of ``rows`` (relative cost;
+    batch ignored), a dict {rows: relative cost} (interpolated as a one-batch StepCost), or
+    a sequence of relative costs at 1, 2, ... rows (+ the last step per row past its end)."""
+    if isinstance(cost, (StepCost, RelativeStepCost)):
         return cost
+    if isinstance(cost, Mapping):
+        return StepCost({1: cost})
     if callable(cost):
         return lambda rows, batch=1: cost(rows)
     table = tuple(float(c) for c in cost)
@@ -485,3 +502,145 @@ def draft_token_seconds(model, *, context: int = 64, repeats: int = 9) -> float:
     chain costs (the calibration's own timing, at one row). Measured, never tabled: it depends
     on the draft's depth, weight format and vocabulary, the thread count and the CPU."""
     return _time_step(model, 1, 1, context, repeats)
+
+
+# ---- a relative curve with seconds ------------------------------------------------------
+class RelativeStepCost:
+    """A step-cost curve given in relative costs (``relative``: a callable ``rows -> cost
+    relative to a one-row step``, a sequence of such costs at 1, 2, ... rows, or a dict
+    {rows: relative cost}), with the seconds of a one-row step so that measured drafting
+    time can be weighed against it as against a :class:`StepCost`: ``cost(rows, batch)``
+    is the relative cost, ``cost.seconds(rows, batch)`` = one-row seconds x ``cost(rows)``.
+
+    ``one_row_seconds``: seconds, a callable giving them (read at each use: a measured
+    curve refreshed by :class:`LiveCheck` changes in place), or None (``seconds`` then
+    raises: a drafter that weighs drafting time needs them, see ``Generator.drafter_step_cost``).
+    """
+
+    def __init__(self, relative, one_row_seconds=None):
+        self.relative = as_step_cost(relative)
+        self.one_row_seconds = one_row_seconds
+
+    def __call__(self, rows: int, batch: int = 1) -> float:
+        return float(self.relative(rows, batch))
+
+    def seconds(self, rows: int, batch: int = 1) -> float:
+        s = self.one_row_seconds
+        if s is None:
+            raise RuntimeError("a relative step cost needs the seconds of a one-row step to weigh drafting time "
+                               "(step_seconds=, or the Generator's curve: Generator.drafter_step_cost)")
+        return (s() if callable(s) else s) * float(self.relative(rows, 1))
+
+
+def with_seconds(cost, one_row_seconds=None):
+    """``cost`` as a curve with relative costs and seconds: a StepCost as it is (it holds
+    seconds; ``one_row_seconds`` is not used), anything else (see :func:`as_step_cost`; a
+    dict {rows: relative cost} too) a :class:`RelativeStepCost` with ``one_row_seconds`` (a
+    RelativeStepCost that has its seconds is kept as it is)."""
+    if isinstance(cost, StepCost):
+        return cost
+    if isinstance(cost, RelativeStepCost):
+        if cost.one_row_seconds is not None or one_row_seconds is None:
+            return cost
+        return RelativeStepCost(cost.relative, one_row_seconds)
+    return RelativeStepCost(cost, one_row_seconds)
+
+
+# ---- pay-off: expected tokens per unit time ---------------------------------------------
+# Every drafter and trainer sizes its drafts with these. Units: costs relative to a step
+# that verifies one row per request (a StepCost gives 1.0 at rows == batch); drafting time
+# in the same unit (relative_cost). A draft's pay-off is its expected emitted tokens over
+# the cost of its step, verification (``cost(rows, batch)``) plus drafting. A step that
+# drafts nothing emits one token per request for a one-row-per-request step: pay-off 1 per
+# request.
+
+def relative_cost(seconds: float, cost, batch: int = 1) -> float:
+    """``seconds`` (e.g. measured drafting time) in the pay-off's unit: over the seconds of
+    a one-row-per-request step of ``batch`` requests (``cost``: a StepCost or a
+    RelativeStepCost, :func:`with_seconds`)."""
+    return seconds / cost.seconds(batch, batch)
+
+
+def payoff(tokens: float, rows: int, cost, *, batch: int = 1, draft_cost: float = 0.0) -> float:
+    """Expected tokens per unit time of a step: ``tokens`` expected emitted tokens over
+    ``cost(rows, batch) + draft_cost`` (``rows``: verified rows in all, roots included;
+    ``cost``: a (rows, batch) -> relative cost callable: a StepCost, a RelativeStepCost, a
+    drafter's ``cost`` or ``as_step_cost(...)`` of a curve of rows alone)."""
+    return tokens / (cost(rows, batch) + draft_cost)
+
+
+def chain_tokens(acceptance, length: int | None = None) -> float:
+    """Expected tokens one step emits with a chain of drafted tokens (the target's own
+    token included): ``acceptance`` a float, the probability that each of ``length`` drafted
+    tokens is accepted given the ones before were: 1 + a + ... + a^length; or a sequence of
+    those probabilities by depth (a_1, a_2, ...; ``length`` at most its length, default
+    all): 1 + a_1 + a_1 a_2 + ..."""
+    if isinstance(acceptance, (int, float)):
+        if length is None:
+            raise ValueError("chain_tokens(acceptance: float, length) needs the chain length")
+        return sum(acceptance ** i for i in range(length + 1))
+    rates = list(acceptance)[:length] if length is not None else list(acceptance)
+    expected, run = 1.0, 1.0
+    for a in rates:
+        run *= a
+        expected += run
+    return expected
+
+
+def chain_payoffs(acceptance: float, cap: int, cost, *, batch: int = 1, width: int = 1,
+                  draft_cost: float = 0.0) -> list:
+    """Pay-off per request of chains of k = 0..cap drafted tokens (list index k) at batch
+    ``batch``, every request drafting k: ``chain_tokens(acceptance, k) / (cost(batch (k +
+    width), batch) + k draft_cost)``. ``width``: rows per request besides the chain (1: the
+    root; a top-k tree's extra root children add to it and count as cost only);
+    ``draft_cost``: one drafted token's time (:func:`relative_cost`). k = 0 drafts nothing
+    (no drafting runs): 1.0. ``cost``: as in :func:`payoff`."""
+    return [1.0] + [payoff(chain_tokens(acceptance, k), batch * (k + width), cost, batch=batch, draft_cost=k * draft_cost)
+                    for k in range(1, cap + 1)]
+
+
+def tree_payoffs(probs, cost, *, batch: int = 1, draft_cost: float = 0.0) -> list:
+    """Pay-off of the batch's step when it verifies the first n of ``probs`` (list index n
+    = 0..len(probs)): ``(batch + sum(probs[:n])) / (cost(batch + n, batch) + draft_cost)``.
+    ``probs``: the candidate nodes' probabilities of being accepted, over the whole batch,
+    most probable first (a node's expected tokens are its probability: its path is accepted
+    up to it); each request's root is one of the ``batch`` rows and emits one token.
+    ``draft_cost``: the drafting time spent for these candidates (:func:`relative_cost`);
+    ``cost``: as in :func:`payoff`."""
+    total = float(batch)
+    values = [payoff(total, batch, cost, batch=batch, draft_cost=draft_cost)]
+    for n, p in enumerate(probs, 1):
+        total += p
+        values.append(payoff(total, batch + n, cost, batch=batch, draft_cost=draft_cost))
+    return values
+
+
+def best_size(payoffs: list) -> tuple[int, float]:
+    """(n, payoffs[n]): the smallest n with the highest pay-off (a larger draft must pay
+    strictly more)."""
+    best = 0
+    for n in range(1, len(payoffs)):
+        if payoffs[n] > payoffs[best]:
+            best = n
+    return best, payoffs[best]
+
+
+def best_chain_length(acceptance: float, cap: int, cost, *, batch: int = 1, width: int = 1,
+                      draft_cost: float = 0.0) -> tuple[int, float]:
+    """(k, its pay-off per request): the chain length 0..cap with the best pay-off
+    (:func:`chain_payoffs`)."""
+    return best_size(chain_payoffs(acceptance, cap, cost, batch=batch, width=width, draft_cost=draft_cost))
+
+
+def best_node_count(probs, cost, *, batch: int = 1, draft_cost: float = 0.0) -> tuple[int, float]:
+    """(n, the step's pay-off): how many of the batch's candidate nodes (``probs``, most
+    probable first) to verify (:func:`tree_payoffs`)."""
+    return best_size(tree_payoffs(probs, cost, batch=batch, draft_cost=draft_cost))
+
+
+def row_price(value: float, rows: int, cost, batch: int = 1) -> float:
+    """The expected tokens one more verified row must bring to raise a step's pay-off
+    ``value`` (its expected tokens per unit cost at ``rows`` rows): ``value x (cost(rows +
+    1) - cost(rows))``, since (e + p) / (c + dc) > e / c exactly when p > dc e / c. A node
+    pays for its row when its probability exceeds this (0 when rows are free)."""
+    return (cost(rows + 1, batch) - cost(rows, batch)) * value

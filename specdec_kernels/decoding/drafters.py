@@ -32,13 +32,7 @@ from ..rng import PURPOSE_DRAFT
 from ..medusa import (MedusaHeads, default_medusa_checkpoint, load_medusa_heads, read_medusa_metadata,
                       read_medusa_state_dict)
 from ..models.llama import Batch, Llama, dense, rms_norm
-from .cost_model import as_step_cost
-
-
-def generator_step_cost(gen):
-    """The step cost a drafter weighs drafts against when it was given none: the Generator's
-    declared ``step_cost`` (``Generator.step_cost``: given, or the target's measured curve)."""
-    return as_step_cost(gen.step_cost)
+from .cost_model import best_chain_length, best_node_count, relative_cost, with_seconds
 
 
 @dataclass
@@ -98,6 +92,36 @@ class Drafter:
 
     def finish(self, gen, req) -> None:
         pass
+
+
+class SizedDrafter(Drafter):
+    """A drafter that sizes its drafts by the pay-off model (``cost_model``: expected tokens
+    per unit time) against a step-cost curve: its own (``step_cost``, given to it, with the
+    seconds of a one-row step from ``step_seconds`` when the curve is relative), else the
+    Generator's, taken at each ``start`` (``Generator.drafter_step_cost``: the Generator
+    resolves, and if need be measures, the curve; a drafter never does)."""
+
+    def _own_step_cost(self, step_cost, step_seconds: float | None = None) -> None:
+        self.step_cost = None if step_cost is None else with_seconds(step_cost, step_seconds)
+        self._step_seconds = step_seconds
+        self._cost = self.step_cost  # what sizing uses: until ``start``, the own curve (or none)
+
+    def _take_step_cost(self, gen) -> None:
+        self._cost = gen.drafter_step_cost(self.step_cost, step_seconds=self._step_seconds)
+
+    def cost(self, rows: int, batch: int = 1) -> float:
+        """Step cost over ``rows`` verified rows in all at batch ``batch``, relative to a
+        step of one row per request."""
+        if self._cost is None:
+            raise RuntimeError(f"{type(self).__name__} has no step cost: pass step_cost= or call start(gen, reqs) "
+                               "(which takes the Generator's) first")
+        return float(self._cost(rows, batch))
+
+    def relative_cost(self, seconds: float, batch: int = 1) -> float:
+        """``seconds`` (measured drafting time) relative to a one-row-per-request step of
+        ``batch`` requests (``cost_model.relative_cost``)."""
+        self.cost(1)  # a clear error when there is no curve yet
+        return relative_cost(seconds, self._cost, batch)
 
 
 class NgramDrafter(Drafter):
@@ -205,7 +229,7 @@ class ChainRun:
     alts: list = field(default_factory=list)  # tree_width > 1: the root's other children
 
 
-class ModelDrafter(Drafter):
+class ModelDrafter(SizedDrafter):
     """Draft with a (smaller) Llama of the same vocabulary, chain or top-k tree.
 
     ``tree_width`` > 1 adds the next ``tree_width - 1`` best first tokens as extra children
@@ -236,7 +260,7 @@ class ModelDrafter(Drafter):
         self.max_nodes = max_k + tree_width
         self.name = name or ("draft-tree" if tree_width > 1 else "draft")
         self.sized = sized
-        self.step_cost = as_step_cost(step_cost) if step_cost is not None else None
+        self._own_step_cost(step_cost)
         self.prior = acceptance if acceptance is not None else float(
             getattr(model, "metadata", {}).get("held_out_top1", 0.5))
         # Per request: [accepted draft tokens, rejections] seen, seeded with the prior worth 4 tokens.
@@ -255,22 +279,17 @@ class ModelDrafter(Drafter):
         """The chain length (0..cap) maximising expected tokens per unit time at this batch:
         ``B * sum_{i<=k} a^i / (cost(B (k + w)) + k * t_draft / t_step)`` with ``a`` the running
         acceptance, ``cost`` the target's step-cost curve (relative to a one-row-per-request
-        step), ``w`` the tree width and ``t_draft / t_step`` the measured draft-depth time
-        over a target step (``acceptance``: default the prior)."""
-        a, w = (self.prior if acceptance is None else acceptance), self.tree_width
-        c = self._token_s / self.step_cost.seconds(batch, batch)
-        best_k, best = 0, 1.0
-        for k in range(1, cap + 1):
-            tokens = sum(a ** i for i in range(k + 1))  # the root's extra children count as cost only
-            value = tokens / (self.step_cost(batch * (k + w), batch) + k * c)
-            if value > best:
-                best_k, best = k, value
-        return best_k
+        step), ``w`` the tree width (the root's extra children count as cost only) and
+        ``t_draft / t_step`` the measured draft-depth time over a target step
+        (``cost_model.best_chain_length``; ``acceptance``: default the prior)."""
+        a = self.prior if acceptance is None else acceptance
+        k, _ = best_chain_length(a, cap, self._cost, batch=batch, width=self.tree_width,
+                                 draft_cost=self.relative_cost(self._token_s, batch))
+        return k
 
     def start(self, gen, reqs):
         if self.sized:
-            if self.step_cost is None:
-                self.step_cost = generator_step_cost(gen)
+            self._take_step_cost(gen)
             if self._token_s is None:
                 from .cost_model import draft_token_seconds
 
@@ -541,7 +560,7 @@ class Candidates(NamedTuple):
         return parents, ids
 
 
-class NgramTreeDrafter(Drafter):
+class NgramTreeDrafter(SizedDrafter):
     """Prompt lookup as a token tree: the continuations of *several* earlier occurrences of the
     request's last tokens, merged into one trie, sized by an estimate of each node's
     acceptance probability against the measured cost of verifying more rows, and verified in
@@ -603,22 +622,19 @@ class NgramTreeDrafter(Drafter):
     MAX_SCALE = 1.25  # the tables were fitted to this model family: evidence may raise them a little
 
     def __init__(self, max_ngram: int = 6, max_k: int = 16, *, max_nodes: int = 16, max_matches: int = 8,
-                 step_cost=None, verify_cost=None):
+                 step_cost=None):
         """``step_cost``: a ``cost_model.StepCost``, a callable ``rows -> cost relative to a
-        one-row step``, or a sequence of those relative costs at 1, 2, ... rows
-        (``verify_cost`` is the older name of the same argument); default: the Generator's
-        ``step_cost`` (the target's measured curve unless it was given one), read at ``start``."""
+        one-row step``, or a sequence of those relative costs at 1, 2, ... rows; default: the
+        Generator's ``step_cost`` (the target's measured curve unless it was given one),
+        taken at ``start``."""
         self.max_ngram, self.max_k, self.max_matches = max_ngram, max_k, max_matches
-        given = step_cost if step_cost is not None else verify_cost
-        self.step_cost = as_step_cost(given) if given is not None else None
-        self._measured = None
+        self._own_step_cost(step_cost)
         self.max_nodes = max_nodes  # per request, root included
         self._seen: dict = {}  # rid -> [hits, expected hits] of first-level tokens, decayed
         self._guess: dict = {}  # rid -> (root's position + 1, {most probable token: its raw probability})
 
     def start(self, gen, reqs):
-        if self.step_cost is None:
-            self._measured = generator_step_cost(gen)
+        self._take_step_cost(gen)
         self.admit(gen, reqs)
 
     def admit(self, gen, reqs):
@@ -644,15 +660,6 @@ class NgramTreeDrafter(Drafter):
     def finish(self, gen, req):
         self._seen.pop(req.rid, None)
         self._guess.pop(req.rid, None)
-
-    def cost(self, rows: int, batch: int = 1) -> float:
-        """Step cost over ``rows`` verified rows in all at batch ``batch``, relative to a step of
-        one row per request."""
-        cost = self.step_cost or self._measured
-        if cost is None:
-            raise RuntimeError("NgramTreeDrafter has no step cost: pass step_cost= or call start(gen, reqs) "
-                               "(which measures the target's) first")
-        return cost(rows, batch)
 
     def matches(self, arr: np.ndarray) -> tuple:
         """(end, length): every earlier occurrence of the last token (``arr[end] == arr[-1]``,
@@ -710,15 +717,10 @@ class NgramTreeDrafter(Drafter):
 
     def select(self, ranked: list) -> list:
         """How many of each request's ranked nodes to keep: the most probable nodes of the
-        batch, as many as maximise (B + sum p) / cost(B + kept)."""
+        batch, as many as maximise (B + sum p) / cost(B + kept) (``cost_model.best_node_count``)."""
         B = len(ranked)
         pool = sorted(((-p, b, j) for b, r in enumerate(ranked) for j, (p, _) in enumerate(r)))
-        best_n, best, total = 0, B / self.cost(B, B), float(B)
-        for n, (neg_p, _, _) in enumerate(pool, 1):
-            total -= neg_p
-            value = total / self.cost(B + n, B)
-            if value > best:
-                best_n, best = n, value
+        best_n, _ = best_node_count([-neg_p for neg_p, _, _ in pool], self.cost, batch=B)
         keep = [0] * B
         for _, b, j in pool[:best_n]:
             keep[b] = max(keep[b], j + 1)  # a request's picks are a prefix of its ranking

@@ -21,9 +21,9 @@ entry t holds the head's K/V for (target feature f_t, token t+1). Each step:
    parents). How many: the number of verified rows ``R`` (B roots + kept nodes over the
    batch) that maximises expected tokens per unit time, ``(B + sum p) / (cost(R) +
    draft time)``, with p = exp(cumulative log-prob) and ``cost`` the *measured* verification
-   cost curve at the batch's size (``verify_cost``; by default the target's step-cost curve,
-   ``cost_model.step_cost_for``, measured once per machine) and the draft time measured while
-   drafting.
+   cost curve at the batch's size (``step_cost``; by default the Generator's, the target's
+   step-cost curve measured once per machine) and the draft time measured while drafting
+   (``cost_model.best_node_count``).
 4. **Verify** — the generator's one ``tree_attention`` forward and ``tree_rejection_sample``.
 
 When a step's trees are not expected to pay for the drafting itself (their expected tokens
@@ -57,21 +57,23 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .cost_model import StepCost, as_step_cost, step_cost_for
+from .cost_model import best_node_count, payoff, row_price
 from ..eagle import EagleHead, eagle_head_for
 from ..kv_cache import PagedKVCache
 from ..tree import eagle_tree_from_expansions
-from .drafters import Draft, Drafter, MedusaDrafter, draft_uniforms, sample_rows
+from .drafters import Draft, MedusaDrafter, SizedDrafter, draft_uniforms, sample_rows
 
-class EagleDrafter(Drafter):
+
+class EagleDrafter(SizedDrafter):
     """EAGLE-2 dynamic trees from an :class:`~specdec_kernels.eagle.EagleHead` (module
     docstring). ``head``: default ``eagle_head_for(target)`` (the trained head the package
     ships for the model). ``top_k``: children per expanded node and beam width.
-    ``max_tree_nodes``: most draft nodes per request (root excluded). ``verify_cost``: a
+    ``max_tree_nodes``: most draft nodes per request (root excluded). ``step_cost``: a
     ``cost_model.StepCost``, {rows: cost relative to a one-row step}, a callable rows -> that,
     or a sequence of relative costs at 1, 2, ... rows; ``step_seconds``: a one-row step in
-    seconds (to weigh the measured draft time); by default both come from the target's
-    step-cost curve (``cost_model.step_cost_for``: measured once per machine, batch-aware).
+    seconds (to weigh the measured draft time against a relative curve); by default both
+    come from the Generator's step cost (``Generator.drafter_step_cost``: the target's curve,
+    measured once per machine, batch-aware).
     ``sample_width``: children drawn per expanded node (and beam width) for sampled requests.
     """
 
@@ -80,7 +82,7 @@ class EagleDrafter(Drafter):
     CHAIN_PRIOR = 0.5  # a request's prompt-lookup hit rate before any observation (_with_ngram)
 
     def __init__(self, target, head: EagleHead | None = None, *, top_k: int = 8, max_depth: int = 8,
-                 max_tree_nodes: int = 48, ngram=None, verify_cost=None, step_seconds: float | None = None,
+                 max_tree_nodes: int = 48, ngram=None, step_cost=None, step_seconds: float | None = None,
                  sample_width: int = 2, name: str | None = None):
         self.target = target
         self.head = head if head is not None else eagle_head_for(target)
@@ -90,59 +92,29 @@ class EagleDrafter(Drafter):
         sampled_nodes = sample_width + sample_width * sample_width * (max_depth - 1)
         self.max_nodes = max(max_tree_nodes, sampled_nodes) + 1 + (ngram.max_nodes - 1 if ngram is not None else 0)
         self.name = name or ("eagle+ngram" if ngram is not None else "eagle")
-        # A StepCost holds seconds (measured or given); a dict holds relative costs, made a
-        # one-batch table (the scale cancels in relative costs, not in seconds).
-        self._cost_in_seconds = verify_cost is None or isinstance(verify_cost, StepCost)
-        if isinstance(verify_cost, dict):
-            verify_cost = StepCost({1: verify_cost})
-        self._given_cost, self._step_seconds = verify_cost, step_seconds
-        self._verify_cost = None  # (rows, batch) -> relative cost, resolved at first use
+        # A StepCost holds seconds (measured or given); anything else holds relative costs
+        # (a dict: a one-batch table), weighed against drafting time with ``step_seconds``.
+        self._own_step_cost(step_cost, step_seconds)
         self._depth_seconds = None  # measured: moving average of one expansion depth
         # Drafting statistics: tree sizes and depths, accepted lengths (see ``summary``).
         self.stats = {"steps": 0, "nodes": 0, "depth_hist": {}, "accepted_hist": {}, "skipped_steps": 0}
         self._empty_run, self._skip = 0, 0  # back-off after empty trees (propose)
-        self.cost(1)  # resolve (and if need be measure) the step-cost curve now, not inside a timed run
         # Prepare the head's decode weights now too (its GGUF blocks are quantised from the
         # stored bf16 on first use, ~30 ms for SmolLM2's head): a drafter is built once and
         # serves many requests, so that cost belongs to construction, not to the first step.
         self.head.decode_weights(target.dtype)
 
     # ---- costs ------------------------------------------------------------------------
-    def cost(self, rows: int, batch: int = 1) -> float:
-        """Verification cost of ``rows`` rows in all for ``batch`` requests, relative to a
-        step of one row per request."""
-        if self._verify_cost is None:
-            # Before ``start`` (which takes the Generator's ``step_cost``): the target's
-            # measured curve, the object the Generator's default resolves to.
-            self._use_cost(step_cost_for(self.target) if self._given_cost is None else self._given_cost)
-        return float(self._verify_cost(rows, batch))
-
-    def _use_cost(self, curve) -> None:
-        self._verify_cost = as_step_cost(curve)
-        self._seconds_curve = curve if self._cost_in_seconds else step_cost_for(self.target)
-
     def _draft_cost(self, depths: int, batch: int = 1) -> float:
         """Relative cost of ``depths`` expansion depths (measured; 0 until measured) against a
         one-row-per-request step of ``batch`` requests."""
         if self._depth_seconds is None:
             return 0.0
-        return depths * self._depth_seconds / self._batch_step_seconds(batch)
-
-    def _batch_step_seconds(self, batch: int) -> float:
-        """Seconds of a one-row-per-request step of ``batch`` requests: the curve's own when it
-        holds seconds, else the one-row step scaled by the given relative curve."""
-        self.cost(1)
-        if self._cost_in_seconds:
-            return self._verify_cost.seconds(batch, batch)
-        # Read from the curve each time: a refreshed curve (cost_model.LiveCheck) changes in place.
-        step = self._step_seconds if self._step_seconds is not None else self._seconds_curve.seconds(1)
-        return step * float(self._verify_cost(batch, 1))
+        return self.relative_cost(depths * self._depth_seconds, batch)
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self, gen, reqs):
-        if self._given_cost is None:  # the Generator's declared step cost (its default: the same measured curve)
-            self._cost_in_seconds = isinstance(as_step_cost(gen.step_cost), StepCost)
-            self._use_cost(gen.step_cost)
+        self._take_step_cost(gen)  # its own curve, else the Generator's (which resolves it)
         h = self.head
         bs = gen.cache.block_size
         blocks = -(-gen.cache.max_len // bs)
@@ -365,7 +337,7 @@ class EagleDrafter(Drafter):
         # Beyond a request's own cap the candidates are not eligible.
         for j in range(len(scores)):
             scores[j] = scores[j].masked_fill((depth_cap < j + 1)[:, None], float("-inf"))
-        draft_rel = (time.perf_counter() - t_start) / self._batch_step_seconds(B)
+        draft_rel = self.relative_cost(time.perf_counter() - t_start, B)
         keep, value = self._select(scores, B, draft_rel)
         for i, b in enumerate(active):
             r = sub[i]
@@ -390,7 +362,7 @@ class EagleDrafter(Drafter):
         if any_sampled:
             paid = any(len(drafts[b].tokens) > 1 for b in active)
         else:
-            paid = value > B / self.cost(B, B)
+            paid = value > payoff(B, B, self.cost, batch=B)
         if paid:
             self._empty_run = 0
         else:
@@ -425,11 +397,12 @@ class EagleDrafter(Drafter):
         top = p_all.sort(dim=1, descending=True).values[:, : self.max_tree_nodes]
         # Current expected tokens per step and cost at the best size.
         best = None
+        draft = self._draft_cost(d, B)
         for n in range(0, top.shape[1] + 1, max(1, top.shape[1] // 16)):
             e = B + float(top[:, :n].sum())
-            c = self.cost(B * (n + 1), B) + self._draft_cost(d, B)
-            if best is None or e / c > best[0]:
-                best = (e / c, e, c, B * (n + 1))
+            value = payoff(e, B * (n + 1), self.cost, batch=B, draft_cost=draft)
+            if best is None or value > best[0]:
+                best = (value, e, self.cost(B * (n + 1), B) + draft, B * (n + 1))
         last = scores[-1].exp()
         prev = scores[-2].exp() if len(scores) > 1 else torch.ones(B, 1)
         ratio = float(last.max(1).values.sum() / prev.max(1).values.sum().clamp(min=1e-9))
@@ -438,21 +411,16 @@ class EagleDrafter(Drafter):
         value, e, c, rows = best
         if (e + gain) / (c + self._draft_cost(1, B)) <= value:
             return None
-        return value * max(0.0, self.cost(rows + 1, B) - self.cost(rows, B))
+        return max(0.0, row_price(value, rows, self.cost, B))
 
     def _select(self, scores: list, B: int, draft_rel: float) -> tuple[list, float]:
         """(nodes to keep per request, the expected tokens per unit time they give): the
         batch's most probable candidates, as many as maximise (B + sum p) / (cost(B + kept)
-        + draft cost)."""
+        + draft cost) (``cost_model.best_node_count``)."""
         p_all = torch.cat([s.exp() for s in scores], 1)
         top = p_all.sort(dim=1, descending=True).values[:, : self.max_tree_nodes]
         pool = sorted(((-float(p), b) for b in range(B) for p in top[b] if p > 0), key=lambda t: t[0])
-        best_n, best, total = 0, B / (self.cost(B, B) + draft_rel), float(B)
-        for n, (neg_p, _) in enumerate(pool, 1):
-            total -= neg_p
-            value = total / (self.cost(B + n, B) + draft_rel)
-            if value > best:
-                best_n, best = n, value
+        best_n, best = best_node_count([-neg_p for neg_p, _ in pool], self.cost, batch=B, draft_cost=draft_rel)
         keep = [0] * B
         for _, b in pool[:best_n]:
             keep[b] += 1
@@ -508,13 +476,13 @@ class EagleDrafter(Drafter):
         out, B = [], len(reqs)
         rows = sum(len(d.tokens) for d in drafts)
         if worth is None:
-            worth = B / self.cost(rows, B)
+            worth = payoff(B, rows, self.cost, batch=B)
         for r, k, d in zip(reqs, lengths, drafts):
             if k > 0 and d.probs is None:
                 chain = self.ngram.lookup(r.tokens, min(k, self.ngram.max_nodes - 1))
                 self._chains[r.rid] = chain
                 rate, keep = self._chain_rate.get(r.rid, self.CHAIN_PRIOR), 0
-                while keep < len(chain) and rate ** (keep + 1) > (self.cost(rows + 1, B) - self.cost(rows, B)) * worth:
+                while keep < len(chain) and rate ** (keep + 1) > row_price(worth, rows, self.cost, B):
                     keep, rows = keep + 1, rows + 1
                 if keep:
                     par, tok = MedusaDrafter.merge_chain(d.parents, d.tokens, chain[:keep])

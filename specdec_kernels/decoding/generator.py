@@ -57,7 +57,7 @@ from .. import ops
 from ..kv_cache import OutOfBlocksError
 from ..models.llama import Batch, Llama
 from ..tree import tree_mask as build_tree_mask, tree_mask_ragged
-from .cost_model import LiveCheck, StepCost, step_cost_for
+from .cost_model import LiveCheck, RelativeStepCost, StepCost, step_cost_for, with_seconds
 from .drafters import Draft, Drafter
 from .schedule import SpecSchedule
 from .stats import RequestStats
@@ -145,6 +145,24 @@ class Generator:
     def step_cost(self, value) -> None:
         self._step_cost = value
         self._live = None
+
+    def drafter_step_cost(self, own=None, *, step_seconds: float | None = None):
+        """The step cost a drafter sizes its drafts by (``cost_model``'s pay-off functions):
+        ``own`` (the drafter's own ``step_cost=``, if it was given one; this Generator's
+        curve is then not resolved) or else :attr:`step_cost`, as ``cost_model.with_seconds``
+        makes it — a StepCost as it is; a relative curve with the seconds of a one-row step
+        from ``step_seconds``, else from :attr:`step_cost` when that holds seconds, else from
+        the target's measured curve (read lazily, when a drafter weighs drafting time)."""
+        cost = with_seconds(self.step_cost if own is None else own, step_seconds)
+        if isinstance(cost, RelativeStepCost) and cost.one_row_seconds is None:
+            cost = RelativeStepCost(cost.relative, self._one_row_seconds)
+        return cost
+
+    def _one_row_seconds(self) -> float:
+        """Seconds of a one-row verification step: from :attr:`step_cost` when it is a
+        StepCost, else from the target's measured curve."""
+        cost = self.step_cost
+        return (cost if isinstance(cost, StepCost) else step_cost_for(self.model)).seconds(1)
 
     def _observe_step(self, rows: int, batch: int, seconds: float) -> None:
         """Report a verification step's time to the live check of a measured curve (never to

@@ -22,10 +22,10 @@
    after L layers (computed once from the cached sequences and cached too) train a norm +
    rank-``--rank`` adapter before the frozen LM head rows. L is then picked by measured
    speed x acceptance: the expected speedup of a greedy chain, ``max_k E(a, k) / (cost(k+1) +
-   k c_L)``, with ``a`` the held-out top-1 agreement, ``cost`` the target's measured step-cost
-   curve and ``c_L`` the measured time of one draft token (L layers + the folded head)
-   relative to a target step (ties, e.g. when no L pays: the most agreement per unit of
-   draft cost).
+   k c_L)`` (``cost_model.best_chain_length``), with ``a`` the held-out top-1 agreement,
+   ``cost`` the target's measured step-cost curve and ``c_L`` the measured time of one draft
+   token (L layers + the folded head) relative to a target step (ties, e.g. when no L pays:
+   the most agreement per unit of draft cost).
 5. **Held-out acceptance** after every epoch: the draft's top-1 agreement with the target's
    greedy token on held-out answer positions (the per-token acceptance of greedy
    verification); the best epoch is kept (and written as training goes). Before training it
@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from . import distill_data
 from .eagle_training import draft_vocabulary  # the EAGLE trainer's draft vocabulary
 from .medusa_training import warmup_cosine
-from ..decoding.cost_model import draft_token_seconds
+from ..decoding.cost_model import best_chain_length, draft_token_seconds, relative_cost
 from ..models.block import DecoderBlock, causal_attention, layer_keys, rms_norm, rope_at, rope_tables
 from ..models.llama import dense
 
@@ -230,21 +230,6 @@ def train(module, train_seqs: Sequences, held: Sequences, *, epochs: int, batch_
             "stopped_early": stopped, "seconds": time.perf_counter() - t0}
 
 
-# ---- measured speed ---------------------------------------------------------------------------
-def chain_speedup(acceptance: float, draft_cost: float, step_cost, max_k: int = 12) -> tuple:
-    """(best expected speedup over autoregressive, its chain length k) of a greedy chain whose
-    tokens are each accepted with probability ``acceptance`` (given the previous ones were):
-    ``E(k) = (1 - a^(k+1)) / (1 - a)`` tokens per step for ``step_cost(k+1) + k * draft_cost``
-    (relative to a one-row target step)."""
-    best = (1.0, 0)
-    for k in range(1, max_k + 1):
-        tokens = sum(acceptance ** i for i in range(k + 1))
-        speed = tokens / (step_cost(k + 1) + k * draft_cost)
-        if speed > best[0]:
-            best = (speed, k)
-    return best
-
-
 # ---- command line -----------------------------------------------------------------------------
 def layer_features(model, data: dict, layers: tuple, cache_path: Path, progress=True) -> dict:
     """{L: fp16 [N, H]} the target's hidden states after L layers at every position of the
@@ -345,7 +330,7 @@ def main(argv=None) -> int:
     from ..decoding.cost_model import step_cost_for
 
     step_cost = step_cost_for(model)
-    step_s = step_cost.seconds(1, 1)
+    max_chain = 12  # the longest chain the predicted speedup considers
     from .medusa_training import VALIDATION_PROMPTS
 
     prompts = VALIDATION_PROMPTS[: args.eval_prompts]
@@ -380,8 +365,8 @@ def main(argv=None) -> int:
 
         save(lm, result["best"], final)
         trained = load_draft_model(out, model)
-        c = draft_token_seconds(trained) / step_s
-        speed, k = chain_speedup(result["best"], c, step_cost)
+        c = relative_cost(draft_token_seconds(trained), step_cost)
+        k, speed = best_chain_length(result["best"], max_chain, step_cost, draft_cost=c)
         final.update(draft_token_cost=round(c, 4), predicted_chain_speedup=round(speed, 3), predicted_chain_k=k)
         print(f"one draft token costs {c:.3f} of a target step: predicted greedy chain speedup {speed:.2f}x at k={k}")
         if prompts:
@@ -413,8 +398,8 @@ def main(argv=None) -> int:
                       max_seconds=args.max_minutes * 60, desc=f"exit head L={L}")
             tmp = f"{out}.L{L}.tmp"
             save_exit_head(head.norm, head.down, head.up, vocab, L, tmp)
-            c = draft_token_seconds(exit_model(model, tmp)) / step_s
-            speed, k = chain_speedup(r["best"], c, step_cost)
+            c = relative_cost(draft_token_seconds(exit_model(model, tmp)), step_cost)
+            k, speed = best_chain_length(r["best"], max_chain, step_cost, draft_cost=c)
             print(f"L={L}: held-out top-1 {r['before']:.3f} untrained -> {r['best']:.3f}; one draft token costs "
                   f"{c:.3f} of a target step; predicted chain speedup {speed:.2f}x at k={k}")
             results[L] = {"top1_before": round(r["before"], 4), "top1": round(r["best"], 4), "draft_token_cost": round(c, 4),

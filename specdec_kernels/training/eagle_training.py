@@ -41,6 +41,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ..decoding.cost_model import chain_tokens
 from ..eagle import EagleHead, save_eagle_head
 from . import distill_data
 from .medusa_training import warmup_cosine
@@ -188,11 +189,7 @@ def evaluate(head, examples: Examples, steps: int, *, feat_scale: float, batch_s
         counts = [a + b for a, b in zip(counts, c)]
     head.train()
     acc = [h / max(1, c) for h, c in zip(hits, counts)]
-    expected, run = 1.0, 1.0
-    for a in acc:
-        run *= a
-        expected += run
-    return {"top1_by_depth": acc, "expected_chain_length": expected}
+    return {"top1_by_depth": acc, "expected_chain_length": chain_tokens(acc)}
 
 
 def train(head: EagleHead, train_ex: Examples, held_ex: Examples, *, steps: int, epochs: int, batch_seqs: int,

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from .._platform import user_cache_dir
+from ..decoding.cost_model import as_step_cost, tree_payoffs
 from ..medusa import MedusaHeads, save_medusa_heads
 from .medusa_loss import medusa_targets, train_step
 
@@ -337,15 +338,17 @@ def choose_tree(ranks: torch.Tensor, *, max_nodes: int = 32, top_k: int = 10) ->
 
 def pick_tree_size(scored: list, *, cost_per_node: float, draft_cost: float) -> tuple[int, list]:
     """(n, table): the number of nodes maximising predicted speedup = E[tokens per step] /
-    (1 + cost_per_node * n + draft_cost), step costs relative to an autoregressive step
+    (1 + cost_per_node * n + draft_cost) (the pay-off model, ``cost_model.tree_payoffs``, on
+    a step cost linear in the nodes), step costs relative to an autoregressive step
     (measure them: SmolLM2-135M at batch 1 on one shared CPU thread, each verified node
     added 5-10% of an autoregressive step — the forward turns compute-bound beyond a few
-    tokens — and the heads ~7% with a 4k-token draft vocabulary, ~20% without)."""
-    table, acc = [], 1.0
-    best = (1.0, 0)
-    for n, (_, v) in enumerate(scored, start=1):
+    tokens — and the heads ~7% with a 4k-token draft vocabulary, ~20% without). No tree (n
+    = 0) is an autoregressive step: speedup 1, the heads do not run."""
+    cost = as_step_cost(lambda rows: 1 + cost_per_node * (rows - 1))
+    values = tree_payoffs([v for _, v in scored], cost, draft_cost=draft_cost)
+    table, acc, best = [], 1.0, (1.0, 0)
+    for n, ((_, v), speed) in enumerate(zip(scored, values[1:]), start=1):
         acc += v
-        speed = acc / (1 + cost_per_node * n + draft_cost)
         table.append({"nodes": n, "expected_tokens_per_step": acc, "predicted_speedup": speed})
         if speed > best[0]:
             best = (speed, n)
