@@ -11,7 +11,10 @@
 # Usage: .ci/wheel_smoke.sh (in the CI venv: it has torch and the build requirements).
 # The wheel is built without build isolation: pyproject's build requirements (torch==2.13.0,
 # setuptools, wheel, ninja) are the CI venv's, which saves installing torch a third time.
-# WHEEL_SMOKE_KEEP=1 keeps the temporary directory.
+# It is built in the checkout (build/): with SPECDEC_BUILD_TEMP set as .ci/run sets it, the
+# objects of the editable install are up to date and are only linked again (setup.py).
+# WHEEL_DIST=DIR: the wheel is left there (.ci/run hands it to .ci/vllm), else in the
+# temporary directory. WHEEL_SMOKE_KEEP=1 keeps the temporary directory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -22,14 +25,14 @@ if [[ -z "${WHEEL_SMOKE_KEEP:-}" ]]; then
 fi
 echo "wheel: building in $WORK"
 
-# Build from a copy of the tree without the in-place extension and build outputs, so that
-# the wheel's _C is compiled from source and nothing stale is packaged.
-mkdir "$WORK/src"
-tar -C "$ROOT" --exclude='*.so' --exclude='__pycache__' --exclude='build' --exclude='*.egg-info' \
-  -cf - setup.py pyproject.toml README.md csrc specdec_kernels | tar -C "$WORK/src" -xf -
-MAX_JOBS="${MAX_JOBS:-2}" python -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/dist" "$WORK/src" \
+# Built in the checkout, so that ninja can reuse its objects. The package's files and its
+# _C come from setuptools' build/lib.*, cleared first so that nothing stale is packaged (ninja
+# compiles any object whose source or header changed); the zip check below sees the rest.
+DIST=${WHEEL_DIST:-$WORK/dist}
+rm -rf "$ROOT"/build/lib.* "$ROOT"/build/bdist.* "$DIST"
+MAX_JOBS="${MAX_JOBS:-2}" python -m pip wheel -q --no-deps --no-build-isolation -w "$DIST" "$ROOT" \
   >"$WORK/build.log" 2>&1 || { tail -40 "$WORK/build.log"; exit 1; }
-WHEEL=$(ls "$WORK"/dist/specdec_kernels-*.whl)
+WHEEL=$(ls "$DIST"/specdec_kernels-*.whl)
 echo "wheel: $(basename "$WHEEL") ($(du -h "$WHEEL" | cut -f1))"
 python - "$WHEEL" <<'EOF'
 import sys, zipfile

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import specdec_kernels  # noqa: F401
 from python_ref import rejection_sampling as ref
 from specdec_kernels import ops
-from tests.helpers import assert_guard_intact, assert_same, guarded, requires_triton
+from tests.helpers import assert_same, backend_op, requires_triton, run_guarded
 from tests.fuzzing import call_or_clear_error, fuzz_settings
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -71,20 +71,11 @@ def params(case):
 
 
 def run_backend(backend, case):
-    logits = guarded(case["logits"])
-    ps = [guarded(p) if p is not None else None for p in params(case)]
-    if backend == "cpu":
-        torch.ops.specdec.apply_top_k_top_p(logits, *ps)
-    else:
-        from specdec_kernels.triton.rejection_sampling import apply_top_k_top_p as launcher
-
-        launcher(logits, *ps)
-    assert_guard_intact(logits)
-    for p, original in zip(ps, params(case)):
-        if p is not None:
-            assert_guard_intact(p)
-            assert torch.equal(p.nan_to_num(), original.nan_to_num())
-    return logits.clone()
+    """The op on the case's logits (in place: the output) in guarded storage (run_guarded)."""
+    op = backend_op(backend, "apply_top_k_top_p", "rejection_sampling")
+    (logits,) = run_guarded(lambda top_k, top_p, min_p, logits: op(logits, top_k, top_p, min_p), list(params(case)),
+                            [case["logits"]])
+    return logits
 
 
 @fuzz_settings(30)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import specdec_kernels  # noqa: F401
 from python_ref import linear as ref
 from specdec_kernels import ops
-from tests.helpers import assert_guard_intact, guarded, requires_triton
+from tests.helpers import backend_op, requires_triton, run_guarded
 from tests.fuzzing import call_or_clear_error, fuzz_settings
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -49,29 +49,20 @@ def linear_cases(draw, rows=st.integers(0, 17) | st.sampled_from([63, 64, 65, 70
 
 
 def run_backend(backend, case, *, strided_x=False):
+    """The op ("wrapper": ops.skinny_linear) in guarded storage (run_guarded); ``strided_x``:
+    x as rows of a wider buffer (e.g. a slice of a fused projection), not guarded."""
     x = case["x"]
-    if strided_x:  # rows of a wider buffer (e.g. a slice of a fused projection)
+    if strided_x:
         wide = torch.zeros(x.shape[0], x.shape[1] * 2 + 1, dtype=x.dtype)
         wide[:, :x.shape[1]] = x
         x = wide[:, :x.shape[1]]
-    else:
-        x = guarded(x)
-    weight = guarded(case["weight"])
-    bias = guarded(case["bias"]) if case["bias"] is not None else None
-    out = guarded(torch.full((x.shape[0], weight.shape[0]), 7.0, dtype=x.dtype))
     if backend == "wrapper":
-        ops.skinny_linear(x, weight, bias, out=out)
-    elif backend == "cpu":
-        torch.ops.specdec.skinny_linear(x, weight, bias, out)
+        def launch(x, weight, bias, out):
+            ops.skinny_linear(x, weight, bias, out=out)
     else:
-        from specdec_kernels.triton.linear import skinny_linear as launcher
-
-        launcher(x, weight, bias, out)
-    assert_guard_intact(out)
-    for t in (x, weight, bias):
-        if t is not None and t._base is not None and t.is_contiguous():
-            assert_guard_intact(t)
-    return out.clone()
+        launch = backend_op(backend, "skinny_linear", "linear")
+    out = torch.full((x.shape[0], case["weight"].shape[0]), 7.0, dtype=x.dtype)
+    return run_guarded(launch, [x, case["weight"], case["bias"]], [out])[0]
 
 
 def check(out, case):
@@ -225,21 +216,14 @@ def quantized_cases(draw, block_type, rows=st.integers(0, 17) | st.sampled_from(
 
 
 def run_quantized_backend(backend, case):
-    x, weight = guarded(case["x"]), guarded(case["weight"])
-    bias = guarded(case["bias"]) if case["bias"] is not None else None
-    out = guarded(torch.full((x.shape[0], weight.shape[0]), 7.0))
+    """The op ("wrapper": ops.quantized_linear) in guarded storage (run_guarded)."""
     if backend == "wrapper":
-        ops.quantized_linear(x, weight, case["block_type"], bias, out=out)
-    elif backend == "cpu":
-        torch.ops.specdec.quantized_linear(x, weight, case["block_type"], bias, out)
+        def launch(x, weight, block_type, bias, out):
+            ops.quantized_linear(x, weight, block_type, bias, out=out)
     else:
-        from specdec_kernels.triton.linear import quantized_linear as launcher
-
-        launcher(x, weight, case["block_type"], bias, out)
-    for t in (out, x, weight, bias):
-        if t is not None:
-            assert_guard_intact(t)
-    return out.clone()
+        launch = backend_op(backend, "quantized_linear", "linear")
+    out = torch.full((case["x"].shape[0], case["weight"].shape[0]), 7.0)
+    return run_guarded(launch, [case["x"], case["weight"], case["block_type"], case["bias"]], [out])[0]
 
 
 def check_quantized(out, case):

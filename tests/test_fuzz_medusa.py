@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import specdec_kernels  # noqa: F401
 from python_ref import medusa as ref
 from specdec_kernels import ops
-from tests.helpers import assert_guard_intact, guarded, requires_triton
+from tests.helpers import backend_op, requires_triton, run_guarded
 from tests.fuzzing import call_or_clear_error, fuzz_settings
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -55,23 +55,10 @@ def medusa_cases(draw, max_m=5, max_heads=3, max_layers=2, vocabs=(1, 2, 7, 100,
 
 
 def run_backend(backend, case):
-    inputs = [guarded(case[n]) for n in NAMES]
-    before = [t.clone() for t in inputs]
+    """(ids, logprobs) of the op in guarded storage (run_guarded)."""
     M, K, top_k = case["hidden"].shape[0], case["res_weight"].shape[0], case["top_k"]
-    ids = guarded(torch.full((M, K, top_k), 7, dtype=torch.int64))
-    logprobs = guarded(torch.full((M, K, top_k), 7.0))
-    if backend == "cpu":
-        torch.ops.specdec.medusa_topk(*inputs, top_k, ids, logprobs)
-    else:
-        from specdec_kernels.triton.medusa import medusa_topk as launcher
-
-        launcher(*inputs, top_k, ids, logprobs)
-    for t in (ids, logprobs):
-        assert_guard_intact(t)
-    for t, b in zip(inputs, before):
-        assert_guard_intact(t)
-        assert torch.equal(t, b)
-    return ids.clone(), logprobs.clone()
+    outputs = [torch.full((M, K, top_k), 7, dtype=torch.int64), torch.full((M, K, top_k), 7.0)]
+    return run_guarded(backend_op(backend, "medusa_topk", "medusa"), [case[n] for n in NAMES] + [top_k], outputs)
 
 
 def check_against_reference(ids, logprobs, case):

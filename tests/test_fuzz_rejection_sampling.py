@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import specdec_kernels  # noqa: F401  (registers the ops)
 from python_ref import rejection_sampling as ref
 from specdec_kernels import ops
-from tests.helpers import assert_guard_intact, assert_same, guarded, requires_triton
+from tests.helpers import assert_same, requires_triton, run_guarded
 from tests.fuzzing import call_or_clear_error, fuzz_settings
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -188,21 +188,10 @@ def tree_outputs(case):
                 num_accepted=torch.full((batch,), 7, dtype=torch.int32))
 
 
-def run_guarded(launch, case, input_names, outputs):
-    """Runs ``launch(*inputs, *outputs)`` with every tensor in guarded storage; checks that
-    nothing outside the outputs changed (guards, inputs) and returns the outputs."""
-    inputs = [guarded(case[n]) if case[n] is not None else None for n in input_names]
-    before = [t.clone() if t is not None else None for t in inputs]
-    outs = [guarded(t) for t in outputs.values()]
-    launch(*inputs, *outs)
-    for t in outs:
-        assert_guard_intact(t)
-    for t, b in zip(inputs, before):
-        if t is not None:
-            assert_guard_intact(t)
-            assert torch.equal(t, b) or (t.is_floating_point() and torch.equal(t.isnan(), b.isnan())
-                                         and torch.equal(t.nan_to_num(), b.nan_to_num())), "an input was modified"
-    return tuple(o.clone() for o in outs)
+def run_case(launch, case, input_names, outputs):
+    """``launch`` on the case's ``input_names`` and the ``outputs`` dict's tensors, in guarded
+    storage (tests.helpers.run_guarded); returns copies of the outputs."""
+    return run_guarded(launch, [case[n] for n in input_names], list(outputs.values()))
 
 
 def triton_rs():
@@ -220,7 +209,7 @@ def triton_rs():
 @given(case=chain_cases())
 def test_chain_cpu_matches_reference(case):
     expected = ref.chain_rejection_sample(*(case[n] for n in CHAIN_INPUTS))
-    got = run_guarded(torch.ops.specdec.chain_rejection_sample, case, CHAIN_INPUTS, chain_outputs(case))
+    got = run_case(torch.ops.specdec.chain_rejection_sample, case, CHAIN_INPUTS, chain_outputs(case))
     assert_same(got, expected, case)
     assert_same(ops.chain_rejection_sample(*(case[n] for n in CHAIN_INPUTS)), expected, case)
 
@@ -229,7 +218,7 @@ def test_chain_cpu_matches_reference(case):
 @given(case=tree_cases())
 def test_tree_cpu_matches_reference(case):
     expected = ref.tree_rejection_sample(*(case[n] for n in TREE_INPUTS))
-    got = run_guarded(torch.ops.specdec.tree_rejection_sample, case, TREE_INPUTS, tree_outputs(case))
+    got = run_case(torch.ops.specdec.tree_rejection_sample, case, TREE_INPUTS, tree_outputs(case))
     assert_same(got, expected, case)
 
 
@@ -238,7 +227,7 @@ def test_tree_cpu_matches_reference(case):
 @given(case=chain_cases(max_batch=2, max_drafts=3, vocabs=(1, 2, 17, 1030)))
 def test_chain_triton_matches_reference(case):
     expected = ref.chain_rejection_sample(*(case[n] for n in CHAIN_INPUTS))
-    got = run_guarded(triton_rs().chain_rejection_sample, case, CHAIN_INPUTS, chain_outputs(case))
+    got = run_case(triton_rs().chain_rejection_sample, case, CHAIN_INPUTS, chain_outputs(case))
     assert_same(got, expected, case)
 
 
@@ -247,7 +236,7 @@ def test_chain_triton_matches_reference(case):
 @given(case=tree_cases(max_batch=2, max_nodes=5, vocabs=(1, 3, 17)))
 def test_tree_triton_matches_reference(case):
     expected = ref.tree_rejection_sample(*(case[n] for n in TREE_INPUTS))
-    got = run_guarded(triton_rs().tree_rejection_sample, case, TREE_INPUTS, tree_outputs(case))
+    got = run_case(triton_rs().tree_rejection_sample, case, TREE_INPUTS, tree_outputs(case))
     assert_same(got, expected, case)
 
 
@@ -485,9 +474,9 @@ def test_chain_data_faults(data, fault, backend):
     fn = backend_fn("chain_rejection_sample", backend, [])
     if backend == "cpu":
         with pytest.raises(RuntimeError, match=name):
-            run_guarded(fn, case, CHAIN_INPUTS, chain_outputs(case))
+            run_case(fn, case, CHAIN_INPUTS, chain_outputs(case))
         return
-    out, acc = run_guarded(fn, case, CHAIN_INPUTS, chain_outputs(case))
+    out, acc = run_case(fn, case, CHAIN_INPUTS, chain_outputs(case))
     check_chain_structure(out, acc, case, clamped.tolist())
     if name == "num_draft_tokens":  # clamped into 0..K: exactly the clamped request
         assert_same((out, acc), ref.chain_rejection_sample(*({**case, name: clamped}[n] for n in CHAIN_INPUTS)), case)
@@ -508,9 +497,9 @@ def test_tree_data_faults(data, fault, backend):
     fn = backend_fn("tree_rejection_sample", backend, [])
     if backend == "cpu":
         with pytest.raises(RuntimeError, match=name):
-            run_guarded(fn, case, TREE_INPUTS, tree_outputs(case))
+            run_case(fn, case, TREE_INPUTS, tree_outputs(case))
         return
-    nodes, out, acc = run_guarded(fn, case, TREE_INPUTS, tree_outputs(case))
+    nodes, out, acc = run_case(fn, case, TREE_INPUTS, tree_outputs(case))
     check_tree_structure(nodes, out, acc, case, clamped.tolist())
     if name == "num_nodes":
         assert_same((nodes, out, acc), ref.tree_rejection_sample(*({**case, name: clamped}[n] for n in TREE_INPUTS)),
@@ -533,10 +522,10 @@ def test_non_finite_draft_probs_give_in_range_tokens(data, poison, kind, backend
     case = {**case, "draft_probs": q.reshape(*shape, -1)}
     fn = backend_fn(f"{kind}_rejection_sample", backend, [])
     if kind == "chain":
-        out, acc = run_guarded(fn, case, CHAIN_INPUTS, chain_outputs(case))
+        out, acc = run_case(fn, case, CHAIN_INPUTS, chain_outputs(case))
         check_chain_structure(out, acc, case, case["num_draft_tokens"].tolist())
     else:
-        nodes, out, acc = run_guarded(fn, case, TREE_INPUTS, tree_outputs(case))
+        nodes, out, acc = run_case(fn, case, TREE_INPUTS, tree_outputs(case))
         check_tree_structure(nodes, out, acc, case, case["num_nodes"].tolist())
 
 

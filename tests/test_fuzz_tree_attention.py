@@ -13,6 +13,7 @@ Budget: tests/fuzzing.py.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -23,7 +24,7 @@ from hypothesis import strategies as st
 import specdec_kernels  # noqa: F401
 from python_ref import tree_attention as ref
 from specdec_kernels import ops
-from tests.helpers import assert_guard_intact, guarded, requires_triton
+from tests.helpers import assert_guard_intact, backend_op, guarded, requires_triton, run_guarded
 from tests.fuzzing import call_or_clear_error, fuzz_settings
 from tests.test_tree_attention import LSE_TOL, TOL, skipping_reference
 
@@ -107,25 +108,12 @@ def scale_of(case):
 
 
 def run_backend(backend, case, **launcher_kwargs):
-    """Every tensor guarded; returns (out, lse) after checking the guards and the inputs."""
-    inputs = [guarded(t) if t is not None else None for t in args_of(case)]
-    before = [t.clone() if t is not None else None for t in inputs]
+    """(out, lse) of the op in guarded storage (run_guarded); ``launcher_kwargs``: the Triton
+    launcher's tuning arguments."""
+    launch = functools.partial(backend_op(backend, "tree_attention", "tree_attention"), **launcher_kwargs)
     q = case["q"]
-    out = guarded(torch.full_like(q, 7.0))
-    lse = guarded(torch.full(q.shape[:2], 7.0))
-    if backend == "cpu":
-        torch.ops.specdec.tree_attention(*inputs, float(scale_of(case)), out, lse)
-    else:
-        from specdec_kernels.triton.tree_attention import tree_attention as launcher
-
-        launcher(*inputs, float(scale_of(case)), out, lse, **launcher_kwargs)
-    for t in (out, lse):
-        assert_guard_intact(t)
-    for t, b in zip(inputs, before):
-        if t is not None:
-            assert_guard_intact(t)
-            assert torch.equal(t.nan_to_num(), b.nan_to_num()) and torch.equal(t.isnan(), b.isnan())
-    return out.clone(), lse.clone()
+    outputs = [torch.full_like(q, 7.0), torch.full(q.shape[:2], 7.0)]
+    return run_guarded(launch, list(args_of(case)) + [float(scale_of(case))], outputs)
 
 
 def assert_matches(out, lse, expected_out, expected_lse, dtype, case):

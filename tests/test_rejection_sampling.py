@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 import specdec_kernels
 from python_ref import rejection_sampling as ref
 from specdec_kernels import ops
-from tests.helpers import (assert_guard_intact, assert_same, chain_args, guarded, make_chain_inputs, make_tree_inputs,
-                           requires_triton, tree_args)
+from tests.helpers import (assert_same, backend_op, chain_args, make_chain_inputs, make_tree_inputs, requires_triton,
+                           run_guarded, tree_args)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -194,25 +194,16 @@ def test_triton_invalid_drafts_are_rejected_without_reading_out_of_bounds():
 # ---------------------------------------------------------------------------------------
 
 
-def run_guarded(backend, kind, inp):
-    """Runs the op with every tensor argument in guarded storage; checks the output guards."""
-    from specdec_kernels.triton import rejection_sampling as tr
-
-    args = [guarded(a) if isinstance(a, torch.Tensor) else a
-            for a in (chain_args(inp) if kind == "chain" else tree_args(inp))]
+def run_kind(backend, kind, inp):
+    """The chain or tree op with every tensor in guarded storage (tests.helpers.run_guarded)."""
+    args = chain_args(inp) if kind == "chain" else tree_args(inp)
     batch, width = args[0].shape
-    acc = guarded(torch.zeros(batch, dtype=torch.int32))
+    acc = torch.zeros(batch, dtype=torch.int32)
     if kind == "chain":
-        outs = [guarded(torch.zeros(batch, width + 1, dtype=torch.int64)), acc]
-        fn = torch.ops.specdec.chain_rejection_sample if backend == "cpu" else tr.chain_rejection_sample
+        outs = [torch.zeros(batch, width + 1, dtype=torch.int64), acc]
     else:
-        outs = [guarded(torch.zeros(batch, width - 1, dtype=torch.int32)),
-                guarded(torch.zeros(batch, width, dtype=torch.int64)), acc]
-        fn = torch.ops.specdec.tree_rejection_sample if backend == "cpu" else tr.tree_rejection_sample
-    fn(*args, *outs)
-    for t in outs:
-        assert_guard_intact(t)
-    return tuple(outs)
+        outs = [torch.zeros(batch, width - 1, dtype=torch.int32), torch.zeros(batch, width, dtype=torch.int64), acc]
+    return run_guarded(backend_op(backend, f"{kind}_rejection_sample", "rejection_sampling"), list(args), outs)
 
 
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=requires_triton)])
@@ -235,7 +226,7 @@ def test_nothing_outside_the_tensors_is_read_or_written(backend, kind, with_q):
         expected = ref.tree_rejection_sample(*tree_args(inp))
     for b in range(len(expected[-1])):
         one = {k: (v[b:b + 1] if v is not None else None) for k, v in inp.items()}
-        assert_same(run_guarded(backend, kind, one), [e[b:b + 1] for e in expected])
+        assert_same(run_kind(backend, kind, one), [e[b:b + 1] for e in expected])
     if kind == "chain" and with_q:  # the case that once read past q: sampled chains reaching row K
         assert ((expected[1] == 3) & (inp["temperature"] > 0)).sum() >= 6
 
