@@ -245,7 +245,7 @@ def main_qwen(args):
     copy_bw = (copy_bandwidth_gbs(), copy_bandwidth_cpu_gbs() if threads == 1 else None)
     print(f"copy bandwidth: {copy_bw[0]:.1f} GB/s (wall time), {copy_bw[1] or float('nan'):.1f} GB/s (CPU time), "
           f"torch threads: {threads}")
-    ms = [1, 8] if args.quick else [1, 2, 4, 8, 16, 32, 64]
+    ms = [int(m) for m in args.ms.split(",")] if args.ms else [1, 8] if args.quick else [1, 2, 4, 8, 16, 32, 64]
     names = ["qkv", "o"] if args.quick else ["qkv", "o", "gate|up", "down"]
     types = [12, 14] if args.quick else [12, 14, 13, 6, 7]
     formats = [((n, QWEN_SHAPES[n]), t) for t in types for n in names]
@@ -303,7 +303,8 @@ def main():
     parser.add_argument("--qwen-quantized", action="store_true",
                         help="only quantized_linear (fp32 activations) on Qwen2.5-Coder-1.5B's shapes (cold blocks), for --types")
     parser.add_argument("--types", default="Q4_K,Q6_K", help="block types of --qwen-quantized (comma-separated)")
-    parser.add_argument("--ms", default="1,2,4,8", help="row counts M of --qwen-quantized (comma-separated)")
+    parser.add_argument("--ms", default=None,
+                        help="row counts M of --qwen-quantized (default 1,2,4,8) or --qwen (default 1..64), comma-separated")
     args = parser.parse_args()
     from specdec_kernels.threads import apply_threads
 
@@ -311,7 +312,8 @@ def main():
     if args.qwen:
         return main_qwen(args)
     if args.qwen_quantized:
-        return bench_qwen(args.types.split(","), [int(m) for m in args.ms.split(",")], torch.get_num_threads())
+        return bench_qwen(args.types.split(","), [int(m) for m in (args.ms or "1,2,4,8").split(",")],
+                          torch.get_num_threads())
 
     if args.quick:
         skinny_shapes = [(1536, 576), (576, 1536)]

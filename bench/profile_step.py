@@ -4,9 +4,13 @@ Runs our loop on one chat prompt under ``torch.profiler`` and splits the decode 
 time into the weight products (``quantized_linear`` / ``skinny_linear`` / MKL GEMM),
 attention (``tree_attention``), sampling (``tree_rejection_sample`` + argmax), KV-cache
 writes and compaction, the other torch ops (norms, RoPE, SiLU, embedding, ...), and the
-rest: Python (the loop, the model's Python, the profiler's own per-op cost). Reports the
+rest: Python (the loop, the model's Python, the profiler's own per-op cost). The weight
+products are also split by kind (``products_ms_per_step``: block type, fp32 or int8
+activations, and which weight: q|k|v, o, gate|up, down, LM head; ``ProductTimer``, wall and
+thread CPU time, unprofiled), next to the step's process CPU time. Reports the
 weight bytes one step streams, the bandwidth the weight products reach on them, and the
-machine's copy bandwidth measured in the same run. JSON: bench/results/step_profile_<weights>.json.
+machine's copy bandwidth measured in the same run. JSON: bench/results/step_profile_<weights>.json
+(another --model: step_profile_<model>_<weights>_t<threads>.json).
 
     python bench/profile_step.py --weights native --threads 1
 """
@@ -28,7 +32,7 @@ from specdec_kernels.models.registry import WEIGHT_FORMATS  # noqa: E402
 CATEGORIES = {  # profiler event name (substring) -> category; first match wins
     "quantized_linear": "weight products", "int8_activation_linear": "weight products", "skinny_linear": "weight products", "aten::addmm": "weight products",
     "aten::mm": "weight products", "aten::linear": None, "aten::matmul": None,
-    "tree_attention": "attention", "scaled_dot_product": "attention",
+    "tree_attention": "attention", "scaled_dot_product": "prefill attention",
     "tree_rejection_sample": "sampling", "aten::argmax": "sampling",
     "compact_kv": "kv cache", "aten::index_put": "kv cache",
 }
@@ -44,6 +48,55 @@ def weight_bytes(model) -> int:
         return w.nbytes if hasattr(w, "block_type") else w.numel() * w.element_size()
 
     return sum(nbytes(L[k]) for L in model.layers for k in Llama.LINEAR_KEYS) + nbytes(model.lm_head)
+
+
+class ProductTimer:
+    """Wraps every block weight's ``linear`` to add up, per kind (``<key> <type> <fp32|int8>``,
+    key one of q|k|v, o, gate|up, down, LM head), the wall and the thread CPU time of its
+    one-row calls (a decode step's; prefill calls have more rows). Thread CPU time is what
+    the product costs whatever else the machine runs (with one torch thread it is all of it).
+    Only this run's model is touched (the weights are frozen dataclasses: the wrapper is set
+    on the instance)."""
+
+    def __init__(self, model):
+        from specdec_kernels.models.llama import Llama
+
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        for L in model.layers:
+            for k in Llama.LINEAR_KEYS:
+                self._wrap(L[k], k)
+        self._wrap(model.lm_head, "lm_head")
+
+    def _wrap(self, w, key):
+        from specdec_kernels.models.llama import is_block_weight
+
+        if isinstance(w, tuple):
+            for part in w:
+                self._wrap(part, key)
+            return
+        if not is_block_weight(w):
+            return
+        name = f"{key} {w.type_name} {'int8' if w.int8_packed is not None else 'fp32'}"
+        plain = w.linear
+
+        def timed(x, bias=None):
+            if x.reshape(-1, x.shape[-1]).shape[0] != 1:
+                return plain(x, bias)
+            t0, c0 = time.perf_counter(), time.thread_time()
+            out = plain(x, bias)
+            self.wall[name] = self.wall.get(name, 0.0) + time.perf_counter() - t0
+            self.cpu[name] = self.cpu.get(name, 0.0) + time.thread_time() - c0
+            return out
+
+        object.__setattr__(w, "linear", timed)
+
+    def reset(self):
+        self.wall.clear(), self.cpu.clear()
+
+    def per_step_ms(self, steps: int) -> dict:
+        return {k: {"wall": self.wall[k] / steps * 1e3, "thread_cpu": self.cpu[k] / steps * 1e3}
+                for k in sorted(self.wall, key=lambda k: -self.wall[k])}
 
 
 def main(argv=None) -> int:
@@ -65,8 +118,17 @@ def main(argv=None) -> int:
     ids = tok.chat_prompt(args.prompt)
     gen = Generator(model)
     gen.generate([ids], 4)  # warm-up
+    timer = ProductTimer(model)
+    timer.reset()
+    c0 = time.process_time()
     (req,) = gen.generate([ids], args.tokens, stop_at_eos=False)  # unprofiled: plain step time
+    run_cpu = time.process_time() - c0
     plain_step = (req.stats.time_draft + req.stats.time_verify + req.stats.time_sample + req.stats.time_compact) / len(req.output)
+    # The process's CPU time of the decode steps (prefill's share scaled out by its wall share).
+    plain_wall = req.stats.time_prefill + plain_step * len(req.output)
+    step_cpu = run_cpu * (plain_step * len(req.output) / plain_wall) / len(req.output)
+    products = timer.per_step_ms(len(req.output))
+    timer.reset()
 
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
@@ -101,6 +163,7 @@ def main(argv=None) -> int:
             pre_cat[cat] = pre_cat.get(cat, 0.0) + e.self_cpu_time_total / 1e6
     per_step = {c: max(by_cat.get(c, 0.0) - pre_cat.get(c, 0.0), 0.0) / steps for c in by_cat}
     step = decode_wall / steps
+    per_step.pop("prefill attention", None)  # the prompt's (profiled alone above), not a step's
     per_step["python and the rest"] = max(step - sum(per_step.values()), 0.0)
     nbytes = weight_bytes(model)
     copy_gbs = copy_bandwidth_gbs()
@@ -109,13 +172,19 @@ def main(argv=None) -> int:
         "machine": machine_info(), "load_average": os.getloadavg(), "model": model.name, "weights": model.weight_format,
         "threads": args.threads, "decode_steps": steps, "step_ms_profiled": step * 1e3, "step_ms_unprofiled": plain_step * 1e3,
         "ms_per_step": {c: v * 1e3 for c, v in sorted(per_step.items(), key=lambda kv: -kv[1])},
+        "step_ms_process_cpu": step_cpu * 1e3,
+        # Unprofiled, one-row calls only: wall and thread CPU time per kind of product.
+        "products_ms_per_step": products,
+        "products_ms_total": {t: sum(v[t] for v in products.values()) for t in ("wall", "thread_cpu")},
         "weight_bytes_per_step": nbytes, "weight_products_gbs": nbytes / gemm / 1e9 if gemm else None,
         "copy_bandwidth_gbs": copy_gbs,
         "roofline_step_ms": nbytes / (copy_gbs * 1e9) * 1e3,  # the weights read once at the copy bandwidth
     }
     print(json.dumps(result, indent=1))
     RESULTS_DIR.mkdir(exist_ok=True)
-    path = RESULTS_DIR / f"step_profile_{model.weight_format}.json"
+    # The default model keeps the names bench/report.py reads; others get model and threads.
+    name = model.weight_format if args.model == "smollm2-135m" else f"{args.model}_{model.weight_format}_t{args.threads}"
+    path = RESULTS_DIR / f"step_profile_{name}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {path}")
     return 0

@@ -383,6 +383,15 @@ for block_type in TYPES:
         w, packed = packed_weight(N, H, block_type, g)
         x, b = torch.randn(M, H, generator=g) * 10, torch.randn(N, generator=g)
         outs[(block_type, M, N, H)] = ops.int8_activation_linear(x, packed, block_type, N, b)
+    # Activation blocks where the quantiser's rounding and scaling edges decide: exact ties
+    # (d = 1: x * (1 / d) = k + 0.5), tiny (< 2^-96), zero and huge blocks.
+    H = size * (2 if size == 32 else 1) * 8
+    w, packed = packed_weight(21, H, block_type, g)
+    x = torch.randn(3, H, generator=g)
+    x[0] = torch.arange(H) % 64 - 31.5
+    x[0, ::32] = 127.0
+    x[1, :32], x[1, 32:64], x[1, 64:96] = 1e-30, 0.0, 1e30
+    outs[(block_type, "edges")] = ops.int8_activation_linear(x, packed, block_type, 21)
 torch.save(outs, sys.argv[1])
 """
 

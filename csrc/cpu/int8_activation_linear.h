@@ -47,9 +47,12 @@
 // The integer sums are exact in any order (|i| < 2^24), so the vector paths may split them.
 //
 // Blocking: each record is unpacked once for all M rows. Up to kTileM rows (4 with AVX-512, 2
-// with AVX2) the rows' accumulators stay in registers over the whole row of blocks; beyond, the
-// accumulators of all rows live in a small scratch (L1) and every unpacked block is applied to
-// the rows in tiles of kTileM.
+// with AVX2) the rows' accumulators stay in registers over the whole row of blocks (AVX2: both
+// 8-row halves of a group in one pass); beyond, the accumulators of all rows live in a small
+// scratch (L1) and every unpacked block is applied to the rows in tiles of kTileM. A thread's
+// groups are one contiguous stream, prefetched kPrefetchAhead bytes ahead. The vector paths
+// quantise the activations with AVX2 (quantize_activations_avx2), the portable path with the
+// scalar reference; the bits are the same.
 #pragma once
 #include <ATen/ATen.h>
 #include <c10/util/Half.h>
@@ -133,8 +136,9 @@ inline const uint8_t* record_at(const Problem& p, int64_t g, int64_t b) {
 template <int64_t Type>
 constexpr int64_t sub_index(int64_t b) { return is_k_quant(Type) ? b % 8 : 0; }
 
-// Quantises x [M, H] (fp32, contiguous, H = nb * 32) as the header says. Plain scalar code,
-// the same for every path (its cost is M * H, small next to the weights').
+// Quantises x [M, H] (fp32, contiguous, H = nb * 32) as the header says. Plain scalar code:
+// the portable path's, and the reference of quantize_activations_avx2 (the vector paths'),
+// which gives the same bits.
 inline void quantize_activations(const float* x, int64_t M, int64_t nb, int8_t* q, float* d, float* s,
                                  int32_t* sq, int32_t* sqh) {
   for (int64_t m = 0; m < M; ++m) {
@@ -184,6 +188,19 @@ inline int32_t load_i32(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return v;
+}
+
+// The vector paths read a group's records front to back and the groups of a thread one after
+// the other: one stream, which they prefetch kPrefetchAhead bytes ahead in software (the
+// hardware prefetchers alone left a one-row product well below the memory bandwidth).
+constexpr int64_t kPrefetchAhead = 2048;
+
+// The bytes of block b's share of its record (a K-quant record: 1/8 per sub-block), relative
+// to group g0's first byte: the stream position of the reader at block b of group g.
+template <int64_t Type>
+inline int64_t stream_pos(const Problem& p, int64_t g, int64_t g0, int64_t b) {
+  constexpr int64_t per = is_k_quant(Type) ? 8 : 1;
+  return ((g - g0) * p.nb + b) * p.bb / per;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -364,11 +381,12 @@ constexpr int kTileVnni = 4;
 
 // M <= kTileVnni rows: accumulators in registers over the whole row of blocks.
 template <int64_t Type, int MR>
-SPECDEC_I8_VNNI inline void group_regs_vnni(const Problem& p, int64_t g) {
+SPECDEC_I8_VNNI inline void group_regs_vnni(const Problem& p, int64_t g, gguf::Prefetcher& pf, int64_t g0) {
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
   UnpackedVnni u;
   for (int64_t b = 0; b < p.nb; ++b) {
+    pf.advance(stream_pos<Type>(p, g, g0, b));
     unpack_vnni<Type>(p, g, b, u);
     rows_vnni<Type, MR>(p, u, b, 0, acc);
   }
@@ -390,10 +408,12 @@ SPECDEC_I8_VNNI inline void tile_from_scratch_vnni(const Problem& p, const Unpac
 
 // More rows: each unpacked block is applied to all rows, their accumulators in scratch [M, 16].
 template <int64_t Type>
-SPECDEC_I8_VNNI inline void group_scratch_vnni(const Problem& p, int64_t g, float* scratch) {
+SPECDEC_I8_VNNI inline void group_scratch_vnni(const Problem& p, int64_t g, float* scratch, gguf::Prefetcher& pf,
+                                               int64_t g0) {
   std::fill(scratch, scratch + p.M * kGroupRows, 0.f);
   UnpackedVnni u;
   for (int64_t b = 0; b < p.nb; ++b) {
+    pf.advance(stream_pos<Type>(p, g, g0, b));
     unpack_vnni<Type>(p, g, b, u);
     int64_t m0 = 0;
     for (; m0 + kTileVnni <= p.M; m0 += kTileVnni) tile_from_scratch_vnni<Type, kTileVnni>(p, u, b, m0, scratch);
@@ -407,20 +427,26 @@ SPECDEC_I8_VNNI inline void group_scratch_vnni(const Problem& p, int64_t g, floa
   for (int64_t m = 0; m < p.M; ++m) store_lanes(p, m, g * kGroupRows, scratch + m * kGroupRows);
 }
 
+// Groups [g0, g1), read as one stream prefetched ahead (as on the AVX2 path).
 template <int64_t Type>
-SPECDEC_I8_VNNI __attribute__((flatten)) inline void group_vnni(const Problem& p, int64_t g, float* scratch) {
-  switch (p.M) {
-    case 1: group_regs_vnni<Type, 1>(p, g); break;
-    case 2: group_regs_vnni<Type, 2>(p, g); break;
-    case 3: group_regs_vnni<Type, 3>(p, g); break;
-    case 4: group_regs_vnni<Type, 4>(p, g); break;
-    default: group_scratch_vnni<Type>(p, g, scratch); break;
+SPECDEC_I8_VNNI __attribute__((flatten)) inline void groups_vnni(const Problem& p, int64_t g0, int64_t g1,
+                                                                 float* scratch) {
+  const int64_t group_bytes = p.nb * p.bb / (is_k_quant(Type) ? 8 : 1);
+  gguf::Prefetcher pf{p.w + g0 * group_bytes, (g1 - g0) * group_bytes, kPrefetchAhead};
+  for (int64_t g = g0; g < g1; ++g) {
+    switch (p.M) {
+      case 1: group_regs_vnni<Type, 1>(p, g, pf, g0); break;
+      case 2: group_regs_vnni<Type, 2>(p, g, pf, g0); break;
+      case 3: group_regs_vnni<Type, 3>(p, g, pf, g0); break;
+      case 4: group_regs_vnni<Type, 4>(p, g, pf, g0); break;
+      default: group_scratch_vnni<Type>(p, g, scratch, pf, g0); break;
+    }
   }
 }
 
 SPECDEC_I8_VNNI __attribute__((noinline)) inline void run_vnni(const Problem& p, int64_t type, int64_t g0, int64_t g1,
                                                                float* scratch) {
-  for (int64_t g = g0; g < g1; ++g) SPECDEC_I8_TYPE_SWITCH(type, group_vnni, p, g, scratch)
+  SPECDEC_I8_TYPE_SWITCH(type, groups_vnni, p, g0, g1, scratch)
 }
 #pragma GCC diagnostic pop
 
@@ -432,6 +458,56 @@ SPECDEC_I8_VNNI __attribute__((noinline)) inline void run_vnni(const Problem& p,
 // moved onto x (at most 2 * 128 * 127 per pair) instead of the unsigned offset bytes. Q6_K's
 // int16 sums are multiplied by the scales in vpmaddwd itself.
 // ---------------------------------------------------------------------------------------
+// The AVX2 twin of quantize_activations (the vector paths' quantiser; AVX-512 CPUs have AVX2):
+// per element the same operations (the max of |x|, x * (1 / d) rounded half to even by
+// vroundps as nearbyint does in the default mode, clamped, converted) and exact integer sums,
+// so the same bits. (The scalar loops cost ~4 ns per element: at H = 8960 more than the
+// product with a 16-row group.)
+inline void quantize_activations_avx2(const float* x, int64_t M, int64_t nb, int8_t* q, float* d, float* s,
+                                      int32_t* sq, int32_t* sqh) {
+  const __m256 sign = _mm256_set1_ps(-0.f), inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
+  const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  const __m256i dword_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
+  auto hsum = [](__m256i a) {
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+  };
+  for (int64_t mb = 0; mb < M * nb; ++mb) {
+    const float* xb = x + mb * kBlock;
+    __m256 v[4], amax = _mm256_setzero_ps(), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (int k = 0; k < 4; ++k) {
+      v[k] = _mm256_loadu_ps(xb + 8 * k);
+      const __m256 a = _mm256_andnot_ps(sign, v[k]);
+      finite = _mm256_and_ps(finite, _mm256_cmp_ps(a, inf, _CMP_LT_OQ));  // false for NaN and +-inf
+      amax = _mm256_max_ps(amax, a);
+    }
+    if (_mm256_movemask_ps(finite) != 0xFF) {
+      std::memset(q + mb * kBlock, 0, kBlock);
+      d[mb] = s[mb] = std::numeric_limits<float>::quiet_NaN();
+      sq[mb] = sqh[2 * mb] = sqh[2 * mb + 1] = 0;
+      continue;
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float am = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    const float dm = am < kTinyBlock ? 0.f : am / 127.f;
+    const __m256 id = _mm256_set1_ps(dm != 0.f ? 1.f / dm : 0.f);
+    __m256i qi[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[k], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      qi[k] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r)));
+    }
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + mb * kBlock), _mm256_permutevar8x32_epi32(bytes, dword_order));
+    const int32_t h0 = hsum(_mm256_add_epi32(qi[0], qi[1])), h1 = hsum(_mm256_add_epi32(qi[2], qi[3]));
+    d[mb] = dm;
+    sq[mb] = h0 + h1;
+    sqh[2 * mb] = h0, sqh[2 * mb + 1] = h1;
+    s[mb] = dm * static_cast<float>(sq[mb]);
+  }
+}
+
 struct UnpackedAvx2 {
   __m256i w[8];
   __m256 dw, mw;
@@ -550,19 +626,27 @@ inline void rows_avx2(const Problem& p, const UnpackedAvx2& u, int64_t b, int64_
 
 constexpr int kTileAvx2 = 2;
 
+// M <= kTileAvx2 rows: one pass over the group's records, each sub-block unpacked and applied
+// half by half (rows 0-7, then 8-15), the accumulators of both halves in registers. (Two
+// passes, one per half, read every line of the group twice and each half's 32 bytes of a
+// line apart from the other's: measured slower.)
 template <int64_t Type, int MR>
-inline void group_regs_avx2(const Problem& p, int64_t g) {
-  for (int half = 0; half < 2; ++half) {
-    __m256 acc[MR];
-    for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
-    UnpackedAvx2 u;
-    for (int64_t b = 0; b < p.nb; ++b) {
+inline void group_regs_avx2(const Problem& p, int64_t g, gguf::Prefetcher& pf, int64_t g0) {
+  __m256 acc[2][MR];
+  for (int half = 0; half < 2; ++half)
+    for (int i = 0; i < MR; ++i) acc[half][i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < p.nb; ++b) {
+    pf.advance(stream_pos<Type>(p, g, g0, b));
+    for (int half = 0; half < 2; ++half) {
+      UnpackedAvx2 u;
       unpack_avx2<Type>(p, g, b, half, u);
-      rows_avx2<Type, MR>(p, u, b, 0, acc);
+      rows_avx2<Type, MR>(p, u, b, 0, acc[half]);
     }
+  }
+  for (int half = 0; half < 2; ++half) {
     for (int i = 0; i < MR; ++i) {
       float lanes[8];
-      _mm256_storeu_ps(lanes, acc[i]);
+      _mm256_storeu_ps(lanes, acc[half][i]);
       store_lanes(p, i, g * kGroupRows + 8 * half, lanes, 8);
     }
   }
@@ -577,11 +661,12 @@ inline void tile_from_scratch_avx2(const Problem& p, const UnpackedAvx2& u, int6
 }
 
 template <int64_t Type>
-inline void group_scratch_avx2(const Problem& p, int64_t g, float* scratch) {
+inline void group_scratch_avx2(const Problem& p, int64_t g, float* scratch, gguf::Prefetcher& pf, int64_t g0) {
   for (int half = 0; half < 2; ++half) {
     std::fill(scratch, scratch + p.M * 8, 0.f);
     UnpackedAvx2 u;
     for (int64_t b = 0; b < p.nb; ++b) {
+      pf.advance(stream_pos<Type>(p, g, g0, b));
       unpack_avx2<Type>(p, g, b, half, u);
       int64_t m0 = 0;
       for (; m0 + kTileAvx2 <= p.M; m0 += kTileAvx2) tile_from_scratch_avx2<Type, kTileAvx2>(p, u, b, m0, scratch);
@@ -592,16 +677,20 @@ inline void group_scratch_avx2(const Problem& p, int64_t g, float* scratch) {
 }
 
 template <int64_t Type>
-__attribute__((flatten)) inline void group_avx2(const Problem& p, int64_t g, float* scratch) {
-  switch (p.M) {
-    case 1: group_regs_avx2<Type, 1>(p, g); break;
-    case 2: group_regs_avx2<Type, 2>(p, g); break;
-    default: group_scratch_avx2<Type>(p, g, scratch); break;
+__attribute__((flatten)) inline void groups_avx2(const Problem& p, int64_t g0, int64_t g1, float* scratch) {
+  const int64_t group_bytes = p.nb * p.bb / (is_k_quant(Type) ? 8 : 1);
+  gguf::Prefetcher pf{p.w + g0 * group_bytes, (g1 - g0) * group_bytes, kPrefetchAhead};
+  for (int64_t g = g0; g < g1; ++g) {
+    switch (p.M) {
+      case 1: group_regs_avx2<Type, 1>(p, g, pf, g0); break;
+      case 2: group_regs_avx2<Type, 2>(p, g, pf, g0); break;
+      default: group_scratch_avx2<Type>(p, g, scratch, pf, g0); break;
+    }
   }
 }
 
 __attribute__((noinline)) inline void run_avx2(const Problem& p, int64_t type, int64_t g0, int64_t g1, float* scratch) {
-  for (int64_t g = g0; g < g1; ++g) SPECDEC_I8_TYPE_SWITCH(type, group_avx2, p, g, scratch)
+  SPECDEC_I8_TYPE_SWITCH(type, groups_avx2, p, g0, g1, scratch)
 }
 #endif  // SPECDEC_GGUF_X86
 

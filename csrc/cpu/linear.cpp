@@ -215,16 +215,21 @@ void int8_activation_linear_cpu(const at::Tensor& x, const at::Tensor& packed_we
   std::vector<int8_t> q(M * H);
   std::vector<float> d(M * nb), s(M * nb);
   std::vector<int32_t> sq(M * nb), sqh(2 * M * nb);
-  i8act::quantize_activations(x_f.data_ptr<float>(), M, nb, q.data(), d.data(), s.data(), sq.data(), sqh.data());
+  // Paths as in quantized_linear: AVX-512 VNNI where the CPU has it, else AVX2, portable on request
+  // (the vector paths quantise with AVX2, the portable one with the scalar reference: same bits).
+  const bool portable = portable_requested();
+  auto quantize = &i8act::quantize_activations;
+  auto run = &i8act::run_generic;
+#if defined(SPECDEC_GGUF_X86)
+  if (!portable) {
+    quantize = &i8act::quantize_activations_avx2;
+    run = cpu_has_avx512_vnni() ? &i8act::run_vnni : &i8act::run_avx2;
+  }
+#endif
+  quantize(x_f.data_ptr<float>(), M, nb, q.data(), d.data(), s.data(), sq.data(), sqh.data());
   const i8act::Problem p{q.data(), d.data(), s.data(), sq.data(), sqh.data(), M, nb,
                          packed_weight.data_ptr<uint8_t>(), bb, N,
                          bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<float>()};
-  // Paths as in quantized_linear: AVX-512 VNNI where the CPU has it, else AVX2, portable on request.
-  const bool portable = portable_requested();
-  auto run = &i8act::run_generic;
-#if defined(SPECDEC_GGUF_X86)
-  if (!portable) run = cpu_has_avx512_vnni() ? &i8act::run_vnni : &i8act::run_avx2;
-#endif
   // Threads split the groups, at least ~64 KiB of weight bytes per task.
   const int64_t group_bytes = H / rw * bb;
   const int64_t grain = std::max<int64_t>(1, (int64_t(64) << 10) / std::max<int64_t>(1, group_bytes));
