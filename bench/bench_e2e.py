@@ -3,13 +3,15 @@
 In one process, for each prompt (chat template applied to the first turn): transformers
 autoregressive, transformers assisted generation with prompt lookup, llama.cpp
 autoregressive (llama-cpp-python on the same GGUF file, in a subprocess:
-bench/llama_cpp_baseline.py), our autoregressive loop on fp32 weights (``fp32-ar``), our
+bench/llama_cpp_baseline.py), llama.cpp's own speculative loop with ``--llama-bin``
+(``llama-speculative-simple``: autoregressive and its lookup drafts,
+bench/llama_cpp_speculative.py), our autoregressive loop on fp32 weights (``fp32-ar``), our
 autoregressive loop on ``--weights`` (default: the GGUF file's own blocks), and our loop with
 each drafter; at batch 1 and at batch B (groups of B prompts, our
 loop only: transformers' assisted generation is batch 1 only). Reports tokens/s per prompt
 (total, and prefill / decode separately),
 the speedup (mean over prompts of per-prompt tokens/s ratios against our autoregressive
-run), mean accepted length, a per-category table and whether each greedy output equals our
+run; and of the decode phase alone, what drafting changes), mean accepted length, a per-category table and whether each greedy output equals our
 autoregressive output; writes JSON and a PNG chart. ``--continuous`` runs batch sizes B > 1
 as one generation over all prompts with B slots (continuous batching: a prompt joins when a
 request finishes) instead of groups of B; ``--rounds`` repeats every run, methods alternating.
@@ -40,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402  (loads libtorch before the extension)
 
-from bench.common import RESULTS_DIR, print_table, write_results  # noqa: E402
+from bench.common import RESULTS_DIR, code_prompts, print_table, write_results  # noqa: E402
 from specdec_kernels.cli import Parser  # noqa: E402
 from specdec_kernels.decoding import Generator, SpecSchedule, make_drafter  # noqa: E402
 from specdec_kernels.decoding.registry import DRAFTER_INFO, default_schedule  # noqa: E402
@@ -63,9 +65,11 @@ def drafter_spec(text: str) -> str:
     return text
 
 
-def load_prompts(path: str | None, max_prompts: int, tokenizer) -> list[dict]:
-    """[{id, category, text, ids}] from the package's prompt file or a Spec-Bench jsonl
-    (``turns``: the first turn is used)."""
+def load_prompts(path: str | None, max_prompts: int, tokenizer, categories=None) -> list[dict]:
+    """[{id, category, text, ids}] from the package's prompt file, a Spec-Bench jsonl
+    (``turns``: the first turn is used) or a jsonl of code tasks ({task_id, prompt,
+    canonical_solution, entry_point}: each row gives a "completion" and an "edit" prompt,
+    :func:`bench.common.code_prompts`); only those of ``categories`` when given."""
     if path is None:
         lines = resources.files("specdec_kernels").joinpath("data/prompts.jsonl").read_text().splitlines()
     else:
@@ -75,9 +79,16 @@ def load_prompts(path: str | None, max_prompts: int, tokenizer) -> list[dict]:
         if not line.strip():
             continue
         row = json.loads(line)
+        if "canonical_solution" in row:  # a HumanEval-format row: a completion and an edit prompt
+            for category, text in code_prompts(row):
+                out.append({"id": f"{row['task_id']}:{category}", "category": category, "text": text,
+                            "ids": tokenizer.chat_prompt(text)})
+            continue
         text = row["turns"][0] if "turns" in row else row["prompt"]
         out.append({"id": row.get("question_id", row.get("id")), "category": row.get("category", "all"),
                     "text": text, "ids": tokenizer.chat_prompt(text)})
+    if categories:
+        out = [p for p in out if p["category"] in categories]
     if max_prompts:
         # Round-robin over categories so that a short run still covers them.
         by_cat: dict[str, list] = {}
@@ -174,13 +185,39 @@ def _llama_cpp_runner(gguf_path: str, args, eos_ids):
     return run
 
 
+def llama_spec_targets(runs: list, drafters: list) -> dict:
+    """Per category, batch 1, decode-phase tokens/s (mean over its runs): our best drafter
+    against our autoregressive run, and against llama.cpp's best lookup method
+    (bench/llama_cpp_speculative.py) in the same run."""
+    rate: dict = {}
+    for r in runs:
+        if r["batch"] == 1 and r.get("decode_tokens_per_s"):
+            rate.setdefault(r["categories"][0], {}).setdefault(r["method"], []).append(r["decode_tokens_per_s"])
+    out = {}
+    for cat, by_method in sorted(rate.items()):
+        mean = {m: statistics.mean(v) for m, v in by_method.items()}
+        ours = max((m for m in drafters if m in mean), key=mean.get, default=None)
+        theirs = max((m for m in mean if m.startswith("llama-spec-") and m != "llama-spec-ar"), key=mean.get,
+                     default=None)
+        if ours is None or theirs is None or "ours-ar" not in mean:
+            continue
+        out[cat] = {"best_drafter": ours, "best_drafter_decode_speedup": mean[ours] / mean["ours-ar"],
+                    "best_llama_spec": theirs, "best_drafter_vs_best_llama_spec": mean[ours] / mean[theirs],
+                    "best_llama_spec_vs_llama_ar": mean[theirs] / mean.get("llama-spec-ar", float("nan")),
+                    "decode_tokens_per_s": mean}
+    return out
+
+
 def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESULTS_DIR) -> int:
     p = Parser(prog=prog, description=__doc__.split("\n\n")[0])  # one-line errors, defaults in --help
     p.add_argument("--model", default="smollm2-135m", help="registered name, .gguf file or HF checkpoint folder")
     p.add_argument("--prompts", default=None,
                    help="jsonl of {prompt} or Spec-Bench {turns, category} rows, given by path, e.g. a copy of "
-                        "Spec-Bench's question.jsonl (Apache-2.0; not shipped); default: the package's prompts")
+                        "Spec-Bench's question.jsonl (Apache-2.0; not shipped), or of code tasks {task_id, prompt, "
+                        "canonical_solution, entry_point} (a completion and an edit prompt each); default: the "
+                        "package's prompts")
     p.add_argument("--max-prompts", type=int, default=10, help="prompts used (round-robin over categories); 0 = all")
+    p.add_argument("--categories", nargs="+", default=None, help="only the prompts of these categories")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4], help="batch sizes to run (transformers only at 1)")
     p.add_argument("--drafters", nargs="+", default=DEFAULT_DRAFTERS, type=drafter_spec, metavar="DRAFTER[:SCHEDULE]",
@@ -193,6 +230,9 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
                         "groups of B that run until their slowest request is done")
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat every (group, method) run this many times, methods alternating; ratios are per round")
+    p.add_argument("--warmup-tokens", type=int, default=None,
+                   help="tokens each warm-up generation makes (default: --max-new-tokens); a few suffice to "
+                        "load caches and the step-cost curve on a slow machine")
     p.add_argument("--k", type=int, default=4, help="speculation length (initial, for the adaptive schedules)")
     p.add_argument("--self-spec-layers", type=int, default=8, help="layers of the target that self-spec / draft run")
     p.add_argument("--prompt-lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
@@ -203,6 +243,9 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
     p.add_argument("--llama-python", default=sys.executable,
                    help="interpreter that runs llama-cpp-python for the llama.cpp baseline (default: this one)")
     p.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp baseline")
+    p.add_argument("--llama-bin", default=None,
+                   help="a llama.cpp build's bin folder with llama-speculative-simple: also run llama.cpp's own "
+                        "loop, autoregressive and with its lookup drafts (bench/llama_cpp_speculative.py), batch 1")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads; 0 = the cores not busy with other work (specdec_kernels.threads)")
     p.add_argument("--out-dir", default=str(default_out_dir), help="folder of the results")
@@ -231,27 +274,35 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
         from specdec_kernels.models.registry import resolve
 
         llama = _llama_cpp_runner(resolve(args.model), args, model.config.eos_token_ids)
-    prompts = load_prompts(args.prompts, args.max_prompts, tok)
+    prompts = load_prompts(args.prompts, args.max_prompts, tok, args.categories)
     N = args.max_new_tokens
 
-    def ours(drafter_spec: str | None, batch_ids: list, target=None, max_batch=None):
+    def ours(drafter_spec: str | None, batch_ids: list, target=None, max_batch=None, new_tokens=N):
         target = target or model
         name, _, schedule = (drafter_spec or "none").partition(":")
         drafter = make_drafter(name, target, self_spec_layers=args.self_spec_layers, max_k=16)
         gen = Generator(target, drafter, SpecSchedule(schedule or default_schedule(name), args.k))
         t = time.perf_counter()
-        reqs = gen.generate(batch_ids, N, max_batch=max_batch)
+        reqs = gen.generate(batch_ids, new_tokens, max_batch=max_batch)
         return reqs, time.perf_counter() - t
 
-    ours([None][0], [prompts[0]["ids"]])  # warm-up
-    for spec in args.drafters:  # warm-up: the first generation measures the step cost once (cached per machine)
-        ours(spec, [prompts[0]["ids"][:8]])
+    warm = args.warmup_tokens if args.warmup_tokens is not None else N
+    ours([None][0], [prompts[0]["ids"]], new_tokens=warm)  # warm-up
+    for spec in args.drafters:  # the first generation measures the step cost once (cached per machine)
+        ours(spec, [prompts[0]["ids"][:8]], new_tokens=warm)
     methods = ["ours-ar"] + list(args.drafters)
     if fp32_model is not None and fp32_model is not model:
-        ours(None, [prompts[0]["ids"]], fp32_model)
+        ours(None, [prompts[0]["ids"]], fp32_model, new_tokens=warm)
         methods = ["fp32-ar"] + methods
     if llama is not None:
         methods = ["llama-cpp-ar"] + methods
+    llama_spec = None
+    if args.llama_bin:
+        from bench import llama_cpp_speculative as llama_spec
+        from specdec_kernels.models.registry import resolve
+
+        spec_binary, gguf = llama_spec.binary_path(args.llama_bin), resolve(args.model)
+        methods = list(llama_spec.METHODS) + methods
     hf = None
     if not args.no_hf:
         with tempfile.TemporaryDirectory() as d:
@@ -285,6 +336,17 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
                 outs = [hf.generate(ids[0], N, args.prompt_lookup_tokens if method == "hf-prompt-lookup" else 0)]
                 dt = time.perf_counter() - t
                 row["mean_accepted_length"] = None
+            elif llama_spec is not None and method in llama_spec.METHODS:
+                text = tok.apply_chat_template([{"role": "user", "content": group[0]["text"]}])
+                res = llama_spec.run(spec_binary, gguf, text, N, method, threads=args.threads)
+                outs, dt = [tok.encode(res["text"])], res["prefill_seconds"] + res["decode_seconds"]
+                steps = max(res["tokens"] - res["accepted"], 1)  # each step emits its accepted drafts + 1
+                row.update(prefill_tokens=res["prompt_tokens"], prefill_seconds=res["prefill_seconds"],
+                           decode_forwards=steps, decode_seconds=res["decode_seconds"],
+                           decode_tokens_per_s=res["tokens"] / max(res["decode_seconds"], 1e-9),
+                           mean_accepted_length=res["tokens"] / steps, drafted=res["drafted"],
+                           accepted=res["accepted"], llama_tokens=res["tokens"],
+                           prompt_tokens_match=res["prompt_tokens"] == len(ids[0]))
             elif method == "llama-cpp-ar":
                 (res,) = llama(ids[0])
                 outs, dt = [res["output"]], res["seconds"]
@@ -311,7 +373,7 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
                 # Under continuous batching requests decode over different spans: the run's own.
                 decode_s = row["decode_seconds"] if max_batch else max(r.stats.total_time for r in reqs)
                 row["decode_tokens_per_s"] = sum(len(r.output) for r in reqs) / max(decode_s, 1e-9)
-            tokens = sum(len(o) for o in outs)
+            tokens = row.get("llama_tokens", sum(len(o) for o in outs))
             row.update(tokens=tokens, seconds=dt, tokens_per_s=tokens / dt)
             if method == "ours-ar" and bs == min(args.batch_sizes):  # the reference: our AR at the smallest batch
                 ar_out.update(zip(row["ids"], outs))
@@ -323,10 +385,12 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
     # Exactness against our autoregressive output at the smallest batch run (batch 1 by
     # default; the kernels are batch-invariant, so batch 4 must match it too), speedups per
     # prompt/group.
-    summary, by_cat = [], {}
+    summary, by_cat, by_cat_decode = [], {}, {}
     for bs in args.batch_sizes:
         base = {(tuple(r["ids"]), r["round"]): r["tokens_per_s"] for r in runs
                 if r["batch"] == bs and r["method"] == "ours-ar"}
+        base_decode = {(tuple(r["ids"]), r["round"]): r.get("decode_tokens_per_s") for r in runs
+                       if r["batch"] == bs and r["method"] == "ours-ar"}
         for method in methods:
             rows = [r for r in runs if r["batch"] == bs and r["method"] == method]
             if not rows:
@@ -334,6 +398,12 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
             for r in rows:
                 r["identical"] = [o == ar_out.get(i) for o, i in zip(r["outputs"], r["ids"])]
                 r["speedup"] = r["tokens_per_s"] / base[(tuple(r["ids"]), r["round"])]
+                ar_decode = base_decode[(tuple(r["ids"]), r["round"])]
+                if r.get("decode_tokens_per_s") and ar_decode:  # the decode phase alone: what drafts change
+                    r["decode_speedup"] = r["decode_tokens_per_s"] / ar_decode
+                    if bs == 1:
+                        by_cat_decode.setdefault(r["categories"][0], {}).setdefault(method, []).append(
+                            r["decode_speedup"])
                 if bs == 1:
                     by_cat.setdefault(r["categories"][0], {}).setdefault(method, []).append(r["speedup"])
             mal = [r["mean_accepted_length"] for r in rows if r["mean_accepted_length"] is not None]
@@ -344,6 +414,9 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
                 phases = {"decode_tokens_per_s": sum(r["tokens"] for r in timed) / sum(r["decode_seconds"] for r in timed),
                           "prefill_tokens_per_s": sum(r["prefill_tokens"] for r in timed)
                           / max(sum(r["prefill_seconds"] for r in timed), 1e-9)}
+            decode_ratios = [r["decode_speedup"] for r in rows if "decode_speedup" in r]
+            if decode_ratios:
+                phases["decode_speedup_vs_ours_ar"] = statistics.mean(decode_ratios)
             summary.append({"batch": bs, "method": method, "continuous": rows[0]["continuous"],
                             "tokens_per_s": statistics.mean(r["tokens_per_s"] for r in rows),
                             "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows), **phases,
@@ -356,10 +429,15 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
           f"{skinny_linear_rows(torch.float32)} rows (fp32)")
     print_table(summary, ["batch", "method", "tokens_per_s", "median_tokens_per_s", "decode_tokens_per_s",
                           "prefill_tokens_per_s", "speedup_vs_ours_ar", "median_speedup_vs_ours_ar",
+                          "decode_speedup_vs_ours_ar",
                           "mean_accepted_length", "identical"])
     cat_rows = [{"category": c, **{m: statistics.mean(v) for m, v in ms.items()}} for c, ms in sorted(by_cat.items())]
     print("\nspeedup vs our autoregressive by category (batch 1):")
     print_table(cat_rows, ["category"] + [m for m in methods if m != "ours-ar"])
+    cat_decode_rows = [{"category": c, **{m: statistics.mean(v) for m, v in ms.items()}}
+                       for c, ms in sorted(by_cat_decode.items())]
+    print("\ndecode-phase speedup vs our autoregressive by category (batch 1):")
+    print_table(cat_decode_rows, ["category"] + [m for m in methods if m != "ours-ar"])
     hf_ar = next((s for s in summary if s["method"] == "hf-ar"), None)
     targets = {}
     if hf_ar:
@@ -383,9 +461,15 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
         if best:
             targets["best_drafter_vs_llama_cpp_ar"] = b1[best["method"]]["tokens_per_s"] / b1["llama-cpp-ar"]["tokens_per_s"]
             print(f"best drafter / llama.cpp autoregressive: {targets['best_drafter_vs_llama_cpp_ar']:.2f}x (target > 1x)")
+    if llama_spec is not None:
+        targets["llama_spec_by_category"] = llama_spec_targets(runs, args.drafters)
+        for c, t in targets["llama_spec_by_category"].items():
+            print(f"{c}: best drafter {t['best_drafter']} decodes {t['best_drafter_decode_speedup']:.2f}x our "
+                  f"autoregressive; {t['best_drafter_vs_best_llama_spec']:.2f}x llama.cpp's best lookup "
+                  f"({t['best_llama_spec']}, {t['best_llama_spec_vs_llama_ar']:.2f}x its autoregressive)")
     # fp32 and llama.cpp may differ from ours in a last bit of a near-tie; reported, not counted.
     mismatches = [(r["batch"], r["method"], i) for r in runs for i, ok in zip(r["ids"], r["identical"])
-                  if not ok and r["method"] not in ("fp32-ar", "llama-cpp-ar")]
+                  if not ok and not r["method"].startswith(("fp32-ar", "llama-"))]
     targets["all_greedy_identical"] = not mismatches
     print(f"greedy outputs identical to ours-ar: {'all' if not mismatches else f'{len(mismatches)} mismatches: {mismatches[:10]}'}")
 
@@ -398,7 +482,8 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
                                         "load_average": os.getloadavg(), "llama_cpp": getattr(llama, "version", None),
                                         "config": config,
                                         "skinny_linear_rows": skinny_linear_rows(torch.float32),
-                                        "summary": summary, "by_category": cat_rows, "targets": targets, "runs": runs},
+                                        "summary": summary, "by_category": cat_rows, "decode_by_category": cat_decode_rows,
+                                        "targets": targets, "runs": runs},
                         out_dir=args.out_dir)
     print(f"wrote {out}")
     if 1 in args.batch_sizes:  # the chart shows batch-1 speedups

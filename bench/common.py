@@ -18,6 +18,24 @@ import torch
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
+def code_prompts(row: dict) -> list[tuple[str, str]]:
+    """[(category, user text)]: the two chat prompts built from one code-task row
+    ({task_id, prompt, canonical_solution, entry_point}: a function's signature and docstring,
+    its body, its name; from the caller's --prompts file):
+
+    - "completion": write the body of the function whose signature and docstring are given
+      (the answer restates the signature and docstring, which prompt lookup can copy);
+    - "edit": the whole function, body included, and a small change to make (rename the
+      function): the answer copies most of its input.
+    """
+    stub, body, name = row["prompt"], row["canonical_solution"], row["entry_point"]
+    completion = ("Complete the following Python function. Reply with the complete function in one code "
+                  f"block.\n\n```python\n{stub}```")
+    edit = (f"Rename the function `{name}` to `{name}_v2` everywhere, docstring examples included, and change "
+            f"nothing else. Reply with the complete updated code in one code block.\n\n```python\n{stub}{body}```")
+    return [("completion", completion), ("edit", edit)]
+
+
 def time_fn(fn, *, warmup: int = 3, reps: int = 20, min_time_s: float = 0.0) -> dict:
     """Run ``fn()`` ``warmup`` times, then at least ``reps`` times (and at least
     ``min_time_s`` seconds); return median, min, p25, p75 in microseconds."""

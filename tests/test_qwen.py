@@ -415,6 +415,7 @@ def test_qwen_1_5b_native_speculative_equals_autoregressive():
     prompts = [tok.chat_prompt("Repeat exactly: def add(a, b): return a + b")]
     ar = [r.output for r in Generator(model).generate(prompts, 8)]
     assert "def" in tok.decode(ar[0])
-    for name, kw in (("ngram", {}), ("draft", {"draft_model": require_real_model("qwen2.5-coder-0.5b")})):
+    for name, kw in (("ngram", {}), ("ngram-tree", {}),  # ngram-tree: with the tables measured for the 1.5B
+                     ("draft", {"draft_model": require_real_model("qwen2.5-coder-0.5b")})):
         drafter = make_drafter(name, model, **kw)
         assert [r.output for r in Generator(model, drafter).generate(prompts, 8)] == ar, name

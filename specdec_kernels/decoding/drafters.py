@@ -20,8 +20,11 @@ A drafter's random draws for a request come from that request's own Philox count
 """
 from __future__ import annotations
 
+import json
+import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -560,6 +563,45 @@ class Candidates(NamedTuple):
         return parents, ids
 
 
+class NgramTables(NamedTuple):
+    """:class:`NgramTreeDrafter`'s acceptance model: a lookup continuation's i-th token is
+    accepted with probability ``first[m - 1] * rank[r] * next[m - 1] ** (i - 1)`` for a match
+    of m tokens (past the tables' end: their last entry) at rank r among the matches of that
+    length (0 = the most recent)."""
+
+    first: tuple
+    next: tuple
+    rank: tuple
+
+
+# Tables measured per model by bench/fit_ngram_tables.py (its greedy outputs, the counts and
+# the simulation that fitted them are recorded with each entry).
+NGRAM_TABLES_PATH = Path(__file__).resolve().parent.parent / "data" / "ngram_tables.json"
+
+
+def ngram_tables_for(model_name: str) -> NgramTables | None:
+    """The acceptance tables measured for ``model_name`` (a registered name or a model's
+    ``name``, e.g. "Qwen2.5 Coder 1.5B Instruct GGUF"): the entry of NGRAM_TABLES_PATH whose
+    key the name contains (letters and digits only), or None if none was measured for it."""
+    def squash(text):
+        return re.sub(r"[^a-z0-9]", "", str(text).lower())
+
+    try:
+        entries = json.loads(NGRAM_TABLES_PATH.read_text())
+    except FileNotFoundError:
+        return None
+    name = squash(model_name)
+    entry = next((e for key, e in entries.items() if squash(key) in name), None)
+    if entry is None:
+        return None
+    tables = NgramTables(tuple(entry["first"]), tuple(entry["next"]), tuple(entry["rank"]))
+    if not (tables.first and len(tables.first) == len(tables.next) and tables.rank and tables.rank[0] == 1.0
+            and all(0.0 < p < 1.0 for p in tables.first + tables.next) and all(0.0 < p <= 1.0 for p in tables.rank)):
+        raise ValueError(f"{NGRAM_TABLES_PATH}: the tables of {model_name!r} must be probabilities in (0, 1), "
+                         "first and next of one length, rank starting at 1.0")
+    return tables
+
+
 class NgramTreeDrafter(SizedDrafter):
     """Prompt lookup as a token tree: the continuations of *several* earlier occurrences of the
     request's last tokens, merged into one trie, sized by an estimate of each node's
@@ -574,7 +616,9 @@ class NgramTreeDrafter(SizedDrafter):
     Acceptance model: the i-th token (i = 1, 2, ...) of a match's continuation is accepted
     with probability ``FIRST[m] * RANK[rank] * NEXT[m] ** (i - 1)``; a trie node's probability
     is the noisy-or over the matches through it, so a child never scores above its parent and
-    the most probable nodes always form a tree. The tables were measured on greedy
+    the most probable nodes always form a tree. The tables depend on the model (how much it
+    copies, how it loops): a model with tables measured for it (:func:`ngram_tables_for`,
+    bench/fit_ngram_tables.py) uses those; any other uses the class's, measured on greedy
     SmolLM2-135M outputs (64 tokens) of the Spec-Bench dev prompts: the most recent match of
     one token predicts the next token 21% of the time, of two tokens 46%, three 64%, six or
     more 85%; once a continuation is being accepted, its next token follows with ~70% (short
@@ -621,20 +665,41 @@ class NgramTreeDrafter(SizedDrafter):
     PRIOR = 0.5  # expected hits the tables are trusted for before any evidence (small: a wrong draft costs a row)
     MAX_SCALE = 1.25  # the tables were fitted to this model family: evidence may raise them a little
 
-    def __init__(self, max_ngram: int = 6, max_k: int = 16, *, max_nodes: int = 16, max_matches: int = 8,
-                 step_cost=None):
+    def __init__(self, max_ngram: int | None = None, max_k: int = 16, *, max_nodes: int = 16, max_matches: int = 8,
+                 step_cost=None, tables: NgramTables | str | None = None):
         """``step_cost``: a ``cost_model.StepCost``, a callable ``rows -> cost relative to a
         one-row step``, or a sequence of those relative costs at 1, 2, ... rows; default: the
         Generator's ``step_cost`` (the target's measured curve unless it was given one),
-        taken at ``start``."""
-        self.max_ngram, self.max_k, self.max_matches = max_ngram, max_k, max_matches
+        taken at ``start``.
+        ``tables``: the acceptance tables (:class:`NgramTables`), or a model name whose
+        measured ones to use; default: those measured for the Generator's target, found by
+        its name at ``start`` (the class's, SmolLM2-135M's, where none were). ``max_ngram``:
+        the longest match length told apart; default: the tables' length."""
+        self._given_max_ngram = max_ngram
+        self.max_ngram, self.max_k, self.max_matches = max_ngram or len(self.FIRST), max_k, max_matches
+        self._tables_given = tables is not None
+        if isinstance(tables, str):
+            name, tables = tables, ngram_tables_for(tables)
+            if tables is None:
+                raise ValueError(f"no prompt-lookup tables were measured for {name!r} (bench/fit_ngram_tables.py "
+                                 f"measures them into {NGRAM_TABLES_PATH.name})")
+        self.use_tables(tables)
         self._own_step_cost(step_cost)
         self.max_nodes = max_nodes  # per request, root included
         self._seen: dict = {}  # rid -> [hits, expected hits] of first-level tokens, decayed
         self._guess: dict = {}  # rid -> (root's position + 1, {most probable token: its raw probability})
 
+    def use_tables(self, tables: NgramTables | None) -> None:
+        """Rate matches with ``tables`` (None: keep the current ones)."""
+        if tables is None:
+            return
+        self.FIRST, self.NEXT, self.RANK = tables.first, tables.next, tables.rank
+        self.max_ngram = self._given_max_ngram or len(self.FIRST)
+
     def start(self, gen, reqs):
         self._take_step_cost(gen)
+        if not self._tables_given:
+            self.use_tables(ngram_tables_for(gen.model.name))
         self.admit(gen, reqs)
 
     def admit(self, gen, reqs):

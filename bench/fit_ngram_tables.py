@@ -1,0 +1,223 @@
+"""Measure the prompt-lookup acceptance tables of ``NgramTreeDrafter`` for one model.
+
+The tree drafter rates a lookup continuation's i-th token as accepted with probability
+``FIRST[m] * RANK[rank] * NEXT[m] ** (i - 1)`` (m: how many tokens the match agrees on
+backwards, rank: its place among the matches of that length, 0 = the most recent). Those
+rates depend on the model — how much of its input it copies, how it loops — so they are
+measured per model, on its own greedy outputs:
+
+1. greedy outputs of the model (our autoregressive loop) on a few prompts of ``--prompts``
+   (rows after ``--skip-rows``, so that the benchmark's first rows stay held out), kept in
+   ``bench/results/ngram_outputs_<model>.json`` (``--reuse`` refits from them; not committed:
+   they copy the prompts, and the prompt files stay out of the project);
+2. at every output position, the drafter's own matches (``NgramTreeDrafter.matches``) of
+   the tokens so far, each scored against the tokens the model went on to emit: FIRST[m]
+   the rate at which the most recent match of length m predicts the next token, NEXT[m]
+   the rate at which a continuation's next token is right given the ones before it were,
+   RANK[r] the first-token rate of the r-th match over the most recent one's (pooled over
+   m); each rate a Beta-smoothed count (``--prior`` pseudo-counts of the current tables);
+3. weak matches' rates are then shrunk (one factor for the lengths below ``--long``)
+   by simulating the drafter on the same outputs with the model's measured step-cost
+   curve: several short matches agreeing are one piece of evidence, not independent ones,
+   so their noisy-or overrates the node. The factor that maximises the simulated
+   tokens per unit of step cost is kept (the raw and shrunk simulations are both recorded).
+
+Writes the model's entry of ``specdec_kernels/data/ngram_tables.json`` (other models'
+entries are kept), with the counts, the prompts file's hash and the simulation.
+
+    python bench/fit_ngram_tables.py --model qwen2.5-coder-1.5b --prompts CODE_TASKS.jsonl --threads 1
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402  (loads libtorch before the extension)
+
+from bench.common import RESULTS_DIR  # noqa: E402
+from specdec_kernels.decoding.cost_model import StepCost  # noqa: E402
+from specdec_kernels.decoding.drafters import (NGRAM_TABLES_PATH, NgramTables, NgramTreeDrafter,  # noqa: E402
+                                               ngram_tables_for)
+
+RANKS = 4  # RANK entries: ranks 0..RANKS-1 (the last pools the rest)
+SHRINKS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4)
+
+
+def greedy_outputs(args, path: Path) -> dict:
+    """{"model", "threads", "step_cost", "prompts_sha256", "sequences": [{id, category, prompt, output}]},
+    written to ``path`` after each prompt (a slow run can be refit with --reuse before it ends)."""
+    from bench.bench_e2e import load_prompts
+    from specdec_kernels.decoding import Generator, SpecSchedule, make_drafter
+    from specdec_kernels.decoding.cost_model import step_cost_for
+    from specdec_kernels.models import load_model
+    from specdec_kernels.threads import apply_threads
+
+    threads = apply_threads(args.threads).threads
+    model, tok = load_model(args.model)
+    prompts = load_prompts(args.prompts, 0, tok)[2 * args.skip_rows:][: args.max_prompts]
+    cost = step_cost_for(model)
+    seqs = []
+    data = {"model": model.name, "registry_name": args.model, "weights": model.weight_format, "threads": threads,
+            "max_new_tokens": args.max_new_tokens, "prompts": Path(args.prompts).name,
+            "prompts_sha256": hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest(),
+            "skip_rows": args.skip_rows, "step_cost": cost.to_json(), "sequences": seqs}
+    for p in prompts:
+        t = time.perf_counter()
+        # Greedy speculative output is the autoregressive output (tests/test_decoding.py), only sooner.
+        gen = Generator(model, make_drafter("ngram-tree", model), SpecSchedule("max"))
+        out = gen.generate([p["ids"]], args.max_new_tokens)[0].output
+        print(f"{p['id']}: {len(out)} tokens in {time.perf_counter() - t:.1f} s", flush=True)
+        seqs.append({"id": p["id"], "category": p["category"], "prompt": p["ids"], "output": out})
+        path.write_text(json.dumps(data) + "\n")
+    return data
+
+
+def count_matches(seqs: list, max_ngram: int, depth: int) -> dict:
+    """Counts over every output position of every sequence: first[m] = [hits, tries] of the
+    most recent match of length m (1..max_ngram), next[m] = [hits, tries] of a continuation
+    token given the ones before it were right (up to ``depth`` tokens), rank[r] = [hits,
+    tries, expected hits at the rank-0 rate of its m]."""
+    probe = NgramTreeDrafter(max_ngram=max_ngram, max_matches=64)
+    first = np.zeros((max_ngram + 1, 2))
+    nxt = np.zeros((max_ngram + 1, 2))
+    rank_obs = []  # (m, rank, hit)
+    for s in seqs:
+        tokens = np.asarray(s["prompt"] + s["output"], dtype=np.int64)
+        for t in range(len(s["prompt"]) - 1, len(tokens) - 1):  # the root is tokens[t]
+            ends, lengths = probe.matches(tokens[: t + 1])
+            future = tokens[t + 1:]
+            prev_m, rank = 0, 0
+            for e, m in zip(ends.tolist(), lengths.tolist()):
+                rank = rank + 1 if m == prev_m else 0
+                prev_m = m
+                cont = tokens[e + 1: min(e + 1 + depth, t + 1)]
+                hit = bool(cont[0] == future[0])
+                rank_obs.append((m, min(rank, RANKS - 1), hit))
+                if rank == 0:
+                    first[m] += (hit, 1)
+                    for i in range(1, min(len(cont), len(future))):
+                        if cont[i - 1] != future[i - 1]:
+                            break
+                        nxt[m] += (cont[i] == future[i], 1)
+    rate0 = (first[:, 0] + 0.5) / (first[:, 1] + 1.0)
+    rank = np.zeros((RANKS, 3))
+    for m, r, hit in rank_obs:
+        rank[r] += (hit, 1, rate0[m])
+    return {"first": first[1:].tolist(), "next": nxt[1:].tolist(), "rank": rank.tolist()}
+
+
+def tables_from_counts(counts: dict, prior: NgramTables, strength: float) -> NgramTables:
+    """Beta-smoothed rates: (hits + strength * prior rate) / (tries + strength), the prior the
+    current tables' entry for the same bin (the drafter's rule: past its end, its last one)."""
+    def rate(hits, tries, table, i):
+        p = table[min(i, len(table) - 1)]
+        return (hits + strength * p) / (tries + strength) if tries + strength > 0 else p
+
+    first = [rate(h, n, prior.first, i) for i, (h, n) in enumerate(counts["first"])]
+    nxt = [rate(h, n, prior.next, i) for i, (h, n) in enumerate(counts["next"])]
+    rank = [1.0] + [min(1.0, rate(h, e, prior.rank, r)) for r, (h, _, e) in enumerate(counts["rank"]) if r > 0]
+    return NgramTables(tuple(round(x, 3) for x in first), tuple(round(x, 3) for x in nxt),
+                       tuple(round(x, 3) for x in rank))
+
+
+def simulate(tables: NgramTables, seqs: list, cost: StepCost, max_k: int = 16, max_nodes: int = 16) -> dict:
+    """The drafter with ``tables`` run over the recorded greedy outputs (the target's answer
+    to any draft is known: the next recorded tokens): emitted tokens per unit of step cost
+    (cost 1 = a one-row step; autoregressive decoding scores 1.0), and the mean accepted
+    length (tokens per step)."""
+    drafter = NgramTreeDrafter(max_ngram=len(tables.first), max_k=max_k, max_nodes=max_nodes, step_cost=cost,
+                               tables=tables)
+    tokens = steps = 0
+    total_cost = 0.0
+    for rid, s in enumerate(seqs):
+        req = SimpleNamespace(rid=rid, tokens=list(s["prompt"]))
+        drafter.admit(None, [req])
+        target = s["prompt"] + s["output"]
+        while len(req.tokens) < len(target):
+            (draft,) = drafter.propose(None, [req], [max_k])
+            future = target[len(req.tokens):]
+            children: dict = {}
+            for i in range(1, len(draft.parents)):
+                children.setdefault(draft.parents[i], {})[draft.tokens[i]] = i
+            node, acc = 0, 0
+            while acc < len(future) - 1 and future[acc] in children.get(node, {}):
+                node = children[node][future[acc]]
+                acc += 1
+            req.tokens += future[: acc + 1]
+            drafter.verified(None, [req], [acc])
+            total_cost += cost(len(draft.tokens), 1)
+            tokens += acc + 1
+            steps += 1
+        drafter.finish(None, req)
+    return {"tokens_per_cost": tokens / total_cost, "mean_accepted_length": tokens / steps, "steps": steps}
+
+
+def shrink(tables: NgramTables, factor: float, long: int) -> NgramTables:
+    first = tuple(round(f * factor, 3) if m < long else f for m, f in enumerate(tables.first, 1))
+    return NgramTables(first, tables.next, tables.rank)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen2.5-coder-1.5b", help="registered name, .gguf file or HF checkpoint folder")
+    p.add_argument("--prompts", required=True, help="jsonl of prompts (bench_e2e's --prompts formats)")
+    p.add_argument("--skip-rows", type=int, default=40, help="rows of the file left for the benchmark")
+    p.add_argument("--max-prompts", type=int, default=12, help="prompts whose greedy outputs are measured")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: the cores not busy)")
+    p.add_argument("--max-ngram", type=int, default=8, help="match lengths measured (the table's bins)")
+    p.add_argument("--long", type=int, default=6, help="matches shorter than this get the fitted shrink")
+    p.add_argument("--prior", type=float, default=4.0, help="pseudo-counts of the current tables per rate")
+    p.add_argument("--key", default=None, help="the tables' key (default: --model)")
+    p.add_argument("--reuse", action="store_true", help="refit from the saved greedy outputs")
+    p.add_argument("--out", default=str(NGRAM_TABLES_PATH), help="tables file to update")
+    args = p.parse_args(argv)
+    key = args.key or args.model
+    outputs_path = RESULTS_DIR / f"ngram_outputs_{key}.json"
+    if args.reuse:
+        data = json.loads(outputs_path.read_text())
+    else:
+        data = greedy_outputs(args, outputs_path)
+        print(f"wrote {outputs_path}")
+    seqs, cost = data["sequences"], StepCost.from_json(data["step_cost"])
+    prior = ngram_tables_for(key) or NgramTables(NgramTreeDrafter.FIRST, NgramTreeDrafter.NEXT, NgramTreeDrafter.RANK)
+    counts = count_matches(seqs, args.max_ngram, depth=16)
+    raw = tables_from_counts(counts, prior, args.prior)
+    trials = {str(f): simulate(shrink(raw, f, args.long), seqs, cost) for f in SHRINKS}
+    best = max(SHRINKS, key=lambda f: trials[str(f)]["tokens_per_cost"])
+    fitted = shrink(raw, best, args.long)
+    by_category = {c: {"raw": simulate(raw, [s for s in seqs if s["category"] == c], cost),
+                       "fitted": simulate(fitted, [s for s in seqs if s["category"] == c], cost)}
+                   for c in sorted({s["category"] for s in seqs})}
+    entry = {"first": list(fitted.first), "next": list(fitted.next), "rank": list(fitted.rank),
+             "source": (f"bench/fit_ngram_tables.py: greedy outputs of {data['model']} ({data['weights']} weights), "
+                        f"{len(seqs)} prompts of {data['prompts']} after row {data['skip_rows']}, "
+                        f"{data['max_new_tokens']} new tokens; short matches (m < {args.long}) shrunk x{best} by "
+                        "simulation against the model's step-cost curve"),
+             "prompts_sha256": data["prompts_sha256"], "counts": counts,
+             "raw": {"first": list(raw.first), "next": list(raw.next), "rank": list(raw.rank)},
+             "shrink": best, "simulated": trials, "simulated_by_category": by_category,
+             "step_cost": data["step_cost"], "made": time.strftime("%Y-%m-%d", time.gmtime())}
+    out = Path(args.out)
+    tables = json.loads(out.read_text()) if out.exists() else {}
+    tables[key] = entry
+    out.write_text(json.dumps(tables, indent=1) + "\n")
+    print(json.dumps({k: entry[k] for k in ("first", "next", "rank", "shrink")}))
+    for f, r in trials.items():
+        print(f"shrink {f}: {r['tokens_per_cost']:.3f} tokens per step cost, mean accepted {r['mean_accepted_length']:.2f}")
+    print(json.dumps(by_category, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
