@@ -29,7 +29,8 @@ def test_drafter_takes_the_targets_tables_at_start():
 
     def started(model_name, **kw):
         d = NgramTreeDrafter(step_cost=flat, **kw)
-        d.start(SimpleNamespace(model=SimpleNamespace(name=model_name)), [])
+        gen = SimpleNamespace(model=SimpleNamespace(name=model_name), drafter_step_cost=lambda own, step_seconds=None: own)
+        d.start(gen, [])
         return d
 
     d = started("Qwen2.5 Coder 1.5B Instruct GGUF")
