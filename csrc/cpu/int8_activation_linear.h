@@ -195,6 +195,13 @@ inline int32_t load_i32(const int8_t* p) {
 // hardware prefetchers alone left a one-row product well below the memory bandwidth).
 constexpr int64_t kPrefetchAhead = 2048;
 
+// The prefetcher of a thread's groups [g0, g1): their records are one contiguous stream.
+template <int64_t Type>
+inline gguf::Prefetcher groups_prefetcher(const Problem& p, int64_t g0, int64_t g1) {
+  const uint8_t* begin = record_at<Type>(p, g0, 0);
+  return {begin, record_at<Type>(p, g1, 0) - begin, kPrefetchAhead};
+}
+
 // The bytes of block b's share of its record (a K-quant record: 1/8 per sub-block), relative
 // to group g0's first byte: the stream position of the reader at block b of group g.
 template <int64_t Type>
@@ -431,8 +438,7 @@ SPECDEC_I8_VNNI inline void group_scratch_vnni(const Problem& p, int64_t g, floa
 template <int64_t Type>
 SPECDEC_I8_VNNI __attribute__((flatten)) inline void groups_vnni(const Problem& p, int64_t g0, int64_t g1,
                                                                  float* scratch) {
-  const int64_t group_bytes = p.nb * p.bb / (is_k_quant(Type) ? 8 : 1);
-  gguf::Prefetcher pf{p.w + g0 * group_bytes, (g1 - g0) * group_bytes, kPrefetchAhead};
+  gguf::Prefetcher pf = groups_prefetcher<Type>(p, g0, g1);
   for (int64_t g = g0; g < g1; ++g) {
     switch (p.M) {
       case 1: group_regs_vnni<Type, 1>(p, g, pf, g0); break;
@@ -678,8 +684,7 @@ inline void group_scratch_avx2(const Problem& p, int64_t g, float* scratch, gguf
 
 template <int64_t Type>
 __attribute__((flatten)) inline void groups_avx2(const Problem& p, int64_t g0, int64_t g1, float* scratch) {
-  const int64_t group_bytes = p.nb * p.bb / (is_k_quant(Type) ? 8 : 1);
-  gguf::Prefetcher pf{p.w + g0 * group_bytes, (g1 - g0) * group_bytes, kPrefetchAhead};
+  gguf::Prefetcher pf = groups_prefetcher<Type>(p, g0, g1);
   for (int64_t g = g0; g < g1; ++g) {
     switch (p.M) {
       case 1: group_regs_avx2<Type, 1>(p, g, pf, g0); break;
