@@ -180,8 +180,12 @@ def main(argv=None) -> int:
     p.add_argument("--key", default=None, help="the tables' key (default: --model)")
     p.add_argument("--reuse", action="store_true", help="refit from the saved greedy outputs")
     p.add_argument("--out", default=str(NGRAM_TABLES_PATH), help="tables file to update")
+    p.add_argument("--overwrite", action="store_true", help="replace the key's entry if the file has one")
     args = p.parse_args(argv)
     key = args.key or args.model
+    out = Path(args.out)
+    if not args.overwrite and out.exists() and key in json.loads(out.read_text()):
+        p.error(f"{out} already has tables for {key!r}: pass --overwrite to replace them, or --out / --key")
     outputs_path = RESULTS_DIR / f"ngram_outputs_{key}.json"
     if args.reuse:
         data = json.loads(outputs_path.read_text())
@@ -207,7 +211,6 @@ def main(argv=None) -> int:
              "raw": {"first": list(raw.first), "next": list(raw.next), "rank": list(raw.rank)},
              "shrink": best, "simulated": trials, "simulated_by_category": by_category,
              "step_cost": data["step_cost"], "made": time.strftime("%Y-%m-%d", time.gmtime())}
-    out = Path(args.out)
     tables = json.loads(out.read_text()) if out.exists() else {}
     tables[key] = entry
     out.write_text(json.dumps(tables, indent=1) + "\n")
