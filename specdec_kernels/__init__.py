@@ -15,6 +15,8 @@ try:
     from . import _platform
     from ._platform import missing_cpu_features
 
+    _platform.exit_on_ctrl_c_while_loading()
+
     import torch as _torch  # loads libtorch, which _C links against
 
     _platform.check_cpu_features()  # an ImportError naming the missing feature, not SIGILL mid-run

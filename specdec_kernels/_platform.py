@@ -66,6 +66,33 @@ def is_command_line() -> bool:
     return any(a == "-m" and b == "specdec_kernels.cli" for a, b in zip(argv, argv[1:]))
 
 
+def _exit_interrupted(signum, frame) -> None:
+    sys.stderr.write("\n[interrupted]\n")
+    sys.stderr.flush()
+    os._exit(130)
+
+
+def exit_on_ctrl_c_while_loading() -> None:
+    """In the ``specdec`` command, make Ctrl-C during start-up end the process at once (one
+    line, exit status 130). A KeyboardInterrupt raised there is not reliable: torch imports
+    numpy from C++ and, when that import fails (as an interrupt inside it makes it), warns and
+    goes on with a half-initialised numpy, so the run later dies of an AttributeError. The
+    command's ``main`` puts Python's own handler back (``restore_ctrl_c``). A library user's
+    program keeps its handler."""
+    import signal
+
+    if is_command_line() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _exit_interrupted)
+
+
+def restore_ctrl_c() -> None:
+    """Ctrl-C raises KeyboardInterrupt again (the command's own handling, with statistics)."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is _exit_interrupted:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def exit_if_command_line() -> None:
     """Ctrl-C while the package loads (``import torch`` takes seconds): in the ``specdec``
     command, one line and exit status 130, as Ctrl-C later does; in a library user's

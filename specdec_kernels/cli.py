@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from ._platform import user_cache_dir
+from ._platform import restore_ctrl_c, user_cache_dir
 from .decoding.registry import DEFAULT_DRAFTER, DRAFTER_INFO, DRAFTERS, default_drafter, default_schedule, make_drafter
 from .draft_model import DRAFT_WEIGHTS
 from .models.registry import WEIGHT_FORMATS
@@ -400,6 +400,7 @@ def build_parser() -> Parser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    restore_ctrl_c()
     try:
         if argv[:1] == ["bench"]:  # every later argument belongs to the benchmark's own parser
             return cmd_bench(argv[1:])
