@@ -130,6 +130,31 @@ def test_config_rejects_bad_gqa():
 
 
 # ---- the real checkpoint ------------------------------------------------------------------
+@needs_smollm2
+def test_open_gguf_reads_what_the_gguf_package_reads(tmp_path):
+    """The loader's reader (plain views of the mapped file) gives every field and tensor the
+    gguf package's own reader gives, and still rejects a corrupt file."""
+    import gguf
+    import numpy as np
+
+    from specdec_kernels.models.gguf_loader import open_gguf
+
+    path = require_real_model()
+    ours, theirs = open_gguf(path), gguf.GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        assert ours.fields[key].types == field.types, key
+        assert ours.fields[key].contents() == field.contents(), key
+    assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert type(a.data) is np.ndarray and np.array_equal(a.data, b.data), a.name
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUX" + open(path, "rb").read(4096)[4:])
+    with pytest.raises(ValueError, match="magic"):
+        open_gguf(str(bad))
+
+
 @pytest.fixture(scope="module")
 def smollm2():
     require_real_model()

@@ -25,6 +25,27 @@ import torch
 from .config import LlamaConfig
 
 
+def open_gguf(path: str):
+    """A ``gguf.GGUFReader`` of ``path`` that reads the same fields and tensors 3-4x faster.
+
+    The reader slices its ``np.memmap`` once per value, and a memmap slice is a memmap whose
+    ``__array_finalize__`` runs Python code: a 151k-token vocabulary made ~1.5M such slices
+    (17 s of a 1.5B load). Here ``data`` is the same mapping seen as a plain ndarray, so the
+    slices are plain views of the mapped file (nothing is read or copied up front)."""
+    import gguf
+
+    class _PlainViewReader(gguf.GGUFReader):
+        @property
+        def data(self):
+            return self._mapped
+
+        @data.setter
+        def data(self, mapped):
+            self._mapped = mapped.view(np.ndarray)
+
+    return _PlainViewReader(path)
+
+
 def _field(reader, key, default=None):
     f = reader.fields.get(key)
     if f is None:
@@ -82,9 +103,7 @@ def read_config(reader) -> LlamaConfig:
 
 def load_gguf_state_dict(path: str, config: LlamaConfig | None = None, reader=None) -> tuple[LlamaConfig, dict]:
     """(config, state dict with Hugging Face names, fp32 torch tensors)."""
-    import gguf
-
-    reader = reader or gguf.GGUFReader(path)
+    reader = reader or open_gguf(path)
     config = config or read_config(reader)
     rename = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
@@ -229,14 +248,12 @@ WEIGHT_FORMATS = ("native", "native-int8act", "fp32", "bf16", "q8_0", "q4_0")
 def load_gguf(path: str, weights: str = "native"):
     """(Llama model, Tokenizer) from a GGUF file; ``weights`` one of WEIGHT_FORMATS (module
     docstring)."""
-    import gguf
-
     from .llama import Llama
     from .tokenizer import Tokenizer
 
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)
     tokenizer = Tokenizer.from_gguf(reader)
     config = read_config(reader)
     config.eos_token_ids = tuple(tokenizer.eos_token_ids)
