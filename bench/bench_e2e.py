@@ -208,8 +208,9 @@ def llama_spec_targets(runs: list, drafters: list) -> dict:
     return out
 
 
-def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESULTS_DIR) -> int:
-    p = Parser(prog=prog, description=__doc__.split("\n\n")[0])  # one-line errors, defaults in --help
+def build_parser(prog: str, default_out_dir: Path) -> Parser:
+    """The command line: one flat list of flags (one-line errors, defaults in --help)."""
+    p = Parser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="registered name, .gguf file or HF checkpoint folder")
     p.add_argument("--prompts", default=None,
                    help="jsonl of {prompt} or Spec-Bench {turns, category} rows, given by path, e.g. a copy of "
@@ -252,141 +253,223 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
     p.add_argument("--out-name", default=None,
                    help="results name: OUT_DIR/NAME.json and NAME_speedup.png (default: e2e for the "
                         "package's prompts, e2e_spec_bench for a spec_bench*.jsonl, else e2e_<file stem>)")
-    args = p.parse_args(argv)
-    if args.out_name is None:
-        stem = Path(args.prompts).stem if args.prompts else ""
-        args.out_name = "e2e" if not stem else ("e2e_spec_bench" if stem.startswith("spec_bench") else f"e2e_{stem}")
-    chart_path = Path(args.out_dir) / f"{args.out_name}_speedup.png"
+    return p
 
-    from tqdm import tqdm
 
+def default_out_name(prompts: str | None) -> str:
+    """e2e for the package's prompts, e2e_spec_bench for a spec_bench*.jsonl, else e2e_<file stem>."""
+    stem = Path(prompts).stem if prompts else ""
+    return "e2e" if not stem else ("e2e_spec_bench" if stem.startswith("spec_bench") else f"e2e_{stem}")
+
+
+class Session:
+    """What every run of one benchmark shares: the flags, our model (and its fp32 copy), the
+    prompts and the baselines' runners (None when skipped); ``methods`` in run order.
+    (A plain class: cli.py loads this file without a sys.modules entry, which dataclass needs.)"""
+
+    def __init__(self, args: argparse.Namespace, model, tok, load_s: float):
+        self.args, self.model, self.tok, self.load_s = args, model, tok, load_s
+        self.fp32_model = None
+        self.llama = None  # ids -> [llama.cpp result], see _llama_cpp_runner
+        self.prompts: list = []
+        self.methods: list = []
+        self.llama_spec = None  # the bench.llama_cpp_speculative module with --llama-bin
+        self.spec_binary = self.gguf = None
+        self.hf: HFRunner | None = None
+
+    def ours(self, drafter: str | None, batch_ids: list, target=None, max_batch=None, new_tokens=None):
+        """Our generation of ``batch_ids`` with ``drafter`` (``name[:schedule]``, None: autoregressive)
+        on ``target`` (default: our model): (requests, seconds)."""
+        target = target or self.model
+        new_tokens = self.args.max_new_tokens if new_tokens is None else new_tokens
+        name, _, schedule = (drafter or "none").partition(":")
+        made = make_drafter(name, target, self_spec_layers=self.args.self_spec_layers, max_k=16)
+        gen = Generator(target, made, SpecSchedule(schedule or default_schedule(name), self.args.k))
+        t = time.perf_counter()
+        reqs = gen.generate(batch_ids, new_tokens, max_batch=max_batch)
+        return reqs, time.perf_counter() - t
+
+    def groups_of(self, bs: int) -> list:
+        """The prompt groups run at batch size ``bs``."""
+        if bs > 1 and self.args.continuous:  # one generation over every prompt, bs slots
+            return [self.prompts]
+        return [self.prompts[i: i + bs] for i in range(0, len(self.prompts), bs)]
+
+
+def load_session(args) -> Session:
+    """Threads, our model(s), the llama.cpp runner and the prompts."""
     from specdec_kernels.threads import apply_threads
 
     args.threads = apply_threads(args.threads).threads  # the one default: the cores not busy
     t0 = time.perf_counter()
     model, tok = load_model(args.model, weights=args.weights)
-    load_s = time.perf_counter() - t0
-    fp32_model = None
+    s = Session(args, model, tok, time.perf_counter() - t0)
     if not args.no_fp32_ar:
-        fp32_model = model if args.weights == "fp32" else load_model(args.model, weights="fp32")[0]
-    llama = None
+        s.fp32_model = model if args.weights == "fp32" else load_model(args.model, weights="fp32")[0]
     if not args.no_llama_cpp:
         from specdec_kernels.models.registry import resolve
 
-        llama = _llama_cpp_runner(resolve(args.model), args, model.config.eos_token_ids)
-    prompts = load_prompts(args.prompts, args.max_prompts, tok, args.categories)
-    N = args.max_new_tokens
+        s.llama = _llama_cpp_runner(resolve(args.model), args, model.config.eos_token_ids)
+    s.prompts = load_prompts(args.prompts, args.max_prompts, tok, args.categories)
+    return s
 
-    def ours(drafter_spec: str | None, batch_ids: list, target=None, max_batch=None, new_tokens=N):
-        target = target or model
-        name, _, schedule = (drafter_spec or "none").partition(":")
-        drafter = make_drafter(name, target, self_spec_layers=args.self_spec_layers, max_k=16)
-        gen = Generator(target, drafter, SpecSchedule(schedule or default_schedule(name), args.k))
-        t = time.perf_counter()
-        reqs = gen.generate(batch_ids, new_tokens, max_batch=max_batch)
-        return reqs, time.perf_counter() - t
 
-    warm = args.warmup_tokens if args.warmup_tokens is not None else N
-    ours([None][0], [prompts[0]["ids"]], new_tokens=warm)  # warm-up
+def warm_up(s: Session) -> None:
+    """Warm-up generations of every method, which also sets ``s.methods`` (and loads the
+    transformers and llama.cpp speculative runners)."""
+    args, first = s.args, s.prompts[0]["ids"]
+    warm = args.warmup_tokens if args.warmup_tokens is not None else args.max_new_tokens
+    s.ours(None, [first], new_tokens=warm)
     for spec in args.drafters:  # the first generation measures the step cost once (cached per machine)
-        ours(spec, [prompts[0]["ids"][:8]], new_tokens=warm)
-    methods = ["ours-ar"] + list(args.drafters)
-    if fp32_model is not None and fp32_model is not model:
-        ours(None, [prompts[0]["ids"]], fp32_model, new_tokens=warm)
-        methods = ["fp32-ar"] + methods
-    if llama is not None:
-        methods = ["llama-cpp-ar"] + methods
-    llama_spec = None
+        s.ours(spec, [first[:8]], new_tokens=warm)
+    s.methods = ["ours-ar"] + list(args.drafters)
+    if s.fp32_model is not None and s.fp32_model is not s.model:
+        s.ours(None, [first], s.fp32_model, new_tokens=warm)
+        s.methods = ["fp32-ar"] + s.methods
+    if s.llama is not None:
+        s.methods = ["llama-cpp-ar"] + s.methods
     if args.llama_bin:
         from bench import llama_cpp_speculative as llama_spec
         from specdec_kernels.models.registry import resolve
 
-        spec_binary, gguf = llama_spec.binary_path(args.llama_bin), resolve(args.model)
-        methods = list(llama_spec.METHODS) + methods
-    hf = None
+        s.llama_spec = llama_spec
+        s.spec_binary, s.gguf = llama_spec.binary_path(args.llama_bin), resolve(args.model)
+        s.methods = list(llama_spec.METHODS) + s.methods
     if not args.no_hf:
         with tempfile.TemporaryDirectory() as d:
-            hf = HFRunner(model, d)
-        hf.generate(prompts[0]["ids"], 4)
-        methods = ["hf-ar", "hf-prompt-lookup"] + methods
+            s.hf = HFRunner(s.model, d)
+        s.hf.generate(first, 4)
+        s.methods = ["hf-ar", "hf-prompt-lookup"] + s.methods
+
+
+def _run_hf(s: Session, method: str, ids: list, row: dict):
+    t = time.perf_counter()
+    outs = [s.hf.generate(ids[0], s.args.max_new_tokens,
+                          s.args.prompt_lookup_tokens if method == "hf-prompt-lookup" else 0)]
+    row["mean_accepted_length"] = None
+    return outs, time.perf_counter() - t
+
+
+def _run_llama_spec(s: Session, method: str, group: list, ids: list, row: dict):
+    text = s.tok.apply_chat_template([{"role": "user", "content": group[0]["text"]}])
+    res = s.llama_spec.run(s.spec_binary, s.gguf, text, s.args.max_new_tokens, method, threads=s.args.threads)
+    outs, dt = [s.tok.encode(res["text"])], res["prefill_seconds"] + res["decode_seconds"]
+    steps = max(res["tokens"] - res["accepted"], 1)  # each step emits its accepted drafts + 1
+    row.update(prefill_tokens=res["prompt_tokens"], prefill_seconds=res["prefill_seconds"],
+               decode_forwards=steps, decode_seconds=res["decode_seconds"],
+               decode_tokens_per_s=res["tokens"] / max(res["decode_seconds"], 1e-9),
+               mean_accepted_length=res["tokens"] / steps, drafted=res["drafted"],
+               accepted=res["accepted"], llama_tokens=res["tokens"],
+               prompt_tokens_match=res["prompt_tokens"] == len(ids[0]))
+    return outs, dt
+
+
+def _run_llama_ar(s: Session, ids: list, row: dict):
+    (res,) = s.llama(ids[0])
+    row["mean_accepted_length"] = None
+    # llama.cpp's prefill evaluates the whole prompt and yields the first token.
+    row.update(prefill_tokens=res["prompt_tokens"], prefill_seconds=res["prefill_seconds"],
+               decode_forwards=len(res["output"]) - 1, decode_seconds=res["decode_seconds"])
+    return [res["output"]], res["seconds"]
+
+
+def _run_ours(s: Session, method: str, ids: list, max_batch, row: dict):
+    if method == "fp32-ar":
+        reqs, dt = s.ours(None, ids, s.fp32_model, max_batch)
+    else:
+        reqs, dt = s.ours(None if method == "ours-ar" else method, ids, max_batch=max_batch)
+    outs = [r.output for r in reqs]
+    # Our prefill caches the prompt but its last token, which the first step processes.
+    pre = sum(r.stats.time_prefill for r in reqs)
+    row.update(prefill_tokens=sum(len(i) - 1 for i in ids), prefill_seconds=pre,
+               decode_forwards=sum(len(o) for o in outs), decode_seconds=dt - pre)
+    row["mean_accepted_length"] = statistics.mean(r.stats.mean_accepted_length for r in reqs)
+    row["stats"] = [r.stats.summary() for r in reqs]
+    # Prefill and decode rates apart (tokens_per_s below spans both): the requests'
+    # prefills run one after another, their decode steps together.
+    row["prefill_tokens_per_s"] = (sum(r.stats.prefill_tokens for r in reqs)
+                                   / max(sum(r.stats.time_prefill for r in reqs), 1e-9))
+    # Under continuous batching requests decode over different spans: the run's own.
+    decode_s = row["decode_seconds"] if max_batch else max(r.stats.total_time for r in reqs)
+    row["decode_tokens_per_s"] = sum(len(r.output) for r in reqs) / max(decode_s, 1e-9)
+    return outs, dt
+
+
+def run_one(s: Session, bs: int, rnd: int, group: list, method: str) -> dict:
+    """One (batch size, round, prompt group, method) run: its row, ``outputs`` included."""
+    ids = [p["ids"] for p in group]
+    max_batch = bs if bs > 1 and s.args.continuous else None
+    row = {"batch": bs, "method": method, "round": rnd, "continuous": max_batch is not None,
+           "ids": [p["id"] for p in group],
+           "categories": [p["category"] for p in group]}
+    if method.startswith("hf"):
+        outs, dt = _run_hf(s, method, ids, row)
+    elif s.llama_spec is not None and method in s.llama_spec.METHODS:
+        outs, dt = _run_llama_spec(s, method, group, ids, row)
+    elif method == "llama-cpp-ar":
+        outs, dt = _run_llama_ar(s, ids, row)
+    else:
+        outs, dt = _run_ours(s, method, ids, max_batch, row)
+    tokens = row.get("llama_tokens", sum(len(o) for o in outs))
+    row.update(tokens=tokens, seconds=dt, tokens_per_s=tokens / dt)
+    row["outputs"] = outs
+    return row
+
+
+def run_all(s: Session) -> tuple[list, dict]:
+    """Every run: (rows, {prompt id: our autoregressive output at the smallest batch})."""
+    from tqdm import tqdm
+
+    args, methods = s.args, s.methods
     runs = []  # one row per (batch size, method, group, round)
-
-    def groups_of(bs: int) -> list:
-        if bs > 1 and args.continuous:  # one generation over every prompt, bs slots
-            return [prompts]
-        return [prompts[i: i + bs] for i in range(0, len(prompts), bs)]
-
     total = args.rounds * sum(len(methods if bs == 1 else [m for m in methods if not m.startswith("hf")])
-                              * len(groups_of(bs)) for bs in args.batch_sizes)
+                              * len(s.groups_of(bs)) for bs in args.batch_sizes)
     bar = tqdm(total=total, desc="e2e", unit="run")
     ar_out = {}
     for bs in args.batch_sizes:
         # Methods run back to back on each group, so that the machine's load drifts affect
         # every method of a ratio alike.
-        for rnd, group, method in [(rd, g, m) for g in groups_of(bs) for rd in range(args.rounds) for m in methods]:
+        for rnd, group, method in [(rd, g, m) for g in s.groups_of(bs) for rd in range(args.rounds) for m in methods]:
             if bs > 1 and (method.startswith("hf") or method.startswith("llama")):
                 continue
-            ids = [p["ids"] for p in group]
-            max_batch = bs if bs > 1 and args.continuous else None
-            row = {"batch": bs, "method": method, "round": rnd, "continuous": max_batch is not None,
-                   "ids": [p["id"] for p in group],
-                   "categories": [p["category"] for p in group]}
-            if method.startswith("hf"):
-                t = time.perf_counter()
-                outs = [hf.generate(ids[0], N, args.prompt_lookup_tokens if method == "hf-prompt-lookup" else 0)]
-                dt = time.perf_counter() - t
-                row["mean_accepted_length"] = None
-            elif llama_spec is not None and method in llama_spec.METHODS:
-                text = tok.apply_chat_template([{"role": "user", "content": group[0]["text"]}])
-                res = llama_spec.run(spec_binary, gguf, text, N, method, threads=args.threads)
-                outs, dt = [tok.encode(res["text"])], res["prefill_seconds"] + res["decode_seconds"]
-                steps = max(res["tokens"] - res["accepted"], 1)  # each step emits its accepted drafts + 1
-                row.update(prefill_tokens=res["prompt_tokens"], prefill_seconds=res["prefill_seconds"],
-                           decode_forwards=steps, decode_seconds=res["decode_seconds"],
-                           decode_tokens_per_s=res["tokens"] / max(res["decode_seconds"], 1e-9),
-                           mean_accepted_length=res["tokens"] / steps, drafted=res["drafted"],
-                           accepted=res["accepted"], llama_tokens=res["tokens"],
-                           prompt_tokens_match=res["prompt_tokens"] == len(ids[0]))
-            elif method == "llama-cpp-ar":
-                (res,) = llama(ids[0])
-                outs, dt = [res["output"]], res["seconds"]
-                row["mean_accepted_length"] = None
-                # llama.cpp's prefill evaluates the whole prompt and yields the first token.
-                row.update(prefill_tokens=res["prompt_tokens"], prefill_seconds=res["prefill_seconds"],
-                           decode_forwards=len(res["output"]) - 1, decode_seconds=res["decode_seconds"])
-            else:
-                if method == "fp32-ar":
-                    reqs, dt = ours(None, ids, fp32_model, max_batch)
-                else:
-                    reqs, dt = ours(None if method == "ours-ar" else method, ids, max_batch=max_batch)
-                outs = [r.output for r in reqs]
-                # Our prefill caches the prompt but its last token, which the first step processes.
-                pre = sum(r.stats.time_prefill for r in reqs)
-                row.update(prefill_tokens=sum(len(i) - 1 for i in ids), prefill_seconds=pre,
-                           decode_forwards=sum(len(o) for o in outs), decode_seconds=dt - pre)
-                row["mean_accepted_length"] = statistics.mean(r.stats.mean_accepted_length for r in reqs)
-                row["stats"] = [r.stats.summary() for r in reqs]
-                # Prefill and decode rates apart (tokens_per_s below spans both): the requests'
-                # prefills run one after another, their decode steps together.
-                row["prefill_tokens_per_s"] = (sum(r.stats.prefill_tokens for r in reqs)
-                                               / max(sum(r.stats.time_prefill for r in reqs), 1e-9))
-                # Under continuous batching requests decode over different spans: the run's own.
-                decode_s = row["decode_seconds"] if max_batch else max(r.stats.total_time for r in reqs)
-                row["decode_tokens_per_s"] = sum(len(r.output) for r in reqs) / max(decode_s, 1e-9)
-            tokens = row.get("llama_tokens", sum(len(o) for o in outs))
-            row.update(tokens=tokens, seconds=dt, tokens_per_s=tokens / dt)
+            row = run_one(s, bs, rnd, group, method)
             if method == "ours-ar" and bs == min(args.batch_sizes):  # the reference: our AR at the smallest batch
-                ar_out.update(zip(row["ids"], outs))
-            row["outputs"] = outs
+                ar_out.update(zip(row["ids"], row["outputs"]))
             runs.append(row)
             bar.update(1)
     bar.close()
+    return runs, ar_out
 
-    # Exactness against our autoregressive output at the smallest batch run (batch 1 by
-    # default; the kernels are batch-invariant, so batch 4 must match it too), speedups per
-    # prompt/group.
+
+def _method_summary(bs: int, method: str, rows: list) -> dict:
+    """The summary row of one method's runs at batch size ``bs`` (speedups already set)."""
+    mal = [r["mean_accepted_length"] for r in rows if r["mean_accepted_length"] is not None]
+    timed = [r for r in rows if "decode_seconds" in r]
+    phases = {}
+    if timed:
+        # Generated tokens per second of the decode phase, prompt tokens per second of the prefill.
+        phases = {"decode_tokens_per_s": sum(r["tokens"] for r in timed) / sum(r["decode_seconds"] for r in timed),
+                  "prefill_tokens_per_s": sum(r["prefill_tokens"] for r in timed)
+                  / max(sum(r["prefill_seconds"] for r in timed), 1e-9)}
+    decode_ratios = [r["decode_speedup"] for r in rows if "decode_speedup" in r]
+    if decode_ratios:
+        phases["decode_speedup_vs_ours_ar"] = statistics.mean(decode_ratios)
+    return {"batch": bs, "method": method, "continuous": rows[0]["continuous"],
+            "tokens_per_s": statistics.mean(r["tokens_per_s"] for r in rows),
+            "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows), **phases,
+            "speedup_vs_ours_ar": statistics.mean(r["speedup"] for r in rows),
+            "median_speedup_vs_ours_ar": statistics.median(r["speedup"] for r in rows),
+            "mean_accepted_length": statistics.mean(mal) if mal else "",
+            "identical": f"{sum(sum(r['identical']) for r in rows)}/{sum(len(r['identical']) for r in rows)}"}
+
+
+def summarize(batch_sizes: list, methods: list, runs: list, ar_out: dict) -> tuple[list, dict, dict]:
+    """Exactness against our autoregressive output at the smallest batch run (batch 1 by
+    default; the kernels are batch-invariant, so batch 4 must match it too), speedups per
+    prompt/group (set on each run row): (summary rows, {category: {method: [speedup]}},
+    the same of decode-phase speedups), categories at batch 1."""
     summary, by_cat, by_cat_decode = [], {}, {}
-    for bs in args.batch_sizes:
+    for bs in batch_sizes:
         base = {(tuple(r["ids"]), r["round"]): r["tokens_per_s"] for r in runs
                 if r["batch"] == bs and r["method"] == "ours-ar"}
         base_decode = {(tuple(r["ids"]), r["round"]): r.get("decode_tokens_per_s") for r in runs
@@ -406,54 +489,50 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
                             r["decode_speedup"])
                 if bs == 1:
                     by_cat.setdefault(r["categories"][0], {}).setdefault(method, []).append(r["speedup"])
-            mal = [r["mean_accepted_length"] for r in rows if r["mean_accepted_length"] is not None]
-            timed = [r for r in rows if "decode_seconds" in r]
-            phases = {}
-            if timed:
-                # Generated tokens per second of the decode phase, prompt tokens per second of the prefill.
-                phases = {"decode_tokens_per_s": sum(r["tokens"] for r in timed) / sum(r["decode_seconds"] for r in timed),
-                          "prefill_tokens_per_s": sum(r["prefill_tokens"] for r in timed)
-                          / max(sum(r["prefill_seconds"] for r in timed), 1e-9)}
-            decode_ratios = [r["decode_speedup"] for r in rows if "decode_speedup" in r]
-            if decode_ratios:
-                phases["decode_speedup_vs_ours_ar"] = statistics.mean(decode_ratios)
-            summary.append({"batch": bs, "method": method, "continuous": rows[0]["continuous"],
-                            "tokens_per_s": statistics.mean(r["tokens_per_s"] for r in rows),
-                            "median_tokens_per_s": statistics.median(r["tokens_per_s"] for r in rows), **phases,
-                            "speedup_vs_ours_ar": statistics.mean(r["speedup"] for r in rows),
-                            "median_speedup_vs_ours_ar": statistics.median(r["speedup"] for r in rows),
-                            "mean_accepted_length": statistics.mean(mal) if mal else "",
-                            "identical": f"{sum(sum(r['identical']) for r in rows)}/{sum(len(r['identical']) for r in rows)}"})
-    print(f"\nmodel {model.name} ({model.weight_format} weights, loaded in {load_s:.1f}s), {len(prompts)} prompts, {N} new tokens, "
-          f"{args.threads} thread(s); the model uses skinny_linear for "
+            summary.append(_method_summary(bs, method, rows))
+    return summary, by_cat, by_cat_decode
+
+
+def print_tables(s: Session, summary: list, by_cat: dict, by_cat_decode: dict) -> tuple[list, list]:
+    """The summary and per-category tables: (category rows, decode-phase category rows)."""
+    print(f"\nmodel {s.model.name} ({s.model.weight_format} weights, loaded in {s.load_s:.1f}s), {len(s.prompts)} "
+          f"prompts, {s.args.max_new_tokens} new tokens, "
+          f"{s.args.threads} thread(s); the model uses skinny_linear for "
           f"{skinny_linear_rows(torch.float32)} rows (fp32)")
     print_table(summary, ["batch", "method", "tokens_per_s", "median_tokens_per_s", "decode_tokens_per_s",
                           "prefill_tokens_per_s", "speedup_vs_ours_ar", "median_speedup_vs_ours_ar",
                           "decode_speedup_vs_ours_ar",
                           "mean_accepted_length", "identical"])
+    shown = ["category"] + [m for m in s.methods if m != "ours-ar"]
     cat_rows = [{"category": c, **{m: statistics.mean(v) for m, v in ms.items()}} for c, ms in sorted(by_cat.items())]
     print("\nspeedup vs our autoregressive by category (batch 1):")
-    print_table(cat_rows, ["category"] + [m for m in methods if m != "ours-ar"])
+    print_table(cat_rows, shown)
     cat_decode_rows = [{"category": c, **{m: statistics.mean(v) for m, v in ms.items()}}
                        for c, ms in sorted(by_cat_decode.items())]
     print("\ndecode-phase speedup vs our autoregressive by category (batch 1):")
-    print_table(cat_decode_rows, ["category"] + [m for m in methods if m != "ours-ar"])
-    hf_ar = next((s for s in summary if s["method"] == "hf-ar"), None)
+    print_table(cat_decode_rows, shown)
+    return cat_rows, cat_decode_rows
+
+
+def report_targets(s: Session, summary: list, runs: list) -> dict:
+    """The ratios the project aims at (printed with their targets), and whether every greedy
+    output equals our autoregressive one."""
     targets = {}
+    hf_ar = next((r for r in summary if r["method"] == "hf-ar"), None)
     if hf_ar:
-        ours_ar = next(s for s in summary if s["method"] == "ours-ar" and s["batch"] == 1)
+        ours_ar = next(r for r in summary if r["method"] == "ours-ar" and r["batch"] == 1)
         targets["ours_ar_vs_hf_ar"] = ours_ar["tokens_per_s"] / hf_ar["tokens_per_s"]
         print(f"\nours autoregressive / transformers autoregressive: {targets['ours_ar_vs_hf_ar']:.2f}x (target >= 1.5x)")
-    best = max((s for s in summary if s["batch"] == 1 and s["method"] in args.drafters),
-               key=lambda s: s["speedup_vs_ours_ar"], default=None)
+    best = max((r for r in summary if r["batch"] == 1 and r["method"] in s.args.drafters),
+               key=lambda r: r["speedup_vs_ours_ar"], default=None)
     if best:
         targets["best_drafter"] = best["method"]
         targets["best_drafter_speedup"] = best["speedup_vs_ours_ar"]
         print(f"best drafter at batch 1: {best['method']} {best['speedup_vs_ours_ar']:.2f}x our autoregressive (target >= 1.5x)")
-    b1 = {s["method"]: s for s in summary if s["batch"] == 1}
+    b1 = {r["method"]: r for r in summary if r["batch"] == 1}
     if "fp32-ar" in b1:
         targets["ours_ar_vs_fp32_ar"] = b1["ours-ar"]["tokens_per_s"] / b1["fp32-ar"]["tokens_per_s"]
-        print(f"ours autoregressive ({model.weight_format}) / ours fp32 autoregressive: "
+        print(f"ours autoregressive ({s.model.weight_format}) / ours fp32 autoregressive: "
               f"{targets['ours_ar_vs_fp32_ar']:.2f}x (target >= 3x)")
     if "llama-cpp-ar" in b1:
         targets["ours_ar_vs_llama_cpp_ar"] = b1["ours-ar"]["tokens_per_s"] / b1["llama-cpp-ar"]["tokens_per_s"]
@@ -461,8 +540,8 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
         if best:
             targets["best_drafter_vs_llama_cpp_ar"] = b1[best["method"]]["tokens_per_s"] / b1["llama-cpp-ar"]["tokens_per_s"]
             print(f"best drafter / llama.cpp autoregressive: {targets['best_drafter_vs_llama_cpp_ar']:.2f}x (target > 1x)")
-    if llama_spec is not None:
-        targets["llama_spec_by_category"] = llama_spec_targets(runs, args.drafters)
+    if s.llama_spec is not None:
+        targets["llama_spec_by_category"] = llama_spec_targets(runs, s.args.drafters)
         for c, t in targets["llama_spec_by_category"].items():
             print(f"{c}: best drafter {t['best_drafter']} decodes {t['best_drafter_decode_speedup']:.2f}x our "
                   f"autoregressive; {t['best_drafter_vs_best_llama_spec']:.2f}x llama.cpp's best lookup "
@@ -472,14 +551,30 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
                   if not ok and not r["method"].startswith(("fp32-ar", "llama-"))]
     targets["all_greedy_identical"] = not mismatches
     print(f"greedy outputs identical to ours-ar: {'all' if not mismatches else f'{len(mismatches)} mismatches: {mismatches[:10]}'}")
+    return targets
+
+
+def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESULTS_DIR) -> int:
+    args = build_parser(prog, default_out_dir).parse_args(argv)
+    if args.out_name is None:
+        args.out_name = default_out_name(args.prompts)
+    chart_path = Path(args.out_dir) / f"{args.out_name}_speedup.png"
+
+    s = load_session(args)
+    warm_up(s)
+    runs, ar_out = run_all(s)
+    summary, by_cat, by_cat_decode = summarize(args.batch_sizes, s.methods, runs, ar_out)
+    cat_rows, cat_decode_rows = print_tables(s, summary, by_cat, by_cat_decode)
+    targets = report_targets(s, summary, runs)
 
     for r in runs:
         r.pop("outputs")
     # The prompt file by name and content hash: a path would name a folder of this machine.
     config = dict(vars(args), prompts=Path(args.prompts).name if args.prompts else None,
                   prompts_sha256=hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest() if args.prompts else None)
-    out = write_results(args.out_name, {"model": model.name, "weights": model.weight_format, "load_seconds": load_s,
-                                        "load_average": os.getloadavg(), "llama_cpp": getattr(llama, "version", None),
+    model = s.model
+    out = write_results(args.out_name, {"model": model.name, "weights": model.weight_format, "load_seconds": s.load_s,
+                                        "load_average": os.getloadavg(), "llama_cpp": getattr(s.llama, "version", None),
                                         "config": config,
                                         "skinny_linear_rows": skinny_linear_rows(torch.float32),
                                         "summary": summary, "by_category": cat_rows, "decode_by_category": cat_decode_rows,
@@ -487,7 +582,8 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
                         out_dir=args.out_dir)
     print(f"wrote {out}")
     if 1 in args.batch_sizes:  # the chart shows batch-1 speedups
-        write_chart(summary, cat_rows, methods, f"{model.name}: greedy, batch 1, {N} new tokens", str(chart_path))
+        write_chart(summary, cat_rows, s.methods, f"{model.name}: greedy, batch 1, {args.max_new_tokens} new tokens",
+                    str(chart_path))
     return 0
 
 

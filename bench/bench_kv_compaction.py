@@ -122,6 +122,50 @@ def check_same_result(case):
     assert all(torch.equal(a, b) for a, b in zip(k1 + v1, k2 + v2)), "compact_kv disagrees with gather/copy"
 
 
+def time_case(model: str, batch: int, nodes: int, accepted: int, chain: bool, dtype, copy_gbs: float,
+              reps: int, min_time: float) -> dict:
+    """One case's row: the baseline, ours and the wrapper timed on the same caches (checked
+    to agree first), the moved bytes and ours' bandwidth."""
+    case = build_case(model, batch, nodes, accepted, chain, dtype)
+    check_same_result(case)
+    k, v, *rest = case
+    base = time_fn(lambda: gather_copy(k, v, *rest), reps=reps, min_time_s=min_time)
+    ours = time_fn(lambda: torch.ops.specdec.compact_kv(k, v, *rest), reps=reps, min_time_s=min_time)
+    wrapper = time_fn(lambda: specdec_kernels.compact_kv(k, v, *rest), reps=reps, min_time_s=min_time)
+    nbytes = moved_bytes(case)
+    gbs = nbytes / (ours["median_us"] * 1e-6) / 1e9
+    hot_gbs = hot_copy_bandwidth_gbs(nbytes, reps=reps) if nbytes else float("nan")
+    return dict(
+        model=model,
+        B=batch,
+        tree="chain" if chain else f"tree{nodes}",
+        accepted=accepted,
+        moved_KiB=nbytes / 1024,
+        gather_copy_us=base["median_us"],
+        ours_us=ours["median_us"],
+        wrapper_us=wrapper["median_us"],
+        speedup=base["median_us"] / ours["median_us"],
+        GBps=gbs,
+        frac_copy_bw=gbs / copy_gbs,
+        frac_hot_copy=gbs / hot_gbs if nbytes else float("nan"),
+        baseline=base,
+        ours=ours,
+        ours_wrapper=wrapper,
+    )
+
+
+def summarize(rows: list) -> dict:
+    """The run's worst speedups of trees and chains and median tree bandwidth, with the targets."""
+    trees = [r for r in rows if r["tree"] != "chain"]
+    chains = [r for r in rows if r["tree"] == "chain"]
+    return {
+        "min_tree_speedup": min(r["speedup"] for r in trees),
+        "min_chain_speedup": min(r["speedup"] for r in chains),
+        "median_tree_frac_copy_bw": sorted(r["frac_copy_bw"] for r in trees)[len(trees) // 2],
+        "targets": {"tree_speedup": 3.0, "frac_copy_bw": 0.5, "chain_speedup": 50.0},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="30-second smoke run")
@@ -143,51 +187,14 @@ def main() -> None:
         reps, min_time = 10, 0.05
 
     copy_gbs = copy_bandwidth_gbs(nbytes=(64 if args.quick else 256) * 2**20)
-    rows = []
-    for model, batch, nodes, accepted, chain in tqdm(cases, desc="compact_kv"):
-        case = build_case(model, batch, nodes, accepted, chain, dtype)
-        check_same_result(case)
-        k, v, *rest = case
-        base = time_fn(lambda: gather_copy(k, v, *rest), reps=reps, min_time_s=min_time)
-        ours = time_fn(lambda: torch.ops.specdec.compact_kv(k, v, *rest), reps=reps, min_time_s=min_time)
-        wrapper = time_fn(lambda: specdec_kernels.compact_kv(k, v, *rest), reps=reps, min_time_s=min_time)
-        nbytes = moved_bytes(case)
-        gbs = nbytes / (ours["median_us"] * 1e-6) / 1e9
-        hot_gbs = hot_copy_bandwidth_gbs(nbytes, reps=reps) if nbytes else float("nan")
-        rows.append(
-            dict(
-                model=model,
-                B=batch,
-                tree="chain" if chain else f"tree{nodes}",
-                accepted=accepted,
-                moved_KiB=nbytes / 1024,
-                gather_copy_us=base["median_us"],
-                ours_us=ours["median_us"],
-                wrapper_us=wrapper["median_us"],
-                speedup=base["median_us"] / ours["median_us"],
-                GBps=gbs,
-                frac_copy_bw=gbs / copy_gbs,
-                frac_hot_copy=gbs / hot_gbs if nbytes else float("nan"),
-                baseline=base,
-                ours=ours,
-                ours_wrapper=wrapper,
-            )
-        )
-        del case, k, v, rest
+    rows = [time_case(*c, dtype, copy_gbs, reps, min_time) for c in tqdm(cases, desc="compact_kv")]
 
     print(f"\ncopy bandwidth (read + write): {copy_gbs:.1f} GB/s; torch threads: {torch.get_num_threads()}; "
           f"dtype {args.dtype}; block_size {BLOCK_SIZE}; prefix {PREFIX}")
     columns = ["model", "B", "tree", "accepted", "moved_KiB", "gather_copy_us", "ours_us", "wrapper_us", "speedup",
                "GBps", "frac_copy_bw", "frac_hot_copy"]
     print_table(rows, columns)
-    trees = [r for r in rows if r["tree"] != "chain"]
-    chains = [r for r in rows if r["tree"] == "chain"]
-    summary = {
-        "min_tree_speedup": min(r["speedup"] for r in trees),
-        "min_chain_speedup": min(r["speedup"] for r in chains),
-        "median_tree_frac_copy_bw": sorted(r["frac_copy_bw"] for r in trees)[len(trees) // 2],
-        "targets": {"tree_speedup": 3.0, "frac_copy_bw": 0.5, "chain_speedup": 50.0},
-    }
+    summary = summarize(rows)
     print(
         f"trees: speedup >= {summary['min_tree_speedup']:.1f}x (target 3x), median fraction of copy bandwidth "
         f"{summary['median_tree_frac_copy_bw']:.2f} (target 0.5); chains: speedup >= "

@@ -293,7 +293,7 @@ def bench_qwen(block_types, ms, threads):
     print(f"wrote {path}")
 
 
-def main():
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a ~30 s smoke run (no cold-weight timings)")
     parser.add_argument("--threads", type=int, default=0,
@@ -305,16 +305,53 @@ def main():
     parser.add_argument("--types", default="Q4_K,Q6_K", help="block types of --qwen-quantized (comma-separated)")
     parser.add_argument("--ms", default=None,
                         help="row counts M of --qwen-quantized (default 1,2,4,8) or --qwen (default 1..64), comma-separated")
-    args = parser.parse_args()
-    from specdec_kernels.threads import apply_threads
+    return parser.parse_args(argv)
 
-    args.threads = apply_threads(args.threads).threads  # the one default: the cores not busy
-    if args.qwen:
-        return main_qwen(args)
-    if args.qwen_quantized:
-        return bench_qwen(args.types.split(","), [int(m) for m in (args.ms or "1,2,4,8").split(",")],
-                          torch.get_num_threads())
 
+def skinny_threshold(skinny_rows: list, ms: list, key: str) -> int:
+    """Threshold for ops.linear: the largest M such that skinny_linear beats F.linear
+    (``key``: the hot or the cold ratio) on every fp32 shape for every M' <= M."""
+    fp32 = [r for r in skinny_rows if r["dtype"] == "float32"]
+    best = 0
+    for M in ms:
+        at_m = [r[key] for r in fp32 if r["M"] == M and key in r]
+        if at_m and all(v > 1.0 for v in at_m):
+            best = M
+        else:
+            break
+    return best
+
+
+def linear_targets(skinny_rows: list, quant_rows: list, ms: list) -> dict:
+    """The ratios the default run reports as its targets, per shape (and block type or dtype)."""
+    return {
+        "skinny_M8_vs_M1": {f"{r['N']}x{r['H']}:{r['dtype']}": round(r["vs_M1"], 3) for r in skinny_rows if r["M"] == 8},
+        "skinny_M8_x_F.linear": {f"{r['N']}x{r['H']}:{r['dtype']}": round(r["x_F.linear"], 3)
+                                 for r in skinny_rows if r["M"] == 8},
+        "skinny_M8_cold_vs_M1": {f"{r['N']}x{r['H']}:{r['dtype']}": round(r.get("cold_vs_M1", float("nan")), 3)
+                                 for r in skinny_rows if r["M"] == 8},
+        "skinny_M8_cold_x_F.linear": {f"{r['N']}x{r['H']}:{r['dtype']}": round(r.get("cold_x_F.linear", float("nan")), 3)
+                                      for r in skinny_rows if r["M"] == 8},
+        "quantized_M1_frac_copy": {f"{r['N']}x{r['H']}:{r['block_type']}": round(r["frac_copy"], 3)
+                                   for r in quant_rows if r["M"] == 1},
+        "quantized_M8_vs_M1": {f"{r['N']}x{r['H']}:{r['block_type']}": round(r["vs_M1"], 3)
+                               for r in quant_rows if r["M"] == 8},
+        "quantized_M16_vs_M1": {f"{r['N']}x{r['H']}:{r['block_type']}": round(r["vs_M1"], 3)
+                                for r in quant_rows if r["M"] == 16},
+        "int8act_M1_x_quantized": {f"{r['N']}x{r['H']}:{r['block_type']}": round(r["x_quantized"], 3)
+                                   for r in quant_rows if r["M"] == 1 and "x_quantized" in r},
+        "int8act_M8_x_quantized": {f"{r['N']}x{r['H']}:{r['block_type']}": round(r["x_quantized"], 3)
+                                   for r in quant_rows if r["M"] == 8 and "x_quantized" in r},
+        "int8act_M1_frac_copy": {f"{r['N']}x{r['H']}:{r['block_type']}": round(r["int8act_frac_copy"], 3)
+                                 for r in quant_rows if r["M"] == 1 and "int8act_frac_copy" in r},
+        "linear_threshold_hot": skinny_threshold(skinny_rows, ms, "x_F.linear"),
+        "linear_threshold_cold": skinny_threshold(skinny_rows, ms, "cold_x_F.linear"),
+    }
+
+
+def run_default(args) -> None:
+    """The default run: skinny_linear on the SmolLM2 shapes, quantized_linear and
+    int8_activation_linear on the SmolLM2 and a 7B-class shape; tables, targets, results file."""
     if args.quick:
         skinny_shapes = [(1536, 576), (576, 1536)]
         ms = [1, 8]
@@ -348,44 +385,7 @@ def main():
     print_table(quant_rows, ["N", "H", "block_type", "M", "weight_MB", "ours_us", "F.linear_fp32_us", "skinny_fp32_us",
                              "x_F.linear", "x_skinny", "vs_M1", "GB/s", "frac_copy", "int8act_us", "x_quantized",
                              "int8act_vs_M1", "int8act_frac_copy"])
-
-    # Threshold for ops.linear: largest M such that skinny_linear beats F.linear on every
-    # fp32 shape for every M' <= M (hot and cold weights separately).
-    fp32 = [r for r in skinny_rows if r["dtype"] == "float32"]
-
-    def threshold(key):
-        best = 0
-        for M in ms:
-            at_m = [r[key] for r in fp32 if r["M"] == M and key in r]
-            if at_m and all(v > 1.0 for v in at_m):
-                best = M
-            else:
-                break
-        return best
-
-    targets = {
-        "skinny_M8_vs_M1": {f"{r['N']}x{r['H']}:{r['dtype']}": round(r["vs_M1"], 3) for r in skinny_rows if r["M"] == 8},
-        "skinny_M8_x_F.linear": {f"{r['N']}x{r['H']}:{r['dtype']}": round(r["x_F.linear"], 3)
-                                 for r in skinny_rows if r["M"] == 8},
-        "skinny_M8_cold_vs_M1": {f"{r['N']}x{r['H']}:{r['dtype']}": round(r.get("cold_vs_M1", float("nan")), 3)
-                                 for r in skinny_rows if r["M"] == 8},
-        "skinny_M8_cold_x_F.linear": {f"{r['N']}x{r['H']}:{r['dtype']}": round(r.get("cold_x_F.linear", float("nan")), 3)
-                                      for r in skinny_rows if r["M"] == 8},
-        "quantized_M1_frac_copy": {f"{r['N']}x{r['H']}:{r['block_type']}": round(r["frac_copy"], 3)
-                                   for r in quant_rows if r["M"] == 1},
-        "quantized_M8_vs_M1": {f"{r['N']}x{r['H']}:{r['block_type']}": round(r["vs_M1"], 3)
-                               for r in quant_rows if r["M"] == 8},
-        "quantized_M16_vs_M1": {f"{r['N']}x{r['H']}:{r['block_type']}": round(r["vs_M1"], 3)
-                                for r in quant_rows if r["M"] == 16},
-        "int8act_M1_x_quantized": {f"{r['N']}x{r['H']}:{r['block_type']}": round(r["x_quantized"], 3)
-                                   for r in quant_rows if r["M"] == 1 and "x_quantized" in r},
-        "int8act_M8_x_quantized": {f"{r['N']}x{r['H']}:{r['block_type']}": round(r["x_quantized"], 3)
-                                   for r in quant_rows if r["M"] == 8 and "x_quantized" in r},
-        "int8act_M1_frac_copy": {f"{r['N']}x{r['H']}:{r['block_type']}": round(r["int8act_frac_copy"], 3)
-                                 for r in quant_rows if r["M"] == 1 and "int8act_frac_copy" in r},
-        "linear_threshold_hot": threshold("x_F.linear"),
-        "linear_threshold_cold": threshold("cold_x_F.linear"),
-    }
+    targets = linear_targets(skinny_rows, quant_rows, ms)
     print("\ntargets:", targets)
     path = write_results("linear", {
         "command": " ".join(["python", "bench/bench_linear.py"] + sys.argv[1:]),
@@ -393,6 +393,19 @@ def main():
         "targets": targets,
     })
     print(f"wrote {path}")
+
+
+def main():
+    args = parse_args()
+    from specdec_kernels.threads import apply_threads
+
+    args.threads = apply_threads(args.threads).threads  # the one default: the cores not busy
+    if args.qwen:
+        return main_qwen(args)
+    if args.qwen_quantized:
+        return bench_qwen(args.types.split(","), [int(m) for m in (args.ms or "1,2,4,8").split(",")],
+                          torch.get_num_threads())
+    return run_default(args)
 
 
 if __name__ == "__main__":

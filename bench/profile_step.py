@@ -99,6 +99,61 @@ class ProductTimer:
                 for k in sorted(self.wall, key=lambda k: -self.wall[k])}
 
 
+def _self_cpu_by_category(prof) -> dict:
+    """{category: self CPU seconds} of a torch profile's ops (CATEGORIES; a None category is dropped)."""
+    out: dict[str, float] = {}
+    for e in prof.key_averages():
+        cat = "other torch ops"
+        for key, c in CATEGORIES.items():
+            if key in e.key:
+                cat = c
+                break
+        if cat is not None:
+            out[cat] = out.get(cat, 0.0) + e.self_cpu_time_total / 1e6
+    return out
+
+
+def _unprofiled_step(model, gen, ids: list, tokens: int) -> tuple[float, float, dict]:
+    """One unprofiled generation: (plain step seconds, process CPU seconds per decode step,
+    ProductTimer's ms per step of each kind of one-row product)."""
+    timer = ProductTimer(model)
+    timer.reset()
+    c0 = time.process_time()
+    (req,) = gen.generate([ids], tokens, stop_at_eos=False)  # unprofiled: plain step time
+    run_cpu = time.process_time() - c0
+    plain_step = (req.stats.time_draft + req.stats.time_verify + req.stats.time_sample + req.stats.time_compact) / len(req.output)
+    # The process's CPU time of the decode steps (prefill's share scaled out by its wall share).
+    plain_wall = req.stats.time_prefill + plain_step * len(req.output)
+    step_cpu = run_cpu * (plain_step * len(req.output) / plain_wall) / len(req.output)
+    products = timer.per_step_ms(len(req.output))
+    timer.reset()
+    return plain_step, step_cpu, products
+
+
+def _profiled_step(model, gen, ids: list, tokens: int) -> tuple[int, float, dict]:
+    """One generation under the torch profiler: (decode steps, wall seconds per step,
+    {category: seconds per step}, "python and the rest" included)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        (req,) = gen.generate([ids], tokens, stop_at_eos=False)
+        wall = time.perf_counter() - t0
+    steps = len(req.output)
+    prefill = req.stats.time_prefill
+    decode_wall = wall - prefill
+    # Self CPU time per category over the whole run; the prompt's prefill is profiled alone
+    # below and subtracted, leaving the decode steps.
+    by_cat = _self_cpu_by_category(prof)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof_pre:
+        cache = model.new_cache(1, len(ids) + 1)
+        model.prefill(torch.tensor(ids[:-1]), cache, cache.add_request(len(ids) - 1))
+    pre_cat = _self_cpu_by_category(prof_pre)
+    per_step = {c: max(by_cat.get(c, 0.0) - pre_cat.get(c, 0.0), 0.0) / steps for c in by_cat}
+    step = decode_wall / steps
+    per_step.pop("prefill attention", None)  # the prompt's (profiled alone above), not a step's
+    per_step["python and the rest"] = max(step - sum(per_step.values()), 0.0)
+    return steps, step, per_step
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
@@ -118,53 +173,8 @@ def main(argv=None) -> int:
     ids = tok.chat_prompt(args.prompt)
     gen = Generator(model)
     gen.generate([ids], 4)  # warm-up
-    timer = ProductTimer(model)
-    timer.reset()
-    c0 = time.process_time()
-    (req,) = gen.generate([ids], args.tokens, stop_at_eos=False)  # unprofiled: plain step time
-    run_cpu = time.process_time() - c0
-    plain_step = (req.stats.time_draft + req.stats.time_verify + req.stats.time_sample + req.stats.time_compact) / len(req.output)
-    # The process's CPU time of the decode steps (prefill's share scaled out by its wall share).
-    plain_wall = req.stats.time_prefill + plain_step * len(req.output)
-    step_cpu = run_cpu * (plain_step * len(req.output) / plain_wall) / len(req.output)
-    products = timer.per_step_ms(len(req.output))
-    timer.reset()
-
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        (req,) = gen.generate([ids], args.tokens, stop_at_eos=False)
-        wall = time.perf_counter() - t0
-    steps = len(req.output)
-    prefill = req.stats.time_prefill
-    decode_wall = wall - prefill
-    # Self CPU time per category over the whole run; the prompt's prefill is profiled alone
-    # below and subtracted, leaving the decode steps.
-    by_cat: dict[str, float] = {}
-    for e in prof.key_averages():
-        cat = "other torch ops"
-        for key, c in CATEGORIES.items():
-            if key in e.key:
-                cat = c
-                break
-        if cat is None:
-            continue
-        by_cat[cat] = by_cat.get(cat, 0.0) + e.self_cpu_time_total / 1e6
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof_pre:
-        cache = model.new_cache(1, len(ids) + 1)
-        model.prefill(torch.tensor(ids[:-1]), cache, cache.add_request(len(ids) - 1))
-    pre_cat: dict[str, float] = {}
-    for e in prof_pre.key_averages():
-        cat = "other torch ops"
-        for key, c in CATEGORIES.items():
-            if key in e.key:
-                cat = c
-                break
-        if cat is not None:
-            pre_cat[cat] = pre_cat.get(cat, 0.0) + e.self_cpu_time_total / 1e6
-    per_step = {c: max(by_cat.get(c, 0.0) - pre_cat.get(c, 0.0), 0.0) / steps for c in by_cat}
-    step = decode_wall / steps
-    per_step.pop("prefill attention", None)  # the prompt's (profiled alone above), not a step's
-    per_step["python and the rest"] = max(step - sum(per_step.values()), 0.0)
+    plain_step, step_cpu, products = _unprofiled_step(model, gen, ids, args.tokens)
+    steps, step, per_step = _profiled_step(model, gen, ids, args.tokens)
     nbytes = weight_bytes(model)
     copy_gbs = copy_bandwidth_gbs()
     gemm = per_step.get("weight products", 0.0)

@@ -304,6 +304,8 @@ def add_threads_flag(parser) -> None:
 
 
 def build_parser() -> Parser:
+    """The ``specdec`` command line. Long on purpose: one flat list of subcommands and their
+    flags, read top to bottom like the --help it prints; splitting it would scatter the flags."""
     p = Parser(prog="specdec", description="Lossless speculative decoding on CPU/GPU.")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=Parser)
     g = sub.add_parser("generate", help="generate text for one prompt, streaming, then print stats",

@@ -668,51 +668,10 @@ def eagle_tree_from_expansions(scores: Sequence[torch.Tensor], parents: Sequence
 
     Returns an :class:`EagleTree` with N = num_draft_tokens + 1 nodes. No host sync.
     """
-    if len(scores) == 0:
-        raise ValueError("scores must hold at least one expansion step")
-    if len(parents) != len(scores):
-        raise ValueError(f"parents must have one entry per step ({len(scores)}), got {len(parents)}")
-    if parents[0] is not None:
-        raise ValueError("parents[0] must be None: step 0 candidates are children of the root")
-    if token_ids is not None and len(token_ids) != len(scores):
-        raise ValueError(f"token_ids must have one entry per step ({len(scores)}), got {len(token_ids)}")
+    sizes = _expansion_sizes(scores, parents, num_draft_tokens, token_ids)
     batch = scores[0].shape[0]
     device = scores[0].device
-    sizes = []
-    for d, s in enumerate(scores):
-        if not isinstance(s, torch.Tensor) or s.dim() != 2 or s.shape[0] != batch or not s.is_floating_point():
-            raise ValueError(f"scores[{d}] must be a float tensor of shape [{batch}, C_{d}], got "
-                             f"{getattr(s, 'shape', type(s).__name__)}")
-        sizes.append(s.shape[1])
-    total = sum(sizes)
-    if not 0 <= num_draft_tokens <= total:
-        raise ValueError(f"num_draft_tokens must be in [0, {total}] (the number of candidates), got {num_draft_tokens}")
-
-    keys, parent_global = [], []
-    offset = 0
-    prev_key = None
-    for d, s in enumerate(scores):
-        key = torch.nan_to_num(s.to(torch.float32), nan=float("-inf"))
-        if d == 0:
-            par = torch.full((batch, sizes[0]), -1, dtype=torch.int64, device=device)
-        else:
-            p = parents[d]
-            if not isinstance(p, torch.Tensor) or p.dim() != 2 or p.shape[0] != batch or p.is_floating_point():
-                raise ValueError(f"parents[{d}] must be an integer tensor of shape [{batch}, C_{d}] or [{batch}, G_{d}]")
-            if p.shape[1] != sizes[d]:
-                if p.shape[1] == 0 or sizes[d] % p.shape[1] != 0:
-                    raise ValueError(f"parents[{d}] has {p.shape[1]} columns, which neither equals nor divides "
-                                     f"C_{d} = {sizes[d]}")
-                p = p.repeat_interleave(sizes[d] // p.shape[1], dim=1)
-            local = p.to(torch.int64).clamp(0, sizes[d - 1] - 1)
-            key = torch.minimum(key, torch.gather(prev_key, 1, local))
-            par = local + (offset - sizes[d - 1])
-        keys.append(key)
-        parent_global.append(par)
-        prev_key = key
-        offset += sizes[d]
-    all_keys = torch.cat(keys, dim=1)
-    all_parents = torch.cat(parent_global, dim=1)
+    all_keys, all_parents = _monotone_keys(scores, parents, sizes)
 
     # Stable descending sort: equal keys keep candidate order, so parents come first.
     _, order = torch.sort(all_keys, dim=1, descending=True, stable=True)
@@ -736,3 +695,60 @@ def eagle_tree_from_expansions(scores: Sequence[torch.Tensor], parents: Sequence
         root_tok = root if root_token_ids is None else root_token_ids.to(torch.int64).view(batch, 1)
         tokens = torch.cat([root_tok, torch.gather(all_tokens, 1, chosen)], dim=1)
     return EagleTree(parents=tree_parents, candidate=candidate, token_ids=tokens, scores=node_scores)
+
+
+def _expansion_sizes(scores, parents, num_draft_tokens: int, token_ids) -> list:
+    """The candidate counts C_d of ``eagle_tree_from_expansions``' steps, after checking the
+    list lengths, the score tensors and ``num_draft_tokens`` (ValueError)."""
+    if len(scores) == 0:
+        raise ValueError("scores must hold at least one expansion step")
+    if len(parents) != len(scores):
+        raise ValueError(f"parents must have one entry per step ({len(scores)}), got {len(parents)}")
+    if parents[0] is not None:
+        raise ValueError("parents[0] must be None: step 0 candidates are children of the root")
+    if token_ids is not None and len(token_ids) != len(scores):
+        raise ValueError(f"token_ids must have one entry per step ({len(scores)}), got {len(token_ids)}")
+    batch = scores[0].shape[0]
+    sizes = []
+    for d, s in enumerate(scores):
+        if not isinstance(s, torch.Tensor) or s.dim() != 2 or s.shape[0] != batch or not s.is_floating_point():
+            raise ValueError(f"scores[{d}] must be a float tensor of shape [{batch}, C_{d}], got "
+                             f"{getattr(s, 'shape', type(s).__name__)}")
+        sizes.append(s.shape[1])
+    total = sum(sizes)
+    if not 0 <= num_draft_tokens <= total:
+        raise ValueError(f"num_draft_tokens must be in [0, {total}] (the number of candidates), got {num_draft_tokens}")
+    return sizes
+
+
+def _monotone_keys(scores, parents, sizes: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys fp32 [B, sum C_d], parents int64 [B, sum C_d]) over all steps' candidates, in
+    candidate (step-major) order: each key is the score with NaN as -inf, made monotone
+    along paths (min with the parent's key); each parent is the global candidate index of
+    the candidate's parent (-1: the root). Checks ``parents[d]`` (ValueError)."""
+    batch = scores[0].shape[0]
+    device = scores[0].device
+    keys, parent_global = [], []
+    offset = 0
+    prev_key = None
+    for d, s in enumerate(scores):
+        key = torch.nan_to_num(s.to(torch.float32), nan=float("-inf"))
+        if d == 0:
+            par = torch.full((batch, sizes[0]), -1, dtype=torch.int64, device=device)
+        else:
+            p = parents[d]
+            if not isinstance(p, torch.Tensor) or p.dim() != 2 or p.shape[0] != batch or p.is_floating_point():
+                raise ValueError(f"parents[{d}] must be an integer tensor of shape [{batch}, C_{d}] or [{batch}, G_{d}]")
+            if p.shape[1] != sizes[d]:
+                if p.shape[1] == 0 or sizes[d] % p.shape[1] != 0:
+                    raise ValueError(f"parents[{d}] has {p.shape[1]} columns, which neither equals nor divides "
+                                     f"C_{d} = {sizes[d]}")
+                p = p.repeat_interleave(sizes[d] // p.shape[1], dim=1)
+            local = p.to(torch.int64).clamp(0, sizes[d - 1] - 1)
+            key = torch.minimum(key, torch.gather(prev_key, 1, local))
+            par = local + (offset - sizes[d - 1])
+        keys.append(key)
+        parent_global.append(par)
+        prev_key = key
+        offset += sizes[d]
+    return torch.cat(keys, dim=1), torch.cat(parent_global, dim=1)

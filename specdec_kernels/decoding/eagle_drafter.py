@@ -251,7 +251,6 @@ class EagleDrafter(SizedDrafter):
     def _trees(self, reqs, lengths, drafts, roots_g, caught, t_start):
         """Steps 2-3 (module docstring) for the requests ``catch_up`` gave a draft state,
         then the prompt-lookup merge; returns every request's draft."""
-        head = self.head
         active = [b for b, k in enumerate(lengths) if k > 0 and b in roots_g]
         if not active:
             return self._with_ngram(reqs, lengths, drafts)
@@ -259,6 +258,37 @@ class EagleDrafter(SizedDrafter):
         sub = [reqs[b] for b in active]
         depth_cap = torch.tensor([min(lengths[b], self.max_depth) for b in active])
         sampled = torch.tensor([r.sampling.temperature > 0 for r in sub])
+        any_sampled = bool(sampled.any())
+        expansions = self._expand(sub, active, roots_g, caught, depth_cap, sampled)
+        scores = expansions[0]
+        # Beyond a request's own cap the candidates are not eligible.
+        for j in range(len(scores)):
+            scores[j] = scores[j].masked_fill((depth_cap < j + 1)[:, None], float("-inf"))
+        draft_rel = self.relative_cost(time.perf_counter() - t_start, B)
+        keep, value = self._select(scores, B, draft_rel)
+        for i, b in enumerate(active):
+            drafts[b] = self._request_draft(sub[i], i, bool(sampled[i]), keep[i], *expansions)
+        self.stats["steps"] += 1
+        self._back_off(active, drafts, value, any_sampled, B)
+        for b in active:
+            dd = drafts[b]
+            self.stats["nodes"] += len(dd.tokens) - 1
+            depth = max(dd.depths())
+            self.stats["depth_hist"][depth] = self.stats["depth_hist"].get(depth, 0) + 1
+        worth = value if not any_sampled and B == len(reqs) else None
+        return self._with_ngram(reqs, lengths, drafts, worth)
+
+    def _expand(self, sub: list, active: list, roots_g: dict, caught: dict, depth_cap: torch.Tensor,
+                sampled: torch.Tensor):
+        """Step 2 for the B requests ``sub`` (batch rows ``active``): the root's children, then
+        beam expansions while a depth is expected to pay (``_expansion_threshold``), at most
+        ``depth_cap`` [B] deep. Returns per depth d (0-based) lists of: cumulative log-probs
+        ``scores`` [B, C_d] of its candidates, ``parents`` (None at depth 0, else the beam
+        [B, G_d] of indices into depth d-1's candidates), draft-vocabulary->target ``tokens``
+        [B, C_d], ``qs`` (the root's q [B, Vd], or [None] when no request samples) and
+        ``beam_q`` (per expansion: q of the beam nodes [B, G, Vd], or None)."""
+        head = self.head
+        B = len(sub)
         temps = torch.tensor([max(r.sampling.temperature, 0.0) for r in sub], dtype=torch.float32)
         any_sampled = bool(sampled.any())
         # Children per expanded node and beam width (a batch with sampled requests uses the
@@ -282,14 +312,12 @@ class EagleDrafter(SizedDrafter):
         qs = [q0[:, 0] if q0 is not None else None]  # q of the root, per request
         cand_g = g0[:, None].expand(B, width, -1)  # the g each candidate's entry is fed with
         slots = [self.slot[r.rid] for r in sub]
-        ck, cv, cvalid, clen = self._committed_kv(slots, [caught.get(b, 0) for b in active])
-        rep = head.num_heads // head.num_kv_heads
-        Hkv, D = head.num_kv_heads, head.head_dim
-        sk = torch.zeros(B, 0, Hkv, D, dtype=ck.dtype)
+        committed = self._committed_kv(slots, [caught.get(b, 0) for b in active])
+        clen = committed[3]
+        sk = torch.zeros(B, 0, head.num_kv_heads, head.head_dim, dtype=committed[0].dtype)
         sv = torch.zeros_like(sk)
         cand_anc = torch.zeros(B, width, 0, dtype=torch.bool)
         beam_q = []  # per depth: q rows of the beam nodes [B, G, Vd] (sampled requests)
-        beam_idx_all = []
         t_depth = time.perf_counter()
         d = 1
         while d < int(depth_cap.max()):
@@ -308,24 +336,13 @@ class EagleDrafter(SizedDrafter):
             feat = torch.gather(cand_g, 1, bsel.expand(B, G, cand_g.shape[-1]))
             tok = torch.gather(tokens[-1], 1, beam)
             pos = (clen + d - 1)[:, None].expand(B, G).reshape(-1)
-            x = head.decode_inputs(feat.reshape(B * G, -1), tok.reshape(-1))
-            q, k, v = head.decode_qkv(x, pos)
             anc = torch.gather(cand_anc, 1, bsel.expand(B, G, cand_anc.shape[-1]))
-            sk = torch.cat([sk, k.view(B, G, Hkv, D)], 1)
-            sv = torch.cat([sv, v.view(B, G, Hkv, D)], 1)
-            anc = torch.cat([anc, torch.eye(G, dtype=torch.bool)[None].expand(B, G, G)], -1)  # + itself
-            mask = torch.cat([cvalid[:, None].expand(B, G, -1), anc], -1)[:, None]  # [B, 1, G, L+S]
-            keys = torch.cat([ck, sk], 1).repeat_interleave(rep, 2).transpose(1, 2)
-            vals = torch.cat([cv, sv], 1).repeat_interleave(rep, 2).transpose(1, 2)
-            attn = F.scaled_dot_product_attention(q.view(B, G, -1, D).transpose(1, 2), keys, vals, attn_mask=mask)
-            g, logp = head.decode_output(x, attn.transpose(1, 2).reshape(B * G, -1))
-            g, logp = g.view(B, G, -1), logp.view(B, G, -1)
+            g, logp, sk, sv, anc = self._beam_forward(feat, tok, pos, anc, sk, sv, committed)
             cid, clp, qd = self._children(logp, sampled, temps, width, u_at(d + 1, G))
             beam_score = torch.gather(s_prev, 1, beam)
             scores.append((beam_score[..., None] + clp).reshape(B, G * width))
             parents.append(beam)
             tokens.append(vocab[cid].reshape(B, G * width))
-            beam_idx_all.append(beam)
             beam_q.append(qd)
             cand_g = g.repeat_interleave(width, 1)
             cand_anc = anc.repeat_interleave(width, 1)
@@ -334,31 +351,53 @@ class EagleDrafter(SizedDrafter):
             dt = now - t_depth
             t_depth = now
             self._depth_seconds = dt if self._depth_seconds is None else 0.8 * self._depth_seconds + 0.2 * dt
-        # Beyond a request's own cap the candidates are not eligible.
-        for j in range(len(scores)):
-            scores[j] = scores[j].masked_fill((depth_cap < j + 1)[:, None], float("-inf"))
-        draft_rel = self.relative_cost(time.perf_counter() - t_start, B)
-        keep, value = self._select(scores, B, draft_rel)
-        for i, b in enumerate(active):
-            r = sub[i]
-            if bool(sampled[i]):
-                drafts[b] = self._sampled_draft(r, i, scores, parents, tokens, qs, beam_q)
-            else:
-                n = min(keep[i], self.max_tree_nodes)
-                tree = eagle_tree_from_expansions([s[i: i + 1] for s in scores],
-                                                  [None] + [p[i: i + 1] for p in parents[1:]], n,
-                                                  [t[i: i + 1] for t in tokens],
-                                                  torch.tensor([r.tokens[-1]]))
-                drafts[b] = Draft(tree.parents[0].tolist(), tree.token_ids[0].tolist())
-        self.stats["steps"] += 1
-        # Back-off: a step that is not expected to have paid for its drafting — its expected
-        # tokens per unit time (``_select``'s value: drafting time included) no better than
-        # a step that drafts nothing, B / cost(B) — cost a catch-up
-        # pass and the expansions for nothing (typical at batch 4, where the batch already
-        # fills the step and extra rows rarely pay). After m such steps in a row the next
-        # 2^m - 1 steps draft nothing (m <= 5) and their entries wait for the next catch-up
-        # pass, one batched forward. A step that paid resets it. (Sampled requests keep every
-        # drawn child: there, any node counts as paying.)
+        return scores, parents, tokens, qs, beam_q
+
+    def _beam_forward(self, feat, tok, pos, anc, sk, sv, committed):
+        """One head forward of the G beam nodes of each of B requests: feat [B, G, H] (the g
+        they are fed with), tok [B, G] (their tokens), pos [B * G] (their positions), anc
+        [B, G, S] (which of the S tree entries sk / sv [B, S, Hkv, D] so far each attends to),
+        ``committed`` = ``_committed_kv``'s (k, v, valid, lengths). Returns (g [B, G, H],
+        logp [B, G, Vd], sk and sv with the beam's entries appended [B, S + G, Hkv, D], anc
+        with itself appended [B, G, S + G])."""
+        head = self.head
+        ck, cv, cvalid, _ = committed
+        B, G = tok.shape
+        rep = head.num_heads // head.num_kv_heads
+        Hkv, D = head.num_kv_heads, head.head_dim
+        x = head.decode_inputs(feat.reshape(B * G, -1), tok.reshape(-1))
+        q, k, v = head.decode_qkv(x, pos)
+        sk = torch.cat([sk, k.view(B, G, Hkv, D)], 1)
+        sv = torch.cat([sv, v.view(B, G, Hkv, D)], 1)
+        anc = torch.cat([anc, torch.eye(G, dtype=torch.bool)[None].expand(B, G, G)], -1)  # + itself
+        mask = torch.cat([cvalid[:, None].expand(B, G, -1), anc], -1)[:, None]  # [B, 1, G, L+S]
+        keys = torch.cat([ck, sk], 1).repeat_interleave(rep, 2).transpose(1, 2)
+        vals = torch.cat([cv, sv], 1).repeat_interleave(rep, 2).transpose(1, 2)
+        attn = F.scaled_dot_product_attention(q.view(B, G, -1, D).transpose(1, 2), keys, vals, attn_mask=mask)
+        g, logp = head.decode_output(x, attn.transpose(1, 2).reshape(B * G, -1))
+        return g.view(B, G, -1), logp.view(B, G, -1), sk, sv, anc
+
+    def _request_draft(self, r, i: int, sampled: bool, keep: int, scores, parents, tokens, qs, beam_q) -> Draft:
+        """Step 3 for request ``r`` (row ``i`` of the expansions): a sampled request keeps every
+        drawn child (``_sampled_draft``), a greedy one its ``keep`` best nodes."""
+        if sampled:
+            return self._sampled_draft(r, i, scores, parents, tokens, qs, beam_q)
+        n = min(keep, self.max_tree_nodes)
+        tree = eagle_tree_from_expansions([s[i: i + 1] for s in scores],
+                                          [None] + [p[i: i + 1] for p in parents[1:]], n,
+                                          [t[i: i + 1] for t in tokens],
+                                          torch.tensor([r.tokens[-1]]))
+        return Draft(tree.parents[0].tolist(), tree.token_ids[0].tolist())
+
+    def _back_off(self, active: list, drafts: list, value: float, any_sampled: bool, B: int) -> None:
+        """Back-off: a step that is not expected to have paid for its drafting — its expected
+        tokens per unit time (``_select``'s value: drafting time included) no better than
+        a step that drafts nothing, B / cost(B) — cost a catch-up
+        pass and the expansions for nothing (typical at batch 4, where the batch already
+        fills the step and extra rows rarely pay). After m such steps in a row the next
+        2^m - 1 steps draft nothing (m <= 5) and their entries wait for the next catch-up
+        pass, one batched forward. A step that paid resets it. (Sampled requests keep every
+        drawn child: there, any node counts as paying.)"""
         if any_sampled:
             paid = any(len(drafts[b].tokens) > 1 for b in active)
         else:
@@ -368,13 +407,6 @@ class EagleDrafter(SizedDrafter):
         else:
             self._empty_run = min(self._empty_run + 1, 5)
             self._skip = 2 ** self._empty_run - 1
-        for b in active:
-            dd = drafts[b]
-            self.stats["nodes"] += len(dd.tokens) - 1
-            depth = max(dd.depths())
-            self.stats["depth_hist"][depth] = self.stats["depth_hist"].get(depth, 0) + 1
-        worth = value if not any_sampled and B == len(reqs) else None
-        return self._with_ngram(reqs, lengths, drafts, worth)
 
     def _expansion_threshold(self, scores: list, d: int) -> float | None:
         """None when one more expansion depth is not expected to pay for its measured cost,

@@ -41,6 +41,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -274,7 +275,8 @@ def decode_acceptance(target, tok, drafter, prompts: list, *, max_new_tokens: in
     return {"mean_accepted_length": round(emitted / max(1, steps), 3), "identical_to_autoregressive": same}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``specdec train-draft``: one flat list of flags."""
     p = argparse.ArgumentParser(prog="specdec train-draft", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--kind", choices=("draft", "exit"), default="draft",
@@ -303,13 +305,18 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of prompts, split, initialisation and shuffling")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--eval-prompts", type=int, default=4, help="validation prompts decoded before/after (0: skip)")
-    args = p.parse_args(argv)
+    return p
 
-    out = args.out or ("draft_model.safetensors" if args.kind == "draft" else "exit_head.safetensors")
-    if os.path.exists(out) and not args.overwrite:
-        p.error(f"{out} exists: pass --overwrite to replace it, or another --out")
-    from ..draft_model import exit_model, save_draft_model, save_exit_head, truncated_draft
+
+def _prepare(args) -> SimpleNamespace:
+    """Load the target and its distillation data: a namespace of the target (``model``, ``tok``),
+    ``data`` (distill_data.load_training_data), the ``train_ids`` / ``held_ids`` sequence
+    split, the draft ``vocab`` [Vd] and the target's lm_head rows of it ``lm_rows`` [Vd, hidden]
+    (fp32), ``V`` (the target's vocabulary size), the file ``meta`` data, the target's
+    ``step_cost`` curve, ``max_chain`` and the validation ``prompts``."""
+    from ..decoding.cost_model import step_cost_for
     from ..models import load_model
+    from .medusa_training import VALIDATION_PROMPTS
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -319,116 +326,147 @@ def main(argv=None) -> int:
     st = data["seq_start"]
     rows = torch.cat([torch.arange(int(st[s]), int(st[s + 1])) for s in train_ids])
     vocab = draft_vocabulary(data["topk_ids"][rows, 0], model.config.vocab_size, args.draft_vocab_size)
-    V = model.config.vocab_size
-    lm_rows = dense(model.lm_head)[vocab].float()
     meta = {"model": args.model, "num_prompts": args.num_prompts, "sampled_prompts": args.sampled_prompts,
             "answer_temperature": args.answer_temperature, "written_prompts": args.written_prompts,
             "max_new_tokens": args.max_new_tokens,
             "positions": int(data["tokens"].shape[0]), "train_sequences": len(train_ids), "epochs": args.epochs,
             "seed": args.seed, "draft_vocab_size": int(vocab.shape[0]),
             "trained_by": f"specdec train-draft --kind {args.kind} (self-distillation on synthetic prompts)"}
-    from ..decoding.cost_model import step_cost_for
+    return SimpleNamespace(model=model, tok=tok, data=data, train_ids=train_ids, held_ids=held_ids, vocab=vocab,
+                           V=model.config.vocab_size, lm_rows=dense(model.lm_head)[vocab].float(), meta=meta,
+                           step_cost=step_cost_for(model),
+                           max_chain=12,  # the longest chain the predicted speedup considers
+                           prompts=VALIDATION_PROMPTS[: args.eval_prompts])
 
-    step_cost = step_cost_for(model)
-    max_chain = 12  # the longest chain the predicted speedup considers
-    from .medusa_training import VALIDATION_PROMPTS
 
-    prompts = VALIDATION_PROMPTS[: args.eval_prompts]
+def train_draft_model(c: SimpleNamespace, args, out: str) -> None:
+    """``--kind draft``: distil the target's first ``--layers`` layers into a draft model, saved to
+    ``out`` at each best held-out score; then its measured draft cost, predicted chain speedup
+    and (with validation prompts) real decoding acceptance go into the file's metadata."""
+    from ..decoding.drafters import ModelDrafter
+    from ..draft_model import load_draft_model, save_draft_model, truncated_draft
 
+    model, vocab, V = c.model, c.vocab, c.V
+    lr = args.lr or 2e-4
+    n = args.layers
+    train_seqs, held = (Sequences(c.data, ids, vocab, V) for ids in (c.train_ids, c.held_ids))
+    before_model = truncated_draft(model, n, vocab)
+    lm = DraftLM(before_model.config, before_model.layers, model.norm, dense(model.embed), c.lm_rows)
+    config = {"num_layers": n, "hidden_size": model.config.hidden_size, "vocab_size": V,
+              "intermediate_size": model.config.intermediate_size, "num_heads": model.config.num_heads,
+              "num_kv_heads": model.config.num_kv_heads, "head_dim": model.config.head_dim}
+    store = None if args.store == "bf16" else args.store.upper()
+    meta = c.meta
+    meta.update(layers=n, lr=lr, store=args.store, init="the target's first layers")
+
+    def save(m, acc, final=None):
+        save_draft_model(m.layer_weights(), m.norm, vocab, config, out, block_type=store,
+                         metadata={**meta, "held_out_top1": round(acc, 4), **(final or {})})
+
+    result = train(lm, train_seqs, held, epochs=args.epochs, batch_seqs=args.batch_seqs, lr=lr, seed=args.seed,
+                   max_seconds=args.max_minutes * 60, on_best=save)
+    print(f"held-out top-1 agreement: {result['before']:.3f} before distillation -> {result['best']:.3f} after "
+          f"({result['updates']} updates, {result['seconds']:.0f}s"
+          f"{', stopped by --max-minutes' if result['stopped_early'] else ''})")
+    final = {"held_out_top1_before": round(result["before"], 4), "updates": result["updates"],
+             "train_seconds": round(result["seconds"]), "stopped_by_time_limit": result["stopped_early"],
+             "best_epoch": result["best_epoch"]}
+    save(lm, result["best"], final)
+    trained = load_draft_model(out, model)
+    cost = relative_cost(draft_token_seconds(trained), c.step_cost)
+    k, speed = best_chain_length(result["best"], c.max_chain, c.step_cost, draft_cost=cost)
+    final.update(draft_token_cost=round(cost, 4), predicted_chain_speedup=round(speed, 3), predicted_chain_k=k)
+    print(f"one draft token costs {cost:.3f} of a target step: predicted greedy chain speedup {speed:.2f}x at k={k}")
+    if c.prompts:
+        b = decode_acceptance(model, c.tok, ModelDrafter(before_model), c.prompts)
+        a = decode_acceptance(model, c.tok, ModelDrafter(trained), c.prompts)
+        print(f"validation decoding (greedy, batch 1, chain of 4, {len(c.prompts)} prompts): mean accepted length "
+              f"{b['mean_accepted_length']:.3f} before -> {a['mean_accepted_length']:.3f} after; identical to "
+              f"autoregressive: {a['identical_to_autoregressive']}")
+        final.update(validation_mal_before=b["mean_accepted_length"], validation_mal_after=a["mean_accepted_length"])
+    save(lm, result["best"], final)
+
+
+def _sweep_exit_layers(c: SimpleNamespace, args, out: str, Ls: tuple, lr: float) -> dict:
+    """Train one exit head per candidate layer L of ``Ls``, each written to ``{out}.L{L}.tmp``:
+    {L: its scores, costs and predicted speedup, "tmp": its file}."""
+    from ..draft_model import exit_model, save_exit_head
+
+    model = c.model
+    cache_path = Path(args.cache_dir) / Path(args.model).stem / (
+        f"features_s{args.seed}_n{args.num_prompts}"
+        f"{f'+{args.sampled_prompts}T{args.answer_temperature:g}' if args.sampled_prompts else ''}"
+        f"{f'+{args.written_prompts}W' if args.written_prompts else ''}"
+        f"_t{args.max_new_tokens}_l{'-'.join(map(str, Ls))}.pt")
+    feats = layer_features(model, c.data, Ls, cache_path)
+    results = {}
+    for L in Ls:
+        train_seqs, held = (Sequences(c.data, ids, c.vocab, c.V, features=feats[L]) for ids in (c.train_ids, c.held_ids))
+        head = ExitHead(model.norm, c.lm_rows, args.rank, model.config.rms_norm_eps, seed=args.seed)
+        r = train(head, train_seqs, held, epochs=args.epochs, batch_seqs=args.batch_seqs, lr=lr, seed=args.seed,
+                  max_seconds=args.max_minutes * 60, desc=f"exit head L={L}")
+        tmp = f"{out}.L{L}.tmp"
+        save_exit_head(head.norm, head.down, head.up, c.vocab, L, tmp)
+        cost = relative_cost(draft_token_seconds(exit_model(model, tmp)), c.step_cost)
+        k, speed = best_chain_length(r["best"], c.max_chain, c.step_cost, draft_cost=cost)
+        print(f"L={L}: held-out top-1 {r['before']:.3f} untrained -> {r['best']:.3f}; one draft token costs "
+              f"{cost:.3f} of a target step; predicted chain speedup {speed:.2f}x at k={k}")
+        results[L] = {"top1_before": round(r["before"], 4), "top1": round(r["best"], 4), "draft_token_cost": round(cost, 4),
+                      "predicted_chain_speedup": round(speed, 3), "predicted_chain_k": k, "tmp": tmp,
+                      "updates": r["updates"], "train_seconds": round(r["seconds"])}
+    return results
+
+
+def train_exit_head(c: SimpleNamespace, args, out: str, error) -> None:
+    """``--kind exit``: an exit head per ``--exit-layers`` candidate; the one of the best
+    predicted speedup is kept in ``out``, with the sweep and (with validation prompts) real
+    decoding acceptance in its metadata. ``error``: the parser's error (bad --exit-layers)."""
+    from safetensors.torch import load_file
+
+    from ..decoding.drafters import ModelDrafter
+    from ..draft_model import exit_model, save_exit_head
+
+    model = c.model
+    lr = args.lr or 2e-3
+    Ls = tuple(sorted({int(x) for x in args.exit_layers.split(",")}))
+    if not Ls or Ls[0] < 1 or Ls[-1] >= model.config.num_layers:
+        error(f"--exit-layers must be in [1, {model.config.num_layers - 1}]")
+    results = _sweep_exit_layers(c, args, out, Ls, lr)
+    # Ties (e.g. no L pays on this machine's cost curve): the most acceptance per unit draft cost.
+    best_L = max(Ls, key=lambda L: (results[L]["predicted_chain_speedup"],
+                                    results[L]["top1"] / max(1e-9, results[L]["draft_token_cost"])))
+    os.replace(results[best_L]["tmp"], out)
+    for L in Ls:
+        tmp = results[L].pop("tmp")
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    print(f"picked L={best_L} (best measured speed x acceptance)")
+    final = {"rank": args.rank, "lr": lr, "sweep": json.dumps(results), **{
+        k: v for k, v in results[best_L].items()}}
+    if c.prompts:
+        drafter = ModelDrafter(exit_model(model, out), share_target_cache=True, name="self-spec")
+        before = model.truncated(best_L)
+        b = decode_acceptance(model, c.tok, ModelDrafter(before, share_target_cache=True), c.prompts)
+        a = decode_acceptance(model, c.tok, drafter, c.prompts)
+        print(f"validation decoding (greedy, batch 1, chain of 4): mean accepted length {b['mean_accepted_length']:.3f} "
+              f"plain early exit -> {a['mean_accepted_length']:.3f} with the exit head; identical to autoregressive: "
+              f"{a['identical_to_autoregressive']}")
+        final.update(validation_mal_before=b["mean_accepted_length"], validation_mal_after=a["mean_accepted_length"])
+    st_ = load_file(out)
+    save_exit_head(st_["norm"], st_["down"], st_["up"], st_["draft_vocab"], best_L, out, metadata={**c.meta, **final})
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    out = args.out or ("draft_model.safetensors" if args.kind == "draft" else "exit_head.safetensors")
+    if os.path.exists(out) and not args.overwrite:
+        p.error(f"{out} exists: pass --overwrite to replace it, or another --out")
+    c = _prepare(args)
     if args.kind == "draft":
-        from ..decoding.drafters import ModelDrafter
-
-        lr = args.lr or 2e-4
-        n = args.layers
-        train_seqs, held = (Sequences(data, ids, vocab, V) for ids in (train_ids, held_ids))
-        before_model = truncated_draft(model, n, vocab)
-        lm = DraftLM(before_model.config, before_model.layers, model.norm, dense(model.embed), lm_rows)
-        config = {"num_layers": n, "hidden_size": model.config.hidden_size, "vocab_size": V,
-                  "intermediate_size": model.config.intermediate_size, "num_heads": model.config.num_heads,
-                  "num_kv_heads": model.config.num_kv_heads, "head_dim": model.config.head_dim}
-        store = None if args.store == "bf16" else args.store.upper()
-        meta.update(layers=n, lr=lr, store=args.store, init="the target's first layers")
-
-        def save(m, acc, final=None):
-            save_draft_model(m.layer_weights(), m.norm, vocab, config, out, block_type=store,
-                             metadata={**meta, "held_out_top1": round(acc, 4), **(final or {})})
-
-        result = train(lm, train_seqs, held, epochs=args.epochs, batch_seqs=args.batch_seqs, lr=lr, seed=args.seed,
-                       max_seconds=args.max_minutes * 60, on_best=save)
-        print(f"held-out top-1 agreement: {result['before']:.3f} before distillation -> {result['best']:.3f} after "
-              f"({result['updates']} updates, {result['seconds']:.0f}s"
-              f"{', stopped by --max-minutes' if result['stopped_early'] else ''})")
-        final = {"held_out_top1_before": round(result["before"], 4), "updates": result["updates"],
-                 "train_seconds": round(result["seconds"]), "stopped_by_time_limit": result["stopped_early"],
-                 "best_epoch": result["best_epoch"]}
-        from ..draft_model import load_draft_model
-
-        save(lm, result["best"], final)
-        trained = load_draft_model(out, model)
-        c = relative_cost(draft_token_seconds(trained), step_cost)
-        k, speed = best_chain_length(result["best"], max_chain, step_cost, draft_cost=c)
-        final.update(draft_token_cost=round(c, 4), predicted_chain_speedup=round(speed, 3), predicted_chain_k=k)
-        print(f"one draft token costs {c:.3f} of a target step: predicted greedy chain speedup {speed:.2f}x at k={k}")
-        if prompts:
-            b = decode_acceptance(model, tok, ModelDrafter(before_model), prompts)
-            a = decode_acceptance(model, tok, ModelDrafter(trained), prompts)
-            print(f"validation decoding (greedy, batch 1, chain of 4, {len(prompts)} prompts): mean accepted length "
-                  f"{b['mean_accepted_length']:.3f} before -> {a['mean_accepted_length']:.3f} after; identical to "
-                  f"autoregressive: {a['identical_to_autoregressive']}")
-            final.update(validation_mal_before=b["mean_accepted_length"], validation_mal_after=a["mean_accepted_length"])
-        save(lm, result["best"], final)
+        train_draft_model(c, args, out)
     else:
-        from ..decoding.drafters import ModelDrafter
-
-        lr = args.lr or 2e-3
-        Ls = tuple(sorted({int(x) for x in args.exit_layers.split(",")}))
-        if not Ls or Ls[0] < 1 or Ls[-1] >= model.config.num_layers:
-            p.error(f"--exit-layers must be in [1, {model.config.num_layers - 1}]")
-        cache_path = Path(args.cache_dir) / Path(args.model).stem / (
-            f"features_s{args.seed}_n{args.num_prompts}"
-            f"{f'+{args.sampled_prompts}T{args.answer_temperature:g}' if args.sampled_prompts else ''}"
-            f"{f'+{args.written_prompts}W' if args.written_prompts else ''}"
-            f"_t{args.max_new_tokens}_l{'-'.join(map(str, Ls))}.pt")
-        feats = layer_features(model, data, Ls, cache_path)
-        results = {}
-        for L in Ls:
-            train_seqs, held = (Sequences(data, ids, vocab, V, features=feats[L]) for ids in (train_ids, held_ids))
-            head = ExitHead(model.norm, lm_rows, args.rank, model.config.rms_norm_eps, seed=args.seed)
-            r = train(head, train_seqs, held, epochs=args.epochs, batch_seqs=args.batch_seqs, lr=lr, seed=args.seed,
-                      max_seconds=args.max_minutes * 60, desc=f"exit head L={L}")
-            tmp = f"{out}.L{L}.tmp"
-            save_exit_head(head.norm, head.down, head.up, vocab, L, tmp)
-            c = relative_cost(draft_token_seconds(exit_model(model, tmp)), step_cost)
-            k, speed = best_chain_length(r["best"], max_chain, step_cost, draft_cost=c)
-            print(f"L={L}: held-out top-1 {r['before']:.3f} untrained -> {r['best']:.3f}; one draft token costs "
-                  f"{c:.3f} of a target step; predicted chain speedup {speed:.2f}x at k={k}")
-            results[L] = {"top1_before": round(r["before"], 4), "top1": round(r["best"], 4), "draft_token_cost": round(c, 4),
-                          "predicted_chain_speedup": round(speed, 3), "predicted_chain_k": k, "tmp": tmp,
-                          "updates": r["updates"], "train_seconds": round(r["seconds"])}
-        # Ties (e.g. no L pays on this machine's cost curve): the most acceptance per unit draft cost.
-        best_L = max(Ls, key=lambda L: (results[L]["predicted_chain_speedup"],
-                                        results[L]["top1"] / max(1e-9, results[L]["draft_token_cost"])))
-        os.replace(results[best_L]["tmp"], out)
-        for L in Ls:
-            tmp = results[L].pop("tmp")
-            if os.path.exists(tmp):
-                os.remove(tmp)
-        print(f"picked L={best_L} (best measured speed x acceptance)")
-        final = {"rank": args.rank, "lr": lr, "sweep": json.dumps(results), **{
-            k: v for k, v in results[best_L].items()}}
-        if prompts:
-            drafter = ModelDrafter(exit_model(model, out), share_target_cache=True, name="self-spec")
-            before = model.truncated(best_L)
-            b = decode_acceptance(model, tok, ModelDrafter(before, share_target_cache=True), prompts)
-            a = decode_acceptance(model, tok, drafter, prompts)
-            print(f"validation decoding (greedy, batch 1, chain of 4): mean accepted length {b['mean_accepted_length']:.3f} "
-                  f"plain early exit -> {a['mean_accepted_length']:.3f} with the exit head; identical to autoregressive: "
-                  f"{a['identical_to_autoregressive']}")
-            final.update(validation_mal_before=b["mean_accepted_length"], validation_mal_after=a["mean_accepted_length"])
-        from safetensors.torch import load_file
-
-        st_ = load_file(out)
-        save_exit_head(st_["norm"], st_["down"], st_["up"], st_["draft_vocab"], best_L, out, metadata={**meta, **final})
+        train_exit_head(c, args, out, p.error)
     print(f"wrote {out} ({os.path.getsize(out) / 1e6:.1f} MB)")
     return 0
 

@@ -273,7 +273,8 @@ def decode_acceptance(model, tok, head, prompts: list[str], *, max_new_tokens: i
     return {"mean_accepted_length": emitted / max(1, steps), "prompts": len(prompts)}
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``specdec train-eagle``: one flat list of flags."""
     p = argparse.ArgumentParser(prog="specdec train-eagle", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="registered name, .gguf file or HF checkpoint folder")
@@ -301,10 +302,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--eval-prompts", type=int, default=4, help="validation prompts decoded for the final acceptance")
     p.add_argument("--data-only", action="store_true", help="generate (or complete) the cached data, then stop")
-    args = p.parse_args(argv)
+    return p
 
-    if os.path.exists(args.out) and not args.overwrite and not args.data_only:
-        p.error(f"{args.out} exists: pass --overwrite to replace it, or another --out")
+
+def _load_data(args):
+    """(model, tokenizer, distillation data) of ``args.model`` (distill_data.load_training_data)."""
     from ..models import load_model
 
     torch.set_num_threads(args.threads)
@@ -315,8 +317,13 @@ def main(argv=None) -> int:
     S = data["seq_start"].shape[0] - 1
     print(f"data: {data['tokens'].shape[0]} positions in {S} sequences, layers {data['layers'].tolist()} "
           f"({time.perf_counter() - t0:.0f}s)")
-    if args.data_only:
-        return 0
+    return model, tok, data
+
+
+def _split_examples(args, model, data):
+    """The train / held-out split and draft vocabulary: (train sequence ids, train Examples,
+    held-out Examples, draft vocab [Vd], layer index of the features (the top one, or all
+    for ``--features fused``), feature scale (std of the top layer's train features))."""
     train_seqs, held_seqs = distill_data.split_sequences(data["seq_start"], args.held_out, args.seed)
     st = data["seq_start"]
     train_rows = torch.cat([torch.arange(int(st[s]), int(st[s + 1])) for s in train_seqs])
@@ -331,31 +338,23 @@ def main(argv=None) -> int:
     train_ex = Examples(data, train_seqs, layer_index, vocab, model.config.vocab_size)
     held_ex = Examples(data, held_seqs, layer_index, vocab, model.config.vocab_size)
     feat_scale = float(data["features"][top, train_rows[:20000]].float().std())
-    head = EagleHead.for_target(model, vocab)
-    H = model.config.hidden_size
-    fuse = None
-    if args.features == "fused":
-        fuse = torch.nn.Parameter(torch.cat([torch.zeros(H, (len(layer_index) - 1) * H), torch.eye(H)], 1))
-    t1 = time.perf_counter()
-    base_meta = {"model": args.model, "num_prompts": args.num_prompts, "sampled_prompts": args.sampled_prompts,
-                 "answer_temperature": args.answer_temperature, "written_prompts": args.written_prompts,
-                 "max_new_tokens": args.max_new_tokens,
-                 "positions": int(data["tokens"].shape[0]), "train_sequences": len(train_seqs),
-                 "epochs": args.epochs, "max_updates": args.max_updates, "unroll": args.unroll, "lr": args.lr,
-                 "seed": args.seed, "draft_vocab_size": args.draft_vocab_size, "features": args.features,
-                 "trained_by": "specdec train-eagle (self-distillation on synthetic prompts)"}
+    return train_seqs, train_ex, held_ex, vocab, layer_index, feat_scale
 
-    def save_best(h, ev):  # keep the best epoch on disk as training goes
-        if args.features != "top":
-            return
-        save_eagle_head(h, args.out, metadata={**base_meta, "epoch": ev["epoch"],
-                                               "held_out_top1_by_depth": json.dumps([round(a, 4) for a in ev["top1_by_depth"]]),
-                                               "held_out_expected_chain_length": round(ev["expected_chain_length"], 4)})
 
-    result = train(head, train_ex, held_ex, steps=args.unroll, epochs=args.epochs, batch_seqs=args.batch_seqs,
-                   lr=args.lr, seed=args.seed, feat_scale=feat_scale, fuse=fuse, max_updates=args.max_updates,
-                   max_seconds=args.max_minutes * 60, stop_after=args.stop_after, on_best=save_best)
-    train_s = time.perf_counter() - t1
+def _base_metadata(args, data, train_sequences: int) -> dict:
+    """The output file's metadata that the run's flags and data fix."""
+    return {"model": args.model, "num_prompts": args.num_prompts, "sampled_prompts": args.sampled_prompts,
+            "answer_temperature": args.answer_temperature, "written_prompts": args.written_prompts,
+            "max_new_tokens": args.max_new_tokens,
+            "positions": int(data["tokens"].shape[0]), "train_sequences": train_sequences,
+            "epochs": args.epochs, "max_updates": args.max_updates, "unroll": args.unroll, "lr": args.lr,
+            "seed": args.seed, "draft_vocab_size": args.draft_vocab_size, "features": args.features,
+            "trained_by": "specdec train-eagle (self-distillation on synthetic prompts)"}
+
+
+def _finish(args, model, tok, head, result: dict, train_s: float, base_meta: dict) -> None:
+    """Report the training, decode the validation prompts with the head and write it with
+    its final metadata (``--features top``: a fused head is not written)."""
     print(f"trained in {train_s:.0f}s ({result['updates']} updates"
           f"{', stopped by --max-minutes' if result['stopped_early'] else ''})")
     best = result["history"][result["best_epoch"]]
@@ -374,6 +373,36 @@ def main(argv=None) -> int:
     if args.features == "top":
         save_eagle_head(head, args.out, metadata=meta)
         print(f"wrote {args.out} ({os.path.getsize(args.out) / 1e6:.1f} MB)")
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if os.path.exists(args.out) and not args.overwrite and not args.data_only:
+        p.error(f"{args.out} exists: pass --overwrite to replace it, or another --out")
+    model, tok, data = _load_data(args)
+    if args.data_only:
+        return 0
+    train_seqs, train_ex, held_ex, vocab, layer_index, feat_scale = _split_examples(args, model, data)
+    head = EagleHead.for_target(model, vocab)
+    H = model.config.hidden_size
+    fuse = None
+    if args.features == "fused":
+        fuse = torch.nn.Parameter(torch.cat([torch.zeros(H, (len(layer_index) - 1) * H), torch.eye(H)], 1))
+    t1 = time.perf_counter()
+    base_meta = _base_metadata(args, data, len(train_seqs))
+
+    def save_best(h, ev):  # keep the best epoch on disk as training goes
+        if args.features != "top":
+            return
+        save_eagle_head(h, args.out, metadata={**base_meta, "epoch": ev["epoch"],
+                                               "held_out_top1_by_depth": json.dumps([round(a, 4) for a in ev["top1_by_depth"]]),
+                                               "held_out_expected_chain_length": round(ev["expected_chain_length"], 4)})
+
+    result = train(head, train_ex, held_ex, steps=args.unroll, epochs=args.epochs, batch_seqs=args.batch_seqs,
+                   lr=args.lr, seed=args.seed, feat_scale=feat_scale, fuse=fuse, max_updates=args.max_updates,
+                   max_seconds=args.max_minutes * 60, stop_after=args.stop_after, on_best=save_best)
+    _finish(args, model, tok, head, result, time.perf_counter() - t1, base_meta)
     return 0
 
 

@@ -387,7 +387,8 @@ def output_path(out: str | None, model: str, *, overwrite: bool) -> Path | str:
     return Path(out)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``specdec train-medusa``: one flat list of flags."""
     p = argparse.ArgumentParser(prog="specdec train-medusa", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="registered name, .gguf file or HF checkpoint folder")
@@ -422,11 +423,12 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--regenerate", action="store_true", help="regenerate the data even if cached")
     p.add_argument("--data-only", action="store_true", help="generate (and cache) the data, do not train")
-    args = p.parse_args(argv)
-    out = output_path(args.out, args.model, overwrite=args.overwrite)
-    if isinstance(out, str) and out.startswith("error: "):
-        print(f"specdec train-medusa: {out}", file=sys.stderr)
-        return 2
+    return p
+
+
+def _load_training_data(args):
+    """(model, tokenizer, self-distillation data) of ``args.model``: the data generated or
+    read from the cache (``load_or_generate``)."""
     from ..models import load_model
 
     torch.set_num_threads(args.threads)
@@ -440,6 +442,49 @@ def main(argv=None) -> int:
                             cache_dir=Path(args.cache_dir) / Path(args.model).stem, regenerate=args.regenerate)
     print(f"data: {data['tokens'].shape[0]} tokens in {data['seq_start'].shape[0] - 1} sequences "
           f"({time.perf_counter() - t0:.0f}s)")
+    return model, tok, data
+
+
+def _print_accuracies(args, heads, splits) -> dict:
+    """{split name: head_accuracy} of ``splits`` [(name, hidden, targets, root ids)], each on at
+    most ``--eval-rows`` random rows, printed."""
+    g = torch.Generator().manual_seed(args.seed)
+    accuracy = {}
+    for name, hid, tgt, rts in splits:
+        rows = torch.arange(hid.shape[0])
+        if rows.numel() > args.eval_rows:
+            rows = rows[torch.randperm(rows.numel(), generator=g)[: args.eval_rows]]
+        acc = head_accuracy(heads, hid[rows], tgt[rows], root_ids=rts[rows])
+        accuracy[name] = acc
+        print(f"{name} accuracy per head (full vocabulary, {rows.numel()} rows): top-1 "
+              f"{[round(v, 3) for v in acc['top1']]}, top-5 {[round(v, 3) for v in acc['top5']]}")
+    return accuracy
+
+
+def _choose_medusa_choices(args, ranks: torch.Tensor) -> list:
+    """The draft tree (Medusa choices: one path of head ranks per node) from the target ranks
+    ``ranks`` of the scored rows: the size of best predicted speedup unless ``--tree-nodes``."""
+    scored = choose_tree(ranks, max_nodes=args.max_tree_nodes)
+    n, table = pick_tree_size(scored, cost_per_node=args.cost_per_node, draft_cost=args.draft_cost)
+    if args.tree_nodes:
+        n = args.tree_nodes
+    print("tree size vs expected tokens per step (validation + held-out rows) and predicted speedup:")
+    for row in table:
+        mark = "  <- chosen" if row["nodes"] == n else ""
+        print(f"  {row['nodes']:3d} nodes: {row['expected_tokens_per_step']:.3f} tokens/step, "
+              f"{row['predicted_speedup']:.3f}x{mark}")
+    choices = [list(c) for c, _ in scored[:n]]
+    print(f"medusa choices ({n} nodes): {choices}")
+    return choices
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    out = output_path(args.out, args.model, overwrite=args.overwrite)
+    if isinstance(out, str) and out.startswith("error: "):
+        print(f"specdec train-medusa: {out}", file=sys.stderr)
+        return 2
+    model, tok, data = _load_training_data(args)
     if args.data_only:
         return 0
     targets = medusa_targets(data["tokens"], data["seq_start"], args.num_heads)
@@ -456,35 +501,17 @@ def main(argv=None) -> int:
                         weight_decay=args.weight_decay,
                         validation=(val["hidden"], val_targets, val["tokens"]) if args.early_stop else None)
     print(f"trained in {time.perf_counter() - t1:.0f}s")
-    g = torch.Generator().manual_seed(args.seed)
-    accuracy = {}
-    for name, hid, tgt, rts in (("train", data["hidden"][train_rows], targets[train_rows], roots[train_rows]),
-                                ("held-out", data["hidden"][held_rows], targets[held_rows], roots[held_rows]),
-                                ("validation", val["hidden"], val_targets, val["tokens"])):
-        rows = torch.arange(hid.shape[0])
-        if rows.numel() > args.eval_rows:
-            rows = rows[torch.randperm(rows.numel(), generator=g)[: args.eval_rows]]
-        acc = head_accuracy(heads, hid[rows], tgt[rows], root_ids=rts[rows])
-        accuracy[name] = acc
-        print(f"{name} accuracy per head (full vocabulary, {rows.numel()} rows): top-1 "
-              f"{[round(v, 3) for v in acc['top1']]}, top-5 {[round(v, 3) for v in acc['top5']]}")
+    accuracy = _print_accuracies(args, heads, (
+        ("train", data["hidden"][train_rows], targets[train_rows], roots[train_rows]),
+        ("held-out", data["hidden"][held_rows], targets[held_rows], roots[held_rows]),
+        ("validation", val["hidden"], val_targets, val["tokens"])))
     vocab = draft_vocabulary(targets[train_rows], model.config.vocab_size, args.draft_vocab_size)
     if vocab is not None:
         heads.set_draft_vocab(vocab)
     # The tree is chosen on the validation prompts (and the template held-out sequences).
     ranks = torch.cat([target_ranks(heads, val["hidden"], val_targets, root_ids=val["tokens"]),
                        target_ranks(heads, data["hidden"][held_rows], targets[held_rows], root_ids=roots[held_rows])])
-    scored = choose_tree(ranks, max_nodes=args.max_tree_nodes)
-    n, table = pick_tree_size(scored, cost_per_node=args.cost_per_node, draft_cost=args.draft_cost)
-    if args.tree_nodes:
-        n = args.tree_nodes
-    print("tree size vs expected tokens per step (validation + held-out rows) and predicted speedup:")
-    for row in table:
-        mark = "  <- chosen" if row["nodes"] == n else ""
-        print(f"  {row['nodes']:3d} nodes: {row['expected_tokens_per_step']:.3f} tokens/step, "
-              f"{row['predicted_speedup']:.3f}x{mark}")
-    choices = [list(c) for c, _ in scored[:n]]
-    print(f"medusa choices ({n} nodes): {choices}")
+    choices = _choose_medusa_choices(args, ranks)
     out.parent.mkdir(parents=True, exist_ok=True)
     save_medusa_heads(heads, str(out), dtype=torch.bfloat16,
                       metadata={"model": args.model, "num_prompts": str(args.num_prompts),

@@ -34,6 +34,8 @@ from ..checks import check_tree_attention
 # The token-count-dependent arguments (T, num_q_tiles) are runtime values and not
 # specialised (Triton would otherwise compile a variant for T == 1 and for T % 16 == 0):
 # a decode loop whose batch of tree tokens changes size every step reuses one binary.
+# Left whole though long: split into @triton.jit helpers, its loop state (accumulators, running
+# max / sum, masks) would pass through many arguments, which reads worse and can cost registers.
 @triton.jit(do_not_specialize=["T", "num_q_tiles"])
 def _attend_kernel(
     q_ptr, k_ptr, v_ptr, block_table_ptr, prefix_lens_ptr, qo_indptr_ptr, mask_ptr,
