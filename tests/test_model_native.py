@@ -222,11 +222,11 @@ def test_smollm2_int8_activations(smollm2):
 def test_int8_packing_in_row_tasks_equals_packing_whole(block_type):
     """Llama.with_int8_activations packs weights in tasks of rows on a pool; a weight whose
     rows are not a multiple of the task or of 16 still gets exactly its whole packing."""
-    from specdec_kernels.models.llama import _packed_in_parallel
+    from specdec_kernels.models.llama import packed_in_parallel
 
     g = torch.Generator().manual_seed(0)
     weights = [gguf_blocks.quantize(torch.randn(n, 256, generator=g), block_type) for n in (37, 16, 100)]
-    packed = _packed_in_parallel(weights + [(weights[0], weights[1])], rows_per_task=32)
+    packed = packed_in_parallel(weights + [(weights[0], weights[1])], rows_per_task=32)
     assert len(packed) == 3
     for w in weights:
         assert torch.equal(packed[id(w)].int8_packed, gguf_blocks.pack_int8_activation(w.blocks, w.block_type))

@@ -62,7 +62,7 @@ def dense(w) -> torch.Tensor:
     return w.dequantize() if is_block_weight(w) else w
 
 
-def _packed_in_parallel(weights, rows_per_task: int = 4096) -> dict:
+def packed_in_parallel(weights, rows_per_task: int = 4096) -> dict:
     """{id(block weight): its ``with_int8_activations()``} for the block weights among
     ``weights`` (tuples of parts included), bit-identical to packing each alone.
 
@@ -201,7 +201,7 @@ class Llama:
         rounding). Still batch-invariant, so speculative decoding stays exact against this
         model's own autoregressive decoding. Embedding lookups and other weights are unchanged;
         ``weight_format`` gets "-int8act"."""
-        packed = _packed_in_parallel([self.lm_head] + [L[k] for L in self.layers for k in self.LINEAR_KEYS])
+        packed = packed_in_parallel([self.lm_head] + [L[k] for L in self.layers for k in self.LINEAR_KEYS])
 
         def pack(w):
             if isinstance(w, tuple):
