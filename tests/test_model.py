@@ -150,7 +150,8 @@ def test_open_gguf_reads_what_the_gguf_package_reads(tmp_path):
     for a, b in zip(ours.tensors, theirs.tensors):
         assert type(a.data) is np.ndarray and np.array_equal(a.data, b.data), a.name
     bad = tmp_path / "bad.gguf"
-    bad.write_bytes(b"GGUX" + open(path, "rb").read(4096)[4:])
+    with open(path, "rb") as f:
+        bad.write_bytes(b"GGUX" + f.read(4096)[4:])
     with pytest.raises(ValueError, match="magic"):
         open_gguf(str(bad))
 

@@ -220,13 +220,13 @@ def test_smollm2_int8_activations(smollm2):
 
 @pytest.mark.parametrize("block_type", ["Q8_0", "Q4_K"])
 def test_int8_packing_in_row_tasks_equals_packing_whole(block_type):
-    """Llama.with_int8_activations packs weights in tasks of rows on a pool; a weight whose
-    rows are not a multiple of the task or of 16 still gets exactly its whole packing."""
-    from specdec_kernels.models.llama import packed_in_parallel
-
+    """Block weights are packed for int8 activations in tasks of rows on a pool
+    (``attach_int8_packing``, which ``with_int8_activations`` runs); a weight whose rows are
+    not a multiple of the task or of 16 still gets exactly its whole packing, and a weight
+    listed twice is packed once."""
     g = torch.Generator().manual_seed(0)
     weights = [gguf_blocks.quantize(torch.randn(n, 256, generator=g), block_type) for n in (37, 16, 100)]
-    packed = packed_in_parallel(weights + [(weights[0], weights[1])], rows_per_task=32)
-    assert len(packed) == 3
-    for w in weights:
-        assert torch.equal(packed[id(w)].int8_packed, gguf_blocks.pack_int8_activation(w.blocks, w.block_type))
+    packed = gguf_blocks.attach_int8_packing(weights + [weights[0], weights[1]], rows_per_task=32)
+    assert len(packed) == 5 and packed[3] is packed[0] and packed[4] is packed[1]
+    for w, p in zip(weights, packed):
+        assert torch.equal(p.int8_packed, gguf_blocks.pack_int8_activation(w.blocks, w.block_type))

@@ -62,37 +62,6 @@ def dense(w) -> torch.Tensor:
     return w.dequantize() if is_block_weight(w) else w
 
 
-def packed_in_parallel(weights, rows_per_task: int = 4096) -> dict:
-    """{id(block weight): its ``with_int8_activations()``} for the block weights among
-    ``weights`` (tuples of parts included), bit-identical to packing each alone.
-
-    Packing is many small uint8 torch ops: torch's own threads make it slower (3x at 2
-    threads with one core busy), so it runs in tasks of ``rows_per_task`` rows (a multiple
-    of 16: a packed record holds 16 rows, so the records of a row range are that range's),
-    one task per worker, each on one torch thread. (The 1.5B's LM head alone is 151,936 rows.)"""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ..gguf_blocks import INT8_ACTIVATION_TYPES, pack_int8_activation
-
-    flat = [p for w in weights for p in (w if isinstance(w, tuple) else (w,))
-            if is_block_weight(p) and p.block_type in INT8_ACTIVATION_TYPES and p.int8_packed is None]
-    flat = list({id(w): w for w in flat}.values())  # a weight shared (a tied LM head) is packed once
-    tasks = [(w, start) for w in flat for start in range(0, w.shape[0], rows_per_task)]
-    workers = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            parts = list(pool.map(lambda t: pack_int8_activation(t[0].blocks[t[1]:t[1] + rows_per_task],
-                                                                 t[0].block_type), tasks))
-    finally:
-        torch.set_num_threads(workers)
-    by_weight: dict = {}
-    for (w, _), part in zip(tasks, parts):
-        by_weight.setdefault(id(w), (w, []))[1].append(part)
-    return {key: QuantizedWeight(w.blocks, w.block_type, w.shape, torch.cat(chunks) if len(chunks) > 1 else chunks[0])
-            for key, (w, chunks) in by_weight.items()}
-
-
 class Llama:
     """Weights as plain tensors (no nn.Module machinery on the hot path).
 
@@ -201,7 +170,11 @@ class Llama:
         rounding). Still batch-invariant, so speculative decoding stays exact against this
         model's own autoregressive decoding. Embedding lookups and other weights are unchanged;
         ``weight_format`` gets "-int8act"."""
-        packed = packed_in_parallel([self.lm_head] + [L[k] for L in self.layers for k in self.LINEAR_KEYS])
+        from ..gguf_blocks import attach_int8_packing
+
+        weights = [self.lm_head] + [L[k] for L in self.layers for k in self.LINEAR_KEYS]
+        flat = [p for w in weights for p in (w if isinstance(w, tuple) else (w,)) if is_block_weight(p)]
+        packed = dict(zip(map(id, flat), attach_int8_packing(flat)))  # all at once: one pool
 
         def pack(w):
             if isinstance(w, tuple):
