@@ -6,9 +6,17 @@ same GGUF file, in the same run, at each thread count.
 Ours: ``Generator`` with no drafter on a prompt of ``--prompt-tokens`` tokens (the prefill rate:
 prompt tokens per second of the prefill forward) generating ``--new-tokens`` tokens (the decode
 rate: tokens per second of the decode steps, prefill excluded, as llama.cpp reports ``tg``),
-median over ``--rounds`` rounds. llama.cpp: ``llama-bench -p P -n N -t T -r R -o json`` (``pp``
-and ``tg`` averages). The two alternate within each round's thread count so both see the same
-machine load. Results: bench/results/decode_<model>.json.
+median over ``--rounds`` rounds, on each decode-step path (``fused``: the layer stack in one C++
+call, ``python``: the Python layers, the reference; ``models.decoder_step``). llama.cpp:
+``llama-bench -p P -n N -t T -r R -o json`` (``pp`` and ``tg`` averages). They alternate within
+each round's thread count so that all see the same machine load.
+
+The per-step breakdown (``step_ms``, per path): one decode step (one row, forward + LM head,
+``--prompt-tokens`` in the cache) against the same step's weight products called alone in the
+same order (``products_ms``: the same kernels on the same weights, so the same cache misses)
+and its attention (``attention_ms``: ``tree_attention`` of one row over each layer's cache);
+``rest_ms`` = step - products - attention is the fixed cost the fused step removes.
+Results: bench/results/decode_<model>.json.
 """
 from __future__ import annotations
 
@@ -23,17 +31,84 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import print_table, write_results  # noqa: E402
+from bench.common import print_table, time_fn, write_results  # noqa: E402
 
 
-def ours(model, prompt_tokens: int, new_tokens: int) -> tuple[float, float]:
-    """(prefill tokens/s, decode tokens/s) of one generation on a fixed pseudo-random prompt."""
+def ours(model, prompt_tokens: int, new_tokens: int, path: str) -> tuple[float, float]:
+    """(prefill tokens/s, decode tokens/s) of one generation on a fixed pseudo-random prompt,
+    with the decode step on ``path``."""
     from specdec_kernels.decoding import Generator
 
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 20000, (prompt_tokens + 1,), generator=g).tolist()
-    req = Generator(model).generate([prompt], new_tokens, stop_at_eos=False)[0]
+    saved, model.step_path = model.step_path, path
+    try:
+        req = Generator(model).generate([prompt], new_tokens, stop_at_eos=False)[0]
+    finally:
+        model.step_path = saved
     return req.stats.prefill_tokens_per_s, req.stats.decode_tokens_per_s
+
+
+def _products(model) -> list:
+    """(weight, bias, input width) of one decode step's products, in order."""
+    from specdec_kernels.models.decoder_step import PRODUCT_KEYS
+
+    def width(w):
+        return (w[0] if isinstance(w, tuple) else w).shape[1]
+
+    calls = [(L[k], L.get("bqkv") if k == "wqkv" else None) for L in model.layers for k in PRODUCT_KEYS]
+    calls.append((model.lm_head, None))
+    return [(w, b, width(w)) for w, b in calls]
+
+
+def step_breakdown(model, context: int, reps: int = 15) -> dict:
+    """Median ms of one decode step on each path, of its products alone and of its attention
+    (module docstring)."""
+    from specdec_kernels.models.block import linear
+    from specdec_kernels.models.llama import Batch
+
+    c = model.config
+    cache = model.new_cache(1, context + reps + 16)
+    slot = cache.add_request()
+    model.prefill(torch.randint(100, 20000, (context,), generator=torch.Generator().manual_seed(0)), cache, slot)
+
+    def step():
+        new = cache.append_slots([slot], [1])
+        bt, pl = cache.batch_view([slot])
+        h = model.forward(torch.tensor([5]), new.cache_positions.long(), cache, Batch(bt, pl, new.qo_indptr, new.slot_mapping))
+        return model.logits(h)
+
+    calls = _products(model)
+    inputs = {H: torch.randn(1, H, dtype=model.dtype) for _, _, H in calls}
+
+    def products():
+        for w, b, H in calls:
+            linear(inputs[H], w, b)
+
+    cache.append_slots([slot], [1])  # attention() reads one new row's block
+    bt, pl = cache.batch_view([slot])
+    q = torch.randn(1, c.num_heads, c.head_dim, dtype=model.dtype)
+    out = torch.empty_like(q)
+    qo = torch.tensor([0, 1], dtype=torch.int32)
+
+    def attention():
+        for i in range(c.num_layers):
+            torch.ops.specdec.tree_attention(q, cache.k_caches[i], cache.v_caches[i], bt, pl, qo, None,
+                                             c.head_dim ** -0.5, out, None)
+
+    row = {}
+    saved = model.step_path
+    try:
+        for path in ("fused", "python"):
+            model.step_path = path
+            row[f"step_ms_{path}"] = time_fn(step, warmup=2, reps=reps)["median_us"] / 1e3
+    finally:
+        model.step_path = saved
+    row["products_ms"] = time_fn(products, warmup=2, reps=reps)["median_us"] / 1e3
+    row["attention_ms"] = time_fn(attention, warmup=2, reps=reps)["median_us"] / 1e3
+    for path in ("fused", "python"):
+        row[f"rest_ms_{path}"] = row[f"step_ms_{path}"] - row["products_ms"] - row["attention_ms"]
+    return row
 
 
 def llama_bench(binary: str, path: str, prompt_tokens: int, new_tokens: int, threads: int) -> tuple[float, float]:
@@ -66,15 +141,18 @@ def main() -> int:
     with tqdm(total=len(args.threads) * args.rounds, desc="bench_decode") as bar:
         for threads in args.threads:
             torch.set_num_threads(threads)
-            ours(model, 8, 2)  # warm-up: first-call allocations and the rope tables
-            mine, theirs = [], []
+            ours(model, 8, 2, "fused")  # warm-up: first-call allocations and the rope tables
+            mine, reference, theirs = [], [], []
             for _ in range(args.rounds):
-                mine.append(ours(model, args.prompt_tokens, args.new_tokens))
+                mine.append(ours(model, args.prompt_tokens, args.new_tokens, "fused"))
+                reference.append(ours(model, args.prompt_tokens, args.new_tokens, "python"))
                 if args.llama_bench:
                     theirs.append(llama_bench(args.llama_bench, path, args.prompt_tokens, args.new_tokens, threads))
                 bar.update(1)
             row = {"threads": threads, "ours_prefill_tok_s": statistics.median(m[0] for m in mine),
-                   "ours_decode_tok_s": statistics.median(m[1] for m in mine)}
+                   "ours_decode_tok_s": statistics.median(m[1] for m in mine),
+                   "python_step_decode_tok_s": statistics.median(m[1] for m in reference)}
+            row.update(step_breakdown(model, args.prompt_tokens))
             if theirs:
                 row.update({"llama_cpp_pp_tok_s": statistics.median(t[0] for t in theirs),
                             "llama_cpp_tg_tok_s": statistics.median(t[1] for t in theirs)})

@@ -41,6 +41,11 @@ void skinny_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std:
 void quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int64_t block_type,
                           const std::optional<at::Tensor>& bias, at::Tensor& out);
 
+void int8_activation_linear_cpu(const at::Tensor& x, const at::Tensor& packed_weight, int64_t block_type,
+                                const std::optional<at::Tensor>& bias, at::Tensor& out);
+
+void rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out);
+
 at::Tensor philox_uniform_cpu(const at::Tensor& seed, const at::Tensor& offset, int64_t position, int64_t purpose,
                               int64_t num);
 

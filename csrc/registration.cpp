@@ -64,6 +64,10 @@ TORCH_LIBRARY(specdec, m) {
   // Q8_0 blocks repacked 16 rows at a time (uint8 [ceil(N / 16), H / 32, group block bytes]).
   m.def("int8_activation_linear(Tensor x, Tensor packed_weight, int block_type, Tensor? bias, Tensor(a!) out) -> ()");
 
+  // RMSNorm over the last dim, out = x * rsqrt(mean(x^2) + eps) * weight (rms_norm.cpp): the
+  // decode step's norms, one pass, batch-invariant.
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
+
   // The counter-based generator, exposed so that tests can compare backends bit for bit (rng.cpp).
   m.def("philox_uniform(Tensor seed, Tensor offset, int position, int purpose, int num) -> Tensor");
 }

@@ -31,6 +31,8 @@ Who checks, once per call path:
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -395,6 +397,18 @@ def check_skinny_linear(x, weight, bias, out) -> None:
     check_contiguous(out, "out")
     # out over x (an in-place square layer) gave wrong rows: out is written while x is read.
     check_outputs_apart(((out, "out"),), ((x, "x"), (weight, "weight"), (bias, "bias")))
+
+
+def check_rms_norm(x, weight, eps, out) -> None:
+    check_tensor(x, "x", dtype=FLOAT_DTYPES)
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension")
+    check_tensor(weight, "weight", dtype=x.dtype, shape=(x.shape[-1],), device=x.device)
+    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    check_tensor(out, "out", dtype=x.dtype, shape=tuple(x.shape), device=x.device)
+    check_contiguous(out, "out")
+    check_outputs_apart(((out, "out"),), ((x, "x"), (weight, "weight")))
 
 
 def check_medusa_topk(hidden, res_weight, res_bias, lm_head, top_k, topk_ids, topk_logprobs) -> None:

@@ -822,3 +822,36 @@ def int8_activation_linear(x: torch.Tensor, packed_weight: torch.Tensor, block_t
 def _int8_activation_linear_fake(x, packed_weight, block_type, bias, out):
     checks.check_one_device("int8_activation_linear", locals())
     return None
+
+
+# ---------------------------------------------------------------------------------------
+# RMSNorm: rms_norm.
+# ---------------------------------------------------------------------------------------
+
+__all__ += ["rms_norm"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim, in one pass.
+
+    x: [..., H] fp32/bf16/fp16; weight: [H] of x's dtype; eps >= 0; out: x's shape and
+    dtype, contiguous, not sharing memory with x or the weight (allocated when None).
+    Arithmetic in fp32: s = the sum of x_i^2 in 16 interleaved partial sums (lane i mod 16)
+    combined pairwise (8, 4, 2, 1), r = 1 / sqrt(s / H + eps), out_i = x_i * r * w_i
+    rounded once to x's dtype. A row's result depends on that row only (batch-invariant,
+    the same at every thread count); the Triton kernel (CUDA) sums in its own order (equal
+    within rounding). Returns out.
+    """
+    checks.check_tensor(x, "x")
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if not checks.launcher_checks(x.device):
+        checks.check_rms_norm(x, weight, eps, out)
+    torch.ops.specdec.rms_norm(x, weight, float(eps), out)
+    return out
+
+
+@torch.library.register_fake("specdec::rms_norm")
+def _rms_norm_fake(x, weight, eps, out):
+    checks.check_one_device("rms_norm", locals())
+    return None

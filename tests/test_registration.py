@@ -18,6 +18,7 @@ OPS = [
     "skinny_linear",
     "quantized_linear",
     "int8_activation_linear",
+    "rms_norm",
 ]
 
 

@@ -28,6 +28,8 @@ import torch.nn.functional as F
 
 from .block import DecoderBlock, linear, paged_attention, rms_norm, rope_at, rope_tables
 from .config import LlamaConfig
+from .decoder_step import build_stack, default_path
+from .skinny_rows import skinny_linear_rows
 from ..gguf_blocks import QuantizedWeight
 from ..kv_cache import PagedKVCache
 
@@ -94,6 +96,10 @@ class Llama:
             weight_format = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(self.dtype, str(self.dtype))
         self.weight_format = weight_format
         self.block = DecoderBlock.of(config)  # every layer's arithmetic (models.block)
+        # "fused": forward runs the layers in one C++ call where it can (models.decoder_step,
+        # the same bits); "python": the DecoderBlock loop below, the reference.
+        self.step_path = default_path()
+        self._stack = None  # the C++ DecoderStack, built on first use
         self._rope_len = 0
         self._ensure_rope(min(config.max_position_embeddings, 4096))
 
@@ -236,6 +242,16 @@ class Llama:
             self._rope_len = n
 
     # ---- forward ------------------------------------------------------------------------
+    def decoder_stack(self):
+        """The C++ layer stack ``forward`` runs with ``step_path`` "fused" (built on first use),
+        or None: the Python layers run (``step_path`` "python", weights off the CPU, no C++ class)."""
+        if self.step_path != "fused":
+            return None
+        if self._stack is None:
+            stack = build_stack(self)
+            self._stack = False if stack is None else stack  # False: tried, cannot run
+        return None if self._stack is False else self._stack
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: [T, H] -> fp32 [T, V] ([T, Vd] with a ``draft_vocab``)."""
         return linear(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head).float()
@@ -256,6 +272,12 @@ class Llama:
         self._ensure_rope(int(positions.max()) + 1)
         rope = rope_at(self.cos, self.sin, positions)
         h = self.embed_tokens(tokens)
+        stack = self.decoder_stack() if cache.device.type == "cpu" else None
+        if stack is not None:
+            n = len(self.layers) if num_layers is None else len(self.layers[:num_layers])
+            return stack.forward(h, *rope, cache.k_caches, cache.v_caches, batch.block_table, batch.prefix_lens,
+                                 batch.qo_indptr, batch.slot_mapping, batch.tree_mask, n,
+                                 *skinny_linear_rows(h.dtype))
         for i, L in enumerate(self.layers[:num_layers]):
             q, k, v = self.block.qkv(L, h, rope)
             h = self.block.output(L, h, paged_attention(cache, i, batch, q, k, v))

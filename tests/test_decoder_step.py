@@ -1,0 +1,153 @@
+"""The fused decode step (``models.decoder_step``, csrc/cpu/decoder_step.cpp) against the Python
+layers it replaces, bit for bit: hidden states and the K/V written into the cache, for Llama
+and Qwen2 (q/k/v biases), every weight format (fp32, bf16, GGUF blocks with fp32 or int8
+activations, a fused weight of parts of different block types), one and several requests,
+tree rows, row counts on both sides of the skinny/MKL rule, and the truncated stack."""
+import pytest
+import torch
+
+from specdec_kernels import gguf_blocks
+from specdec_kernels.models import Llama, tiny_config
+from specdec_kernels.models import decoder_step
+from specdec_kernels.models.llama import Batch
+from specdec_kernels.tree import tree_mask, tree_mask_ragged
+
+pytestmark = pytest.mark.skipif(not decoder_step.available(), reason="the C++ extension has no DecoderStack")
+
+
+def mixed_qkv(model: Llama) -> Llama:
+    """Q8_0 weights with every layer's q|k|v kept as parts of three block types (Q8_0, Q4_K,
+    Q4_0), the way a GGUF file with a Q6_K v projection loads."""
+    c = model.config
+    D = c.head_dim
+    layers = []
+    for L in model.layers:
+        q, k, v = L["wqkv"].split([c.num_heads * D, c.num_kv_heads * D, c.num_kv_heads * D])
+        parts = (gguf_blocks.quantize(q, "Q8_0"), gguf_blocks.quantize(k, "Q4_K"), gguf_blocks.quantize(v, "Q4_0"))
+        layers.append({**L, "wqkv": parts})
+    q8 = model.quantized("Q8_0")
+    layers = [{**Lq, "wqkv": L["wqkv"]} for Lq, L in zip(q8.layers, layers)]
+    return Llama(c, dict(embed=q8.embed, norm=q8.norm, lm_head=q8.lm_head, layers=layers), name="mixed")
+
+
+FORMATS = {
+    "fp32": lambda m: m,
+    "bf16": lambda m: Llama(m.config, dict(embed=m.embed.bfloat16(), norm=m.norm.bfloat16(),
+                                           lm_head=m.lm_head.bfloat16(),
+                                           layers=[{k: v.bfloat16() for k, v in L.items()} for L in m.layers])),
+    "Q8_0": lambda m: m.quantized("Q8_0"),
+    "Q4_K": lambda m: m.quantized("Q4_K"),
+    "Q4_0-int8act": lambda m: m.quantized("Q4_0").with_int8_activations(),
+    "Q6_K-int8act": lambda m: m.quantized("Q6_K").with_int8_activations(),
+    "mixed-parts": mixed_qkv,
+    "mixed-parts-int8act": lambda m: mixed_qkv(m).with_int8_activations(),
+}
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["llama", "qwen2"])
+def base(request):
+    return Llama.random(tiny_config(num_layers=3, hidden_size=256, intermediate_size=512,
+                                    attention_bias=request.param), seed=3)
+
+
+def run(model: Llama, path: str, steps, num_layers=None):
+    """Prefill two requests, then run ``steps`` forwards of (tokens per request, tree parents or
+    None) on ``path``; returns every forward's hidden states and the final caches."""
+    model.step_path = path
+    cache = model.new_cache(2, 128, block_size=8)
+    g = torch.Generator().manual_seed(0)
+    slots = []
+    for n in (11, 5):
+        slot = cache.add_request()
+        model.prefill(torch.randint(0, 64, (n,), generator=g), cache, slot)
+        slots.append(slot)
+    outs = []
+    for rows, parents in steps:
+        new = cache.append_slots(slots, rows)
+        bt, pl = cache.batch_view(slots)
+        positions = new.cache_positions.to(torch.int64)
+        mask = None
+        if parents is not None:
+            mask = tree_mask_ragged(tree_mask(torch.tensor([parents] * len(slots), dtype=torch.int32)),
+                                    new.qo_indptr, sum(rows))
+            depth = [0]
+            for p in parents[1:]:
+                depth.append(depth[p] + 1)
+            positions = torch.cat([pl[b].long() + torch.tensor(depth) for b in range(len(slots))])
+        toks = torch.randint(0, 64, (sum(rows),), generator=g)
+        outs.append(model.forward(toks, positions, cache, Batch(bt, pl, new.qo_indptr, new.slot_mapping, mask),
+                                  num_layers=num_layers))
+        cache.commit(slots, rows)
+    return outs, cache
+
+
+STEPS = {
+    "decode": [([1, 1], None)] * 3,
+    "one-request-rows": [([1, 0], None), ([4, 0], None)],
+    "chains": [([3, 5], None), ([9, 2], None), ([20, 17], None)],  # skinny rows and MKL's
+    "trees": [([7, 7], [-1, 0, 0, 1, 1, 2, 3]), ([1, 1], None)],
+}
+
+
+@pytest.mark.parametrize("steps", sorted(STEPS))
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_fused_step_gives_the_python_layers_bits(base, fmt, steps):
+    model = FORMATS[fmt](base)
+    assert decoder_step.build_stack(model) is not None
+    ref, ref_cache = run(model, "python", STEPS[steps])
+    got, got_cache = run(model, "fused", STEPS[steps])
+    assert model.decoder_stack() is not None  # the fused path ran
+    for r, o in zip(ref, got):
+        assert o.dtype == r.dtype and torch.equal(o, r)
+    for layer in range(model.config.num_layers):
+        assert torch.equal(got_cache.k_caches[layer], ref_cache.k_caches[layer])
+        assert torch.equal(got_cache.v_caches[layer], ref_cache.v_caches[layer])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_step_at_each_thread_count(base, threads):
+    """The products split rows over threads; the bits do not depend on how."""
+    model = FORMATS["Q4_0-int8act"](base)
+    n = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ref, _ = run(model, "python", STEPS["chains"])
+        got, _ = run(model, "fused", STEPS["chains"])
+    finally:
+        torch.set_num_threads(n)
+    assert all(torch.equal(o, r) for o, r in zip(got, ref))
+
+
+def test_truncated_stack_is_the_self_spec_prefix(base):
+    """forward(num_layers=k) and the truncated model (self-speculation's draft) on the fused
+    path equal the Python path's first k layers."""
+    model = FORMATS["Q8_0"](base)
+    ref, _ = run(model, "python", STEPS["chains"], num_layers=2)
+    got, _ = run(model, "fused", STEPS["chains"], num_layers=2)
+    short, _ = run(model.truncated(2), "fused", STEPS["chains"])
+    assert all(torch.equal(o, r) and torch.equal(s, r) for o, s, r in zip(got, short, ref))
+
+
+def test_the_path_is_chosen_by_the_environment(monkeypatch, base):
+    monkeypatch.setenv("SPECDEC_DECODE_STEP", "python")
+    assert Llama(base.config, dict(embed=base.embed, norm=base.norm, lm_head=base.lm_head,
+                                   layers=base.layers)).decoder_stack() is None
+    monkeypatch.setenv("SPECDEC_DECODE_STEP", "compiled")
+    with pytest.raises(ValueError, match="SPECDEC_DECODE_STEP must be one of"):
+        decoder_step.default_path()
+
+
+def test_bad_stacks_are_refused():
+    """The C++ class checks what Python hands it (a layout that does not add up, a bad kind)."""
+    make = torch.classes.specdec.DecoderStack
+    w = torch.zeros(8, 8)
+    with pytest.raises(RuntimeError, match="parts_per_product"):
+        make(2, 1, 4, 1e-6, [torch.ones(8), torch.ones(8)], [w], [0, 0, 8, -1], [1, 1, 1], [])
+    with pytest.raises(RuntimeError, match="bad part kind"):
+        make(2, 1, 4, 1e-6, [torch.ones(8), torch.ones(8)], [w] * 4, [7, 0, 8, -1] * 4, [1, 1, 1, 1], [])
+    with pytest.raises(RuntimeError, match="bias index"):
+        make(2, 1, 4, 1e-6, [torch.ones(8), torch.ones(8)], [w] * 4, [0, 0, 8, 3] * 4, [1, 1, 1, 1], [])
+    stack = make(2, 1, 4, 1e-6, [torch.ones(8), torch.ones(8)], [w] * 4, [0, 0, 8, -1] * 4, [1, 1, 1, 1], [])
+    with pytest.raises(RuntimeError, match="num_layers"):
+        stack.forward(torch.zeros(1, 8), torch.ones(1, 1, 4), torch.zeros(1, 1, 4), [], [], torch.zeros(1, 1),
+                      torch.zeros(1), torch.zeros(2), torch.zeros(1), None, 2, 1, 8)
