@@ -39,7 +39,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .models.block import DecoderBlock, layer_keys, linear, rms_norm, rope_at, rope_tables
+from .models.decoder_step import build_stack, default_path
 from .models.llama import dense, is_block_weight
+from .models.skinny_rows import skinny_linear_rows
 from .draft_model import DRAFT_WEIGHTS  # --draft-weights: the same choices for an EAGLE head
 from .models.registry import read_metadata
 
@@ -90,6 +92,8 @@ class EagleHead(nn.Module):
         self.decode_format: str | None = None  # see set_decode_format
         self.int8_activations = False  # see set_decode_format
         self._decode_weights, self._decode_key = None, None
+        self.step_path = default_path()  # "fused": the decode halves on a one-layer C++ stack
+        self._decode_stack = None
         self._rope_len = 0
         self.metadata: dict = {}
 
@@ -182,8 +186,21 @@ class EagleHead(nn.Module):
                     w[n] = blocks(w[n])
                 same = self._lm_head_blocks is not None and self._lm_head_blocks.type_name == self.decode_format
                 w["lm_head_draft"] = blocks(self._lm_head_blocks if same else self.lm_head_draft)
-            self._decode_weights, self._decode_key = w, key
+            self._decode_weights, self._decode_key, self._decode_stack = w, key, None
         return self._decode_weights
+
+    def decode_stack(self, dtype):
+        """The one-layer C++ stack of the decode weights (``models.decoder_step``) that the
+        decode halves run on, or None: the Python block runs (``step_path`` "python", weights
+        off the CPU, or a dtype other than fp32 — the decode block casts block products'
+        fp32 outputs to x's dtype, which the C++ products do not)."""
+        w = self.decode_weights(dtype)
+        if self.step_path != "fused" or dtype != torch.float32:
+            return None
+        if self._decode_stack is None:
+            stack = build_stack(self.decode_block, [w])
+            self._decode_stack = False if stack is None else stack  # False: tried, cannot run
+        return None if self._decode_stack is False else self._decode_stack
 
     def set_decode_format(self, fmt: str | None, *, int8_activations: bool = False) -> "EagleHead":
         """How the decode fast paths run the products: None (dense, the target's dtype) or a
@@ -211,6 +228,9 @@ class EagleHead(nn.Module):
     @torch.inference_mode()
     def decode_qkv(self, x: torch.Tensor, positions: torch.Tensor):
         """:meth:`qkv` on the decode weights (x [T, H] in the decode dtype)."""
+        stack = self.decode_stack(x.dtype)
+        if stack is not None:
+            return tuple(stack.qkv(0, x, *self._rope_at(positions, x.dtype), *skinny_linear_rows(x.dtype)))
         return self.decode_block.qkv(self.decode_weights(x.dtype), x, self._rope_at(positions, x.dtype))
 
     @torch.inference_mode()
@@ -218,7 +238,11 @@ class EagleHead(nn.Module):
         """:meth:`output` then the draft logits on the decode weights -> (g [T, H], fp32
         draft log-probs [T, Vd])."""
         w = self.decode_weights(x.dtype)
-        g = self.decode_block.output(w, x, attn)
+        stack = self.decode_stack(x.dtype)
+        if stack is not None:
+            g = stack.output(0, x, attn, *skinny_linear_rows(x.dtype))
+        else:
+            g = self.decode_block.output(w, x, attn)
         logits = linear(rms_norm(g, w["norm"], self.eps), w["lm_head_draft"]).float()
         return g, logits.log_softmax(-1)
 

@@ -93,7 +93,7 @@ STEPS = {
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_fused_step_gives_the_python_layers_bits(base, fmt, steps):
     model = FORMATS[fmt](base)
-    assert decoder_step.build_stack(model) is not None
+    assert decoder_step.build_stack(model.block, model.layers) is not None
     ref, ref_cache = run(model, "python", STEPS[steps])
     got, got_cache = run(model, "fused", STEPS[steps])
     assert model.decoder_stack() is not None  # the fused path ran
@@ -151,3 +151,25 @@ def test_bad_stacks_are_refused():
     with pytest.raises(RuntimeError, match="num_layers"):
         stack.forward(torch.zeros(1, 8), torch.ones(1, 1, 4), torch.zeros(1, 1, 4), [], [], torch.zeros(1, 1),
                       torch.zeros(1), torch.zeros(2), torch.zeros(1), None, 2, 1, 8)
+
+
+@pytest.mark.parametrize("fmt,int8", [(None, False), ("Q8_0", False), ("Q8_0", True), ("Q4_0", True)])
+def test_eagle_head_halves_give_the_python_blocks_bits(base, fmt, int8):
+    """The EAGLE head's decode halves (``decode_qkv`` / ``decode_output``) on its one-layer
+    stack equal its Python decode block, for every decode format."""
+    from specdec_kernels.eagle import EagleHead
+
+    target = base.quantized("Q8_0")
+    head = EagleHead.for_target(target, torch.arange(40)).set_decode_format(fmt, int8_activations=int8)
+    g = torch.Generator().manual_seed(1)
+    feats, toks = torch.randn(5, base.config.hidden_size, generator=g), torch.randint(0, 64, (5,), generator=g)
+    positions = torch.tensor([3, 4, 4, 5, 9])
+    results = {}
+    for path in ("python", "fused"):
+        head.step_path = path
+        x = head.decode_inputs(feats, toks)
+        q, k, v = head.decode_qkv(x, positions)
+        attn = torch.randn(5, base.config.num_heads * base.config.head_dim, generator=torch.Generator().manual_seed(2))
+        results[path] = (q, k, v, *head.decode_output(x, attn))
+    assert head.decode_stack(torch.float32) is not None
+    assert all(torch.equal(a, b) for a, b in zip(results["fused"], results["python"]))

@@ -123,6 +123,25 @@ class DecoderStack : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // One layer's halves, for a caller with its own attention in between (the EAGLE head):
+  // DecoderBlock.qkv, x [T, H] -> [q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]] (RoPE on q, k)...
+  std::vector<at::Tensor> qkv(int64_t layer, at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t skinny_min_rows,
+                              int64_t skinny_max_rows) {
+    const Layer& L = checked_layer(layer, x);
+    const int64_t T = x.size(0);
+    const at::Tensor qkv = product(norm(x, L.attn_norm), L.qkv, RowRange{skinny_min_rows, skinny_max_rows});
+    at::Tensor q = at::empty({T, num_heads_, head_dim_}, qkv.options());
+    at::Tensor k = at::empty({T, num_kv_heads_, head_dim_}, qkv.options());
+    at::Tensor v = at::empty_like(k);
+    rope_and_write(qkv, cos, sin, at::arange(T, x.options().dtype(at::kLong)), k, v, q);
+    return {q, k, v};
+  }
+
+  // ... and DecoderBlock.output, x [T, H], attn [T, Hq * D] -> [T, H].
+  at::Tensor output_of(int64_t layer, at::Tensor x, at::Tensor attn, int64_t skinny_min_rows, int64_t skinny_max_rows) {
+    return output(checked_layer(layer, x), x, attn, RowRange{skinny_min_rows, skinny_max_rows});
+  }
+
   // h [T, H] (the embeddings) through the first num_layers layers; cos, sin [T, 1, D]
   // (models.block.rope_at); the caches and batch fields as models.block.paged_attention takes
   // them (k_caches / v_caches: one [num_blocks, block_size, Hkv, D] tensor per layer). Writes
@@ -150,6 +169,13 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
  private:
+  const Layer& checked_layer(int64_t layer, const at::Tensor& x) const {
+    TORCH_CHECK(layer >= 0 && layer < num_layers(), "DecoderStack: layer must be in [0, ", num_layers(), "), got ",
+                layer);
+    TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "DecoderStack: x must be a CPU tensor [T, H], got ", x.sizes());
+    return layers_[layer];
+  }
+
   // DecoderBlock.qkv, then paged_attention: [T, H] -> [T, Hq * D].
   at::Tensor attention(const Layer& L, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
                        const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
@@ -242,7 +268,9 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
       .def(torch::init<int64_t, int64_t, int64_t, double, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>>())
       .def("num_layers", &DecoderStack::num_layers)
-      .def("forward", &DecoderStack::forward);
+      .def("forward", &DecoderStack::forward)
+      .def("qkv", &DecoderStack::qkv)
+      .def("output", &DecoderStack::output_of);
 }
 
 }  // namespace specdec

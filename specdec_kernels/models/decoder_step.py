@@ -10,7 +10,9 @@ batches and trees). What it removes is the interpreter: ~25 torch calls per laye
 
 Which path runs: ``SPECDEC_DECODE_STEP=python`` forces the Python layers (the reference, and
 the path on CUDA, where the Triton kernels and torch's own launch overheads apply);
-``fused`` (the default) uses the C++ stack wherever it can run.
+``fused`` (the default) uses the C++ stack wherever it can run. The EAGLE head runs its one
+layer's two halves on a one-layer stack (``DecoderStack.qkv`` / ``output``: its attention, over
+the draft tree's own keys, stays in Python).
 """
 from __future__ import annotations
 
@@ -61,26 +63,26 @@ def _parts(w, bias: torch.Tensor | None):
     return out
 
 
-def build_stack(model):
-    """The ``DecoderStack`` of ``model``'s layers (a ``Llama``), or None where it cannot run
-    (weights off the CPU, no C++ class)."""
-    if not available() or model.device.type != "cpu":
+def build_stack(block, layers):
+    """The ``DecoderStack`` of ``layers`` (a model's layer weight dicts, ``models.block``) for
+    ``block``'s shape (a ``DecoderBlock``: heads, head dim, eps), or None where it cannot run
+    (a weight off the CPU, no C++ class)."""
+    if not available():
         return None
-    c = model.config
     norms, weights, info, counts, biases = [], [], [], [], []
-    for L in model.layers:
+    for L in layers:
         norms += [L["attn_norm"], L["mlp_norm"]]
         for key in PRODUCT_KEYS:
             parts = _parts(L[key], L.get("bqkv") if key == "wqkv" else None)
             counts.append(len(parts))
             for tensor, kind, block_type, rows, bias in parts:
-                if tensor.device.type != "cpu":
-                    return None
                 weights.append(tensor)
                 info += [kind, block_type, rows, -1 if bias is None else len(biases)]
                 if bias is not None:
                     biases.append(bias)
-    return torch.classes.specdec.DecoderStack(c.num_heads, c.num_kv_heads, c.head_dim, float(c.rms_norm_eps),
+    if any(t.device.type != "cpu" for t in norms + weights + biases):
+        return None
+    return torch.classes.specdec.DecoderStack(block.num_heads, block.num_kv_heads, block.head_dim, float(block.eps),
                                               norms, weights, info, counts, biases)
 
 

@@ -248,7 +248,7 @@ class Llama:
         if self.step_path != "fused":
             return None
         if self._stack is None:
-            stack = build_stack(self)
+            stack = build_stack(self.block, self.layers) if self.device.type == "cpu" else None
             self._stack = False if stack is None else stack  # False: tried, cannot run
         return None if self._stack is False else self._stack
 
