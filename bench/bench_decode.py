@@ -12,10 +12,10 @@ call, ``python``: the Python layers, the reference; ``models.decoder_step``). ll
 each round's thread count so that all see the same machine load.
 
 The per-step breakdown (``step_ms``, per path): one decode step (one row, forward + LM head,
-``--prompt-tokens`` in the cache) against the same step's weight products called alone in the
-same order (``products_ms``: the same kernels on the same weights, so the same cache misses)
-and its attention (``attention_ms``: ``tree_attention`` of one row over each layer's cache);
-``rest_ms`` = step - products - attention is the fixed cost the fused step removes.
+``--prompt-tokens`` in the cache), the time inside its weight products (``products_ms``) and
+its attention (``attention_ms``: ``tree_attention``), measured within each fused step by the
+C++ stack's timers; ``rest_ms`` = step - products - attention is the fixed cost (the Python
+path runs the same kernels: its rest is its step minus the same products and attention).
 Results: bench/results/decode_<model>.json.
 """
 from __future__ import annotations
@@ -49,65 +49,54 @@ def ours(model, prompt_tokens: int, new_tokens: int, path: str) -> tuple[float, 
     return req.stats.prefill_tokens_per_s, req.stats.decode_tokens_per_s
 
 
-def _products(model) -> list:
-    """(weight, bias, input width) of one decode step's products, in order."""
-    from specdec_kernels.models.decoder_step import PRODUCT_KEYS
-
-    def width(w):
-        return (w[0] if isinstance(w, tuple) else w).shape[1]
-
-    calls = [(L[k], L.get("bqkv") if k == "wqkv" else None) for L in model.layers for k in PRODUCT_KEYS]
-    calls.append((model.lm_head, None))
-    return [(w, b, width(w)) for w, b in calls]
-
-
 def step_breakdown(model, context: int, reps: int = 15) -> dict:
-    """Median ms of one decode step on each path, of its products alone and of its attention
-    (module docstring)."""
-    from specdec_kernels.models.block import linear
+    """One decode step (one row: forward + LM head) on each path, medians over ``reps`` steps
+    (ms). On the fused path each step is split by the stack's own timers (the wall time inside
+    its products and its attention kernel) plus the LM head's product timed around it, so the
+    rest is measured within the same step; the Python path runs the same kernels, so its rest
+    is its step minus the fused path's products and attention."""
+    import time
+
+    from specdec_kernels.models.block import linear, rms_norm
     from specdec_kernels.models.llama import Batch
 
-    c = model.config
-    cache = model.new_cache(1, context + reps + 16)
+    cache = model.new_cache(1, context + 3 * reps + 16)
     slot = cache.add_request()
     model.prefill(torch.randint(100, 20000, (context,), generator=torch.Generator().manual_seed(0)), cache, slot)
 
-    def step():
+    def step() -> tuple[float, float]:
+        """(step seconds, LM head product seconds)."""
+        t0 = time.perf_counter()
         new = cache.append_slots([slot], [1])
         bt, pl = cache.batch_view([slot])
         h = model.forward(torch.tensor([5]), new.cache_positions.long(), cache, Batch(bt, pl, new.qo_indptr, new.slot_mapping))
-        return model.logits(h)
+        normed = rms_norm(h, model.norm, model.config.rms_norm_eps)
+        t1 = time.perf_counter()
+        linear(normed, model.lm_head).float()
+        t2 = time.perf_counter()
+        return t2 - t0, t2 - t1
 
-    calls = _products(model)
-    inputs = {H: torch.randn(1, H, dtype=model.dtype) for _, _, H in calls}
-
-    def products():
-        for w, b, H in calls:
-            linear(inputs[H], w, b)
-
-    cache.append_slots([slot], [1])  # attention() reads one new row's block
-    bt, pl = cache.batch_view([slot])
-    q = torch.randn(1, c.num_heads, c.head_dim, dtype=model.dtype)
-    out = torch.empty_like(q)
-    qo = torch.tensor([0, 1], dtype=torch.int32)
-
-    def attention():
-        for i in range(c.num_layers):
-            torch.ops.specdec.tree_attention(q, cache.k_caches[i], cache.v_caches[i], bt, pl, qo, None,
-                                             c.head_dim ** -0.5, out, None)
-
-    row = {}
     saved = model.step_path
+    columns: dict[str, list] = {"step_ms_fused": [], "products_ms": [], "attention_ms": [], "rest_ms_fused": [],
+                                "step_ms_python": []}
     try:
-        for path in ("fused", "python"):
-            model.step_path = path
-            row[f"step_ms_{path}"] = time_fn(step, warmup=2, reps=reps)["median_us"] / 1e3
+        model.step_path = "fused"
+        stack = model.decoder_stack()
+        stack.set_timing(True)
+        for i in range(reps + 2):
+            total, head = step()
+            products, attention = stack.take_timings()
+            if i >= 2:  # warm-up
+                for key, v in (("step_ms_fused", total), ("products_ms", products + head), ("attention_ms", attention),
+                               ("rest_ms_fused", total - products - head - attention)):
+                    columns[key].append(v * 1e3)
+        stack.set_timing(False)
+        model.step_path = "python"
+        columns["step_ms_python"] = [step()[0] * 1e3 for _ in range(reps + 2)][2:]
     finally:
         model.step_path = saved
-    row["products_ms"] = time_fn(products, warmup=2, reps=reps)["median_us"] / 1e3
-    row["attention_ms"] = time_fn(attention, warmup=2, reps=reps)["median_us"] / 1e3
-    for path in ("fused", "python"):
-        row[f"rest_ms_{path}"] = row[f"step_ms_{path}"] - row["products_ms"] - row["attention_ms"]
+    row = {k: statistics.median(v) for k, v in columns.items()}
+    row["rest_ms_python"] = row["step_ms_python"] - row["products_ms"] - row["attention_ms"]
     return row
 
 

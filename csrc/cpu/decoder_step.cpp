@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <optional>
 #include <vector>
@@ -48,6 +49,15 @@ struct RowRange {
   int64_t lo, hi;  // dense parts use skinny_linear for lo <= rows <= hi (models.skinny_rows)
 };
 
+// A block part's product into out [M, rows] (fp32, contiguous): QuantizedWeight.linear.
+void block_product(const at::Tensor& flat, const Part& p, at::Tensor out) {
+  if (p.kind == kInt8) {
+    int8_activation_linear_cpu(flat, p.weight, p.block_type, p.bias, out);
+  } else {
+    quantized_linear_cpu(flat, p.weight, p.block_type, p.bias, out);
+  }
+}
+
 at::Tensor part_product(const at::Tensor& x, const Part& p, RowRange skinny) {
   const int64_t H = x.size(-1), M = x.numel() / H;
   if (p.kind == kDense) {  // ops.linear
@@ -63,16 +73,26 @@ at::Tensor part_product(const at::Tensor& x, const Part& p, RowRange skinny) {
   at::Tensor flat = x.reshape({M, H});  // QuantizedWeight.linear
   if (!flat.is_contiguous()) flat = flat.contiguous();
   at::Tensor out = at::empty({M, p.rows}, x.options().dtype(at::kFloat));
-  if (p.kind == kInt8) {
-    int8_activation_linear_cpu(flat, p.weight, p.block_type, p.bias, out);
-  } else {
-    quantized_linear_cpu(flat, p.weight, p.block_type, p.bias, out);
-  }
+  block_product(flat, p, out);
   return out;
 }
 
 at::Tensor product(const at::Tensor& x, const Product& parts, RowRange skinny) {
   if (parts.size() == 1) return part_product(x, parts[0], skinny);
+  const int64_t H = x.size(-1), M = x.numel() / H;
+  const bool blocks = std::all_of(parts.begin(), parts.end(), [](const Part& p) { return p.kind != kDense; });
+  if (M == 1 && blocks) {  // one row: each part's columns are a contiguous slice of the output (no cat)
+    int64_t N = 0;
+    for (const Part& p : parts) N += p.rows;
+    at::Tensor flat = x.reshape({1, H}).contiguous();
+    at::Tensor out = at::empty({1, N}, x.options().dtype(at::kFloat));
+    int64_t col = 0;
+    for (const Part& p : parts) {
+      block_product(flat, p, out.narrow(1, col, p.rows));
+      col += p.rows;
+    }
+    return out;
+  }
   std::vector<at::Tensor> outs;
   outs.reserve(parts.size());
   for (const Part& p : parts) outs.push_back(part_product(x, p, skinny));
@@ -123,13 +143,22 @@ class DecoderStack : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // Benchmarks: accumulate the seconds spent inside the products and the attention kernel;
+  // take_timings returns [products, attention] since the last take and resets them.
+  void set_timing(bool on) { timing_ = on; }
+  std::vector<double> take_timings() {
+    std::vector<double> t{products_s_, attention_s_};
+    products_s_ = attention_s_ = 0;
+    return t;
+  }
+
   // One layer's halves, for a caller with its own attention in between (the EAGLE head):
   // DecoderBlock.qkv, x [T, H] -> [q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]] (RoPE on q, k)...
   std::vector<at::Tensor> qkv(int64_t layer, at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t skinny_min_rows,
                               int64_t skinny_max_rows) {
     const Layer& L = checked_layer(layer, x);
     const int64_t T = x.size(0);
-    const at::Tensor qkv = product(norm(x, L.attn_norm), L.qkv, RowRange{skinny_min_rows, skinny_max_rows});
+    const at::Tensor qkv = timed_product(norm(x, L.attn_norm), L.qkv, RowRange{skinny_min_rows, skinny_max_rows});
     at::Tensor q = at::empty({T, num_heads_, head_dim_}, qkv.options());
     at::Tensor k = at::empty({T, num_kv_heads_, head_dim_}, qkv.options());
     at::Tensor v = at::empty_like(k);
@@ -169,6 +198,22 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
  private:
+  // Wall time inside the products and the attention kernel, for the benchmark's step breakdown
+  // (bench/bench_decode.py); off unless set_timing(true).
+  struct Timer {
+    explicit Timer(double* acc) : acc_(acc), start_(acc ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{}) {}
+    ~Timer() {
+      if (acc_) *acc_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    }
+    double* acc_;
+    std::chrono::steady_clock::time_point start_;
+  };
+
+  at::Tensor timed_product(const at::Tensor& x, const Product& parts, RowRange skinny) const {
+    const Timer timer(timing_ ? &products_s_ : nullptr);
+    return product(x, parts, skinny);
+  }
+
   const Layer& checked_layer(int64_t layer, const at::Tensor& x) const {
     TORCH_CHECK(layer >= 0 && layer < num_layers(), "DecoderStack: layer must be in [0, ", num_layers(), "), got ",
                 layer);
@@ -182,20 +227,22 @@ class DecoderStack : public torch::CustomClassHolder {
                        const at::Tensor& prefix_lens, const at::Tensor& qo_indptr, const at::Tensor& slot_mapping,
                        const std::optional<at::Tensor>& tree_mask, double sm_scale, RowRange skinny) const {
     const int64_t Hq = num_heads_, D = head_dim_, T = x.size(0);
-    const at::Tensor qkv = product(norm(x, L.attn_norm), L.qkv, skinny);
+    const at::Tensor qkv = timed_product(norm(x, L.attn_norm), L.qkv, skinny);
     at::Tensor q = at::empty({T, Hq, D}, qkv.options());
     rope_and_write(qkv, cos, sin, slot_mapping, k_cache, v_cache, q);
     at::Tensor out = at::empty_like(q);
-    tree_attention_cpu(q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tree_mask, sm_scale, out,
-                       std::nullopt);
+    {
+      const Timer timer(timing_ ? &attention_s_ : nullptr);
+      tree_attention_cpu(q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tree_mask, sm_scale, out,
+                         std::nullopt);
+    }
     return out.view({T, -1});
   }
 
   // DecoderBlock.output: the residual, o, the MLP and its residual.
   at::Tensor output(const Layer& L, const at::Tensor& x, const at::Tensor& attn, RowRange skinny) const {
-    const at::Tensor h = residual(x, product(attn, L.o, skinny));
-    const auto gate_up = product(norm(h, L.mlp_norm), L.gate_up, skinny).chunk(2, -1);
-    return residual(h, product(at::silu(gate_up[0]) * gate_up[1], L.down, skinny));
+    const at::Tensor h = residual(x, timed_product(attn, L.o, skinny));
+    return residual(h, timed_product(silu_and_mul(timed_product(norm(h, L.mlp_norm), L.gate_up, skinny)), L.down, skinny));
   }
 
   at::Tensor norm(const at::Tensor& x, const at::Tensor& weight) const {  // block.rms_norm
@@ -245,6 +292,24 @@ class DecoderStack : public torch::CustomClassHolder {
     }
   }
 
+  // silu(gate) * up of gate|up [T, 2I] -> [T, I]: at::silu, then the product in place (fp32:
+  // the same single rounding as at::mul).
+  static at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+    const int64_t I = gate_up.size(-1) / 2;
+    at::Tensor act = at::silu(gate_up.narrow(-1, 0, I));
+    const at::Tensor up = gate_up.narrow(-1, I, I);
+    if (act.scalar_type() != at::kFloat || up.scalar_type() != at::kFloat || !act.is_contiguous() ||
+        !gate_up.is_contiguous() || gate_up.dim() != 2) {
+      return act * up;
+    }
+    float* a = act.data_ptr<float>();
+    const float* u = gate_up.data_ptr<float>() + I;
+    for (int64_t t = 0, T = gate_up.size(0); t < T; ++t) {
+      for (int64_t i = 0; i < I; ++i) a[t * I + i] *= u[t * 2 * I + i];
+    }
+    return act;
+  }
+
   // x + y (the residuals): fp32 in one loop (the same single rounding as at::add).
   static at::Tensor residual(const at::Tensor& x, const at::Tensor& y) {
     if (x.scalar_type() != at::kFloat || y.scalar_type() != at::kFloat || !x.is_contiguous() || !y.is_contiguous() ||
@@ -260,6 +325,8 @@ class DecoderStack : public torch::CustomClassHolder {
 
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_;
+  bool timing_ = false;
+  mutable double products_s_ = 0, attention_s_ = 0;
   std::vector<Layer> layers_;
 };
 
@@ -268,6 +335,8 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
       .def(torch::init<int64_t, int64_t, int64_t, double, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>>())
       .def("num_layers", &DecoderStack::num_layers)
+      .def("set_timing", &DecoderStack::set_timing)
+      .def("take_timings", &DecoderStack::take_timings)
       .def("forward", &DecoderStack::forward)
       .def("qkv", &DecoderStack::qkv)
       .def("output", &DecoderStack::output_of);

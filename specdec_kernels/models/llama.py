@@ -100,6 +100,7 @@ class Llama:
         # the same bits); "python": the DecoderBlock loop below, the reference.
         self.step_path = default_path()
         self._stack = None  # the C++ DecoderStack, built on first use
+        self._embedding_rows: dict[int, torch.Tensor] = {}  # token -> dequantised row (block embeddings)
         self._rope_len = 0
         self._ensure_rope(min(config.max_position_embeddings, 4096))
 
@@ -260,8 +261,24 @@ class Llama:
         """[T] int64 -> [T, H] in the activation dtype (block weights: only these rows are
         dequantised)."""
         if is_block_weight(self.embed):
+            if tokens.dim() == 1 and 0 < tokens.numel() <= 16:  # decode steps: rows dequantised once, kept
+                return torch.stack([self._embedding_row(t) for t in tokens.tolist()])
             return self.embed.embedding(tokens).to(self.dtype)
         return self.embed[tokens].to(self.dtype)  # a no-op unless a draft shares a target's other-dtype embedding
+
+    EMBEDDING_ROWS_KEPT = 8192  # dequantised embedding rows kept (6 KB each for H = 1536)
+
+    def _embedding_row(self, token: int) -> torch.Tensor:
+        """Row ``token`` of a block-weight embedding, dequantised (the same bits as a lookup of
+        it among others: each row decodes alone). Dequantising a K-quant row in torch ops
+        takes ~200 us, a decode step's largest fixed cost; code repeats its tokens."""
+        row = self._embedding_rows.get(token)
+        if row is None:
+            if len(self._embedding_rows) >= self.EMBEDDING_ROWS_KEPT:
+                self._embedding_rows.clear()
+            row = self.embed.embedding(torch.tensor([token], device=self.device))[0].to(self.dtype)
+            self._embedding_rows[token] = row
+        return row
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, batch: Batch,
