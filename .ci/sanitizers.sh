@@ -71,6 +71,8 @@ TESTS=(
   tests/test_int8_activation_linear.py
   tests/test_registration.py
   tests/test_min_temperature.py
+  tests/test_rms_norm.py
+  tests/test_decoder_step.py
 )
 for f in "$ROOT"/tests/test_fuzz_*.py "$ROOT"/tests/test_concurrency.py; do
   [[ -e "$f" ]] && TESTS+=("tests/$(basename "$f")")
@@ -80,5 +82,5 @@ cd "$WORK"
 echo "sanitizers: running ${#TESTS[@]} test files with $ASAN_LIB preloaded"
 # --capture=sys: pytest captures Python's output only, so a report (written to file descriptor
 # 2 by the sanitizer runtime just before it ends the process) reaches the log.
-LD_PRELOAD="$ASAN_LIB $STDCXX_LIB" python -m pytest -q -p no:cacheprovider --capture=sys -x -k "not triton" "${TESTS[@]}"
+LD_PRELOAD="$ASAN_LIB $STDCXX_LIB" python -m pytest -q -p no:cacheprovider --capture=sys -x -k "not triton and not real_models" "${TESTS[@]}"
 echo "sanitizers: no ASan/UBSan report"

@@ -173,3 +173,19 @@ def test_eagle_head_halves_give_the_python_blocks_bits(base, fmt, int8):
         results[path] = (q, k, v, *head.decode_output(x, attn))
     assert head.decode_stack(torch.float32) is not None
     assert all(torch.equal(a, b) for a, b in zip(results["fused"], results["python"]))
+
+
+@pytest.mark.parametrize("name,weights", [("smollm2-135m", "native-int8act"), ("qwen2.5-coder-0.5b", "native"),
+                                          ("qwen2.5-coder-0.5b", "native-int8act")])
+def test_real_models_fused_step_gives_the_python_bits(name, weights):
+    """The real files' own mixes of block types (the 0.5B: Q5_0, Q8_0, Q6_K and Q4_K, Qwen2's
+    biases): a prefill, then decode and verification rows, on both paths."""
+    from specdec_kernels.models import load_model
+    from tests.helpers import require_real_model
+
+    model, _ = load_model(require_real_model(name), weights=weights)
+    ref, ref_cache = run(model, "python", STEPS["chains"][:2] + STEPS["trees"])
+    got, got_cache = run(model, "fused", STEPS["chains"][:2] + STEPS["trees"])
+    assert all(torch.equal(o, r) for o, r in zip(got, ref))
+    assert all(torch.equal(a, b) for a, b in zip(got_cache.k_caches + got_cache.v_caches,
+                                                  ref_cache.k_caches + ref_cache.v_caches))
