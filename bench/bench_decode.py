@@ -100,6 +100,56 @@ def step_breakdown(model, context: int, reps: int = 15) -> dict:
     return row
 
 
+def eagle_step_breakdown(model, context: int = 64, rows: int = 8, reps: int = 30) -> dict:
+    """One EAGLE draft depth (the package's head for ``model``): ``rows`` beam nodes through
+    the head's fc, its layer (the one-layer C++ stack on the fused path) with attention over
+    ``context`` committed keys plus themselves, and the draft LM head — medians in ms, with
+    the time inside its products (the stack's timers for the layer's four, the fc and draft
+    LM head timed around their calls) and the ratio step / products (target <= 1.5)."""
+    import time
+
+    import torch.nn.functional as F
+
+    from specdec_kernels.eagle import eagle_head_for
+    from specdec_kernels.models.block import linear
+
+    head = eagle_head_for(model)
+    c, g = model.config, torch.Generator().manual_seed(0)
+    Hkv, D, rep = head.num_kv_heads, head.head_dim, head.num_heads // head.num_kv_heads
+    feat = torch.randn(rows, c.hidden_size, generator=g)
+    tok, pos = torch.randint(100, 2000, (rows,), generator=g), torch.full((rows,), context)
+    keys = torch.randn(1, Hkv, context, D, generator=g)
+    w = head.decode_weights(torch.float32)
+
+    def depth():
+        x = head.decode_inputs(feat, tok)
+        q, k, v = head.decode_qkv(x, pos)
+        ks = torch.cat([keys, k.transpose(0, 1)[None]], 2).repeat_interleave(rep, 1)
+        vs = torch.cat([keys, v.transpose(0, 1)[None]], 2).repeat_interleave(rep, 1)
+        attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], ks, vs)
+        return head.decode_output(x, attn[0].transpose(0, 1).reshape(rows, -1))
+
+    def timed(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    stack = head.decode_stack(torch.float32)
+    x_fc = torch.cat([feat, head.embed(tok).float()], -1)
+    steps, products = [], []
+    stack.set_timing(True)
+    for i in range(reps + 3):
+        step = timed(depth)
+        layer = sum(stack.take_timings()[:1])
+        outside = timed(lambda: linear(x_fc, w["fc"])) + timed(lambda: linear(feat, w["lm_head_draft"]))
+        if i >= 3:
+            steps.append(step * 1e3)
+            products.append((layer + outside) * 1e3)
+    stack.set_timing(False)
+    step_ms, products_ms = statistics.median(steps), statistics.median(products)
+    return {"rows": rows, "step_ms": step_ms, "products_ms": products_ms, "step_over_products": step_ms / products_ms}
+
+
 def llama_bench(binary: str, path: str, prompt_tokens: int, new_tokens: int, threads: int) -> tuple[float, float]:
     """(pp tokens/s, tg tokens/s) of one ``llama-bench`` run (one repetition each)."""
     out = subprocess.run([binary, "-m", path, "-p", str(prompt_tokens), "-n", str(new_tokens), "-t", str(threads),
@@ -118,6 +168,7 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--eagle", action="store_true", help="also time one EAGLE draft depth (models with a shipped head)")
     args = p.parse_args()
 
     from specdec_kernels.models import load_model
@@ -147,6 +198,8 @@ def main() -> int:
                             "llama_cpp_tg_tok_s": statistics.median(t[1] for t in theirs)})
                 row["decode_ratio"] = row["ours_decode_tok_s"] / row["llama_cpp_tg_tok_s"]
                 row["prefill_ratio"] = row["ours_prefill_tok_s"] / row["llama_cpp_pp_tok_s"]
+            if args.eagle:
+                row.update({f"eagle_{k}": v for k, v in eagle_step_breakdown(model, args.prompt_tokens).items()})
             rows.append(row)
     print_table(rows, list(rows[0]))
     out = write_results(f"decode_{Path(str(args.model)).name.removesuffix('.gguf')}", {
