@@ -396,6 +396,27 @@ def test_ngram_tree_accepts_repeated_text(model, prompts):
     assert spec.stats.drafted > 0
 
 
+def test_ngram_tree_scale_counts_what_drafted_steps_delivered():
+    """Each step's most probable node is right (the first-level evidence alone would raise the
+    tables' scale to its cap, 1.25), but of the several nodes drafted only that one is
+    accepted: the drafted nodes' promised count against the accepted count lowers the scale,
+    and the drafts shrink."""
+    from types import SimpleNamespace
+
+    curve = StepCost({1: {1: 1.0, 2: 1.3, 4: 1.9, 8: 3.1, 16: 5.5}})  # a row costs ~30% of a step
+    d = NgramTreeDrafter(step_cost=curve)
+    r = SimpleNamespace(rid=0, tokens=[1, 2, 3, 4, 5, 6] * 6 + [1])
+    d.admit(None, [r])
+    sizes = []
+    for _ in range(12):
+        draft = d.propose(None, [r], [8])[0]
+        sizes.append(len(draft.tokens) - 1)
+        r.tokens.append(draft.tokens[1] if sizes[-1] else r.tokens[-6])  # the first node is right...
+        d.verified(None, [r], [min(1, sizes[-1])])  # ... and nothing after it
+    assert sizes[0] >= 5 and max(sizes[-4:]) < sizes[0], sizes
+    assert d.scale(0) < 0.7
+
+
 def permutation_model(perm: list) -> Llama:
     """A Llama whose greedy next token after x is ``perm[x]``, whatever came before: one-hot
     embeddings, layers that add nothing (zero output projections), an LM head that maps
