@@ -31,8 +31,6 @@ Who checks, once per call path:
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -404,7 +402,7 @@ def check_rms_norm(x, weight, eps, out) -> None:
     if x.dim() < 1:
         raise ValueError("x must have at least one dimension")
     check_tensor(weight, "weight", dtype=x.dtype, shape=(x.shape[-1],), device=x.device)
-    if not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+    if not isinstance(eps, (int, float)) or not -float("inf") < eps < float("inf") or eps < 0:
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
     check_tensor(out, "out", dtype=x.dtype, shape=tuple(x.shape), device=x.device)
     check_contiguous(out, "out")
