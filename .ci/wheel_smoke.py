@@ -143,7 +143,11 @@ def run_every_op() -> None:
     out8 = ops.int8_activation_linear(xq, gguf_blocks.pack_int8_activation(q8.blocks, "Q8_0"), q8.block_type, 20)
     torch.testing.assert_close(out8, xq @ q8.dequantize().T, atol=1e-3, rtol=1e-5)
 
-    ran = {"philox_uniform", "chain_rejection_sample", "chain_rejection_sample_flat", "tree_rejection_sample", "apply_top_k_top_p", "tree_attention",
+    xr, wr = torch.randn(3, 48, generator=gen), torch.randn(48, generator=gen)
+    torch.testing.assert_close(ops.rms_norm(xr, wr, 1e-6), torch.nn.functional.rms_norm(xr, (48,), wr, 1e-6),
+                               atol=1e-5, rtol=1e-5)
+
+    ran = {"philox_uniform", "rms_norm", "chain_rejection_sample", "chain_rejection_sample_flat", "tree_rejection_sample", "apply_top_k_top_p", "tree_attention",
            "compact_kv", "medusa_topk", "skinny_linear", "quantized_linear", "int8_activation_linear"}
     assert set(specdec_kernels.list_ops()) == ran, f"ops not run here: {set(specdec_kernels.list_ops()) - ran}"
     print("every op ran on CPU")
