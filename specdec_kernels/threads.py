@@ -10,6 +10,11 @@ So the default is the allowed cores (``os.sched_getaffinity``) minus the busy on
 or from the load average where ``/proc/stat`` cannot be read, and at most torch's own
 default (physical cores, so no two threads share a core's SMT siblings). ``--threads N``
 (or ``torch.set_num_threads``) overrides it.
+
+Work of lower priority than ours (niced: ``/proc/stat``'s "nice" column, while this process
+runs at nice 0 or below) does not make a core busy: the scheduler hands that core to us
+(measured on 2 cores with a ``nice -n 19`` compile on one: the 1.5B decoded 68 tokens/s with
+2 threads against 40 with 1).
 """
 from __future__ import annotations
 
@@ -39,16 +44,26 @@ def allowed_cpus() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
+def _yields_to_us() -> bool:
+    """Whether niced work yields its core to this process: we run at nice 0 or below."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, 0) <= 0
+    except (AttributeError, OSError):
+        return False
+
+
 def _cpu_times(path: str = "/proc/stat") -> dict[int, tuple[int, int]]:
-    """{cpu: (busy ticks, total ticks)} from /proc/stat (idle and iowait count as idle)."""
+    """{cpu: (busy ticks, total ticks)} from /proc/stat (idle and iowait count as idle, and so
+    does niced time where niced work yields to us)."""
     out = {}
+    free_niced = _yields_to_us()
     with open(path) as f:
         for line in f:
             if not line.startswith("cpu") or line.startswith("cpu "):
                 continue
             name, *fields = line.split()
-            ticks = [int(x) for x in fields[:8]]
-            idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+            ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
+            idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0) + (ticks[1] if free_niced else 0)
             out[int(name[3:])] = (sum(ticks) - idle, sum(ticks))
     return out
 

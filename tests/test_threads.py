@@ -42,6 +42,26 @@ def test_at_most_torch_default_and_at_least_one(fake_machine, monkeypatch):
     assert threads.choose_threads(cap=8).threads == 1
 
 
+def test_niced_work_leaves_a_core_free_unless_we_are_niced(monkeypatch, tmp_path):
+    """CPU 1 spends the probe on niced work (the "nice" column): it yields to a process at
+    nice 0, so that core is ours; a niced process of our own competes with it as equals."""
+    monkeypatch.setattr(threads, "allowed_cpus", lambda: [0, 1])
+    path = tmp_path / "stat"
+    readings = iter(["cpu0 10 0 0 90 0 0 0 0\ncpu1 10 0 0 90 0 0 0 0\n",
+                     "cpu0 11 0 0 93 0 0 0 0\ncpu1 10 4 0 90 0 0 0 0\n"] * 2)
+    real = threads._cpu_times
+
+    def cpu_times(p="/proc/stat"):
+        path.write_text("cpu  0 0 0 0 0 0 0 0\n" + next(readings))
+        return real(str(path))
+
+    monkeypatch.setattr(threads, "_cpu_times", cpu_times)
+    monkeypatch.setattr(os, "getpriority", lambda which, who: 0)
+    assert threads.choose_threads(cap=2) == threads.ThreadChoice(2, "2 allowed, 0 busy by probe")
+    monkeypatch.setattr(os, "getpriority", lambda which, who: 10)
+    assert threads.choose_threads(cap=2) == threads.ThreadChoice(1, "2 allowed, 1 busy by probe")
+
+
 def test_load_average_without_proc_stat(monkeypatch):
     monkeypatch.setattr(threads, "allowed_cpus", lambda: [0, 1])
     monkeypatch.setattr(threads, "_cpu_times", lambda p="/proc/stat": (_ for _ in ()).throw(OSError("no /proc")))
