@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ._platform import restore_ctrl_c, user_cache_dir
 from .decoding.registry import DEFAULT_DRAFTER, DRAFTER_INFO, DRAFTERS, default_drafter, default_schedule, make_drafter
-from .draft_model import DRAFT_WEIGHTS
+from .draft_model import DRAFT_VOCAB_SIZE, DRAFT_WEIGHTS
 from .models.registry import WEIGHT_FORMATS
 
 SCHEDULES = ("constant", "heuristic", "adaptive", "max")  # SpecSchedule.KINDS
@@ -169,6 +169,7 @@ def cmd_generate(args) -> int:
         drafter = make_drafter(name, model, self_spec_layers=args.self_spec_layers,
                                draft_model=args.draft_model, medusa_checkpoint=args.medusa_checkpoint,
                                eagle_checkpoint=args.eagle_checkpoint, draft_weights=args.draft_weights,
+                               draft_vocab=args.draft_vocab,
                                exit_head=args.exit_head)
     except (ValueError, FileNotFoundError) as e:
         raise UsageError(f"--drafter {name}: {e}") from None
@@ -352,6 +353,9 @@ def build_parser() -> Parser:
     g.add_argument("--draft-weights", choices=DRAFT_WEIGHTS, default="stored",
                    help="how a draft file's or an EAGLE head's linear weights run (the shipped draft is stored "
                         "as Q8_0 blocks; an EAGLE head runs as Q8_0 blocks on a native target, dense otherwise)")
+    g.add_argument("--draft-vocab", type=number(int, low=0), default=DRAFT_VOCAB_SIZE,
+                   help="a --draft-model given by name drafts from its N most frequent tokens (FR-Spec: a smaller "
+                        "LM head, a cheaper draft token; exact all the same); 0 = its whole vocabulary")
     g.add_argument("--exit-head", default=None,
                    help="self-spec exit head file of specdec train-draft --kind exit; None: the one the package "
                         "ships for the model; 'none': plain early exit")

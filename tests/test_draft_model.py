@@ -2,8 +2,9 @@
 ``specdec train-draft``): the trainer's forward against the decode loop's, file round trips
 (bf16 and GGUF blocks), the exit head's folding, exactness (greedy equals autoregressive;
 sampled output follows the target with a draft vocabulary smaller than the target's),
-chain sizing by the step-cost curve, training that raises agreement, and the shipped files
-on the real model."""
+chain sizing by the step-cost curve, training that raises agreement, the shipped files
+on the real model, and the frequency-ranked draft vocabulary of a whole model drafting by name
+(FR-Spec)."""
 
 import pytest
 import torch
@@ -11,8 +12,10 @@ import torch
 from specdec_kernels.decoding import Generator, SamplingParams, SpecSchedule
 from specdec_kernels.decoding.cost_model import StepCost
 from specdec_kernels.decoding.drafters import ModelDrafter, SelfSpecDrafter
-from specdec_kernels.draft_model import (exit_model, fold_exit_head, load_draft_model, save_draft_model,
-                                         save_exit_head, truncated_draft)
+from specdec_kernels import draft_model
+from specdec_kernels.draft_model import (corpus_files, corpus_token_counts, exit_model, fold_exit_head,
+                                         frequency_ranked_vocab, load_draft_model, save_draft_model, save_exit_head,
+                                         truncated_draft, with_draft_vocab)
 from specdec_kernels.models import Llama, tiny_config
 from specdec_kernels.models.llama import dense
 from specdec_kernels.training.draft_training import DraftLM, ExitHead, Sequences, agreement, distill_loss, train
@@ -143,10 +146,14 @@ def test_exit_head_folds_into_one_product(model, tmp_path):
     torch.testing.assert_close(fold_exit_head(E, D, U) @ x, E @ (x + U @ (D @ x)))
 
 
-@pytest.mark.parametrize("variant", ["draft", "draft-tree", "draft-unsized", "self-spec-exit", "draft-q8_0"])
+@pytest.mark.parametrize("variant", ["draft", "draft-tree", "draft-unsized", "self-spec-exit", "draft-q8_0",
+                                     "whole-model-vocab"])
 def test_greedy_equals_autoregressive(model, prompts, tmp_path, variant):
     vocab = vocab_of(model, 40)
-    if variant == "self-spec-exit":
+    if variant == "whole-model-vocab":  # another model of the vocabulary, restricted to 40 of its tokens
+        other = Llama.random(tiny_config(num_layers=2), seed=7).quantized("Q8_0").with_int8_activations()
+        drafter = ModelDrafter(with_draft_vocab(other, vocab), step_cost=FREE, acceptance=0.9, sized=True)
+    elif variant == "self-spec-exit":
         head = ExitHead(model.norm, dense(model.lm_head)[vocab].float(), rank=4, eps=model.config.rms_norm_eps)
         save_exit_head(head.norm, head.down, head.up, vocab, 2, tmp_path / "e.safetensors")
         drafter = SelfSpecDrafter(model, exit_model=exit_model(model, tmp_path / "e.safetensors"), step_cost=FREE,
@@ -165,16 +172,22 @@ def test_greedy_equals_autoregressive(model, prompts, tmp_path, variant):
     assert sum(r.stats.drafted for r in reqs) > 0
 
 
+@pytest.mark.parametrize("source", ["file", "whole-model-vocab"])
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_sampling_distribution_equals_target(tmp_path, temperature):
+def test_sampling_distribution_equals_target(tmp_path, temperature, source):
     """Chi-square of the first two sampled tokens against the target's exact joint
     distribution (vocabulary 8, fixed seeds), drafting from 5 of the 8 tokens with the
-    draft's q (zero outside its vocabulary)."""
+    draft's q (zero outside its vocabulary): a draft file, or another whole model restricted
+    to those tokens (``with_draft_vocab``, as ``--draft-model NAME --draft-vocab`` does)."""
     m = Llama.random(tiny_config(vocab_size=8, num_layers=2), seed=3)
     vocab = torch.tensor([0, 2, 3, 5, 7])
-    lm = twin(m, 1, vocab)
-    save_draft_model(lm.layer_weights(), lm.norm, vocab, draft_config(m, 1), tmp_path / "d.safetensors", block_type=None)
-    drafter = ModelDrafter(load_draft_model(tmp_path / "d.safetensors", m))
+    if source == "file":
+        lm = twin(m, 1, vocab)
+        save_draft_model(lm.layer_weights(), lm.norm, vocab, draft_config(m, 1), tmp_path / "d.safetensors",
+                         block_type=None)
+        drafter = ModelDrafter(load_draft_model(tmp_path / "d.safetensors", m))
+    else:
+        drafter = ModelDrafter(with_draft_vocab(Llama.random(tiny_config(vocab_size=8, num_layers=1), seed=5), vocab))
     n, prompt = 1500, (3, 1, 4)
     sampling = [SamplingParams(seed=s, temperature=temperature) for s in range(n)]
     reqs = Generator(m, drafter, SpecSchedule("constant", 2)).generate([list(prompt)] * n, 2, sampling)
@@ -270,3 +283,65 @@ def test_shipped_drafts_on_the_real_model(drafter_name, floor):
             emitted, steps = emitted + r.stats.emitted, steps + r.stats.steps
         mal[name] = emitted / steps
     assert mal["trained"] >= floor and mal["trained"] > mal["untrained"] + 0.05, mal
+
+
+# ---- frequency-ranked draft vocabulary (FR-Spec) ------------------------------------------
+def test_frequency_ranked_vocab():
+    counts = torch.tensor([5, 0, 9, 5, 1, 9, 0, 2])
+    assert frequency_ranked_vocab(counts, 3).tolist() == [0, 2, 5]  # 9, 9, then the lower id of the two 5s
+    assert frequency_ranked_vocab(counts, 3, always=[6]).tolist() == [2, 5, 6]  # an end-of-turn id never seen
+    assert frequency_ranked_vocab(counts, 3, always=[6, 6, 2]).tolist() == [2, 5, 6]
+    assert frequency_ranked_vocab(counts, 8).tolist() == list(range(8))
+    for size, always in [(0, ()), (9, ()), (1, (6, 7)), (2, (8,)), (2, (-1,))]:
+        with pytest.raises(ValueError, match="draft vocabulary of"):
+            frequency_ranked_vocab(counts, size, always)
+
+
+class CharTokenizer:
+    """One token per character (its code point mod 8): what corpus_token_counts needs."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def vocab_digest(self):
+        return "c" * 64
+
+    def encode(self, text):
+        self.calls += 1
+        return [ord(c) % 8 for c in text]
+
+
+def test_corpus_token_counts_are_counted_once_and_cached(tmp_path, monkeypatch):
+    texts = ["abcab", "hhh\n"]
+    for i, t in enumerate(texts):
+        (tmp_path / f"{i}.py").write_text(t)
+    monkeypatch.setattr(draft_model, "corpus_files", lambda: [str(tmp_path / f"{i}.py") for i in range(2)])
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    tok = CharTokenizer()
+    want = torch.bincount(torch.tensor([ord(c) % 8 for c in "".join(texts)]), minlength=8)
+    assert torch.equal(corpus_token_counts(tok, 8), want) and tok.calls == 2
+    assert torch.equal(corpus_token_counts(tok, 8), want) and tok.calls == 2  # from the cache
+    assert not [p for p in (tmp_path / "cache" / "vocab").iterdir() if p.name.endswith(".tmp")]
+    prefix = torch.bincount(torch.tensor([ord(c) % 8 for c in "abc"]), minlength=8)
+    assert torch.equal(corpus_token_counts(tok, 8, max_bytes=3), prefix)  # its own cache entry
+    assert corpus_token_counts(tok, 9).shape == (9,)
+
+
+def test_the_corpus_is_the_standard_librarys_sources():
+    files = corpus_files()
+    assert files == corpus_files() and any(f.endswith("/textwrap.py") for f in files)
+    assert not any("/test/" in f or "/site-packages/" in f for f in files)
+
+
+def test_a_draft_vocab_head_gives_the_full_heads_rows(model):
+    """with_draft_vocab: the LM head's rows ``vocab`` (blocks keep their int8 packing, so a
+    row's logit is bit-identical to the full head's), the other weights shared."""
+    vocab = vocab_of(model, 40)
+    h = torch.randn(3, model.config.hidden_size)
+    d = with_draft_vocab(model, vocab)
+    assert torch.equal(d.draft_vocab, vocab) and d.layers[0]["wqkv"] is model.layers[0]["wqkv"]
+    torch.testing.assert_close(d.logits(h), model.logits(h)[:, vocab], atol=1e-5, rtol=1e-5)
+    packed = model.quantized("Q8_0").with_int8_activations()
+    d = with_draft_vocab(packed, vocab)
+    assert d.int8_activations and d.weight_format == packed.weight_format
+    assert torch.equal(d.logits(h), packed.logits(h)[:, vocab])

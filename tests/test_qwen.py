@@ -246,7 +246,7 @@ def test_every_drafter_on_a_tiny_qwen2(tiny, prompts):
         assert [r.output for r in out] == ar, name
 
 
-def test_a_draft_model_by_path_must_share_the_vocabulary(tiny_gguf, tiny_vocab_model, tmp_path):
+def test_a_draft_model_by_path_must_share_the_vocabulary(tiny_gguf, tiny_vocab_model, tmp_path, monkeypatch):
     """``draft --draft-model NAME_OR_PATH``: a whole model of the target's vocabulary drafts
     (in the target's weight format) and greedy output stays exact; a model of another
     vocabulary — another size, or the same size with other tokens — is a clear error."""
@@ -259,6 +259,19 @@ def test_a_draft_model_by_path_must_share_the_vocabulary(tiny_gguf, tiny_vocab_m
     assert isinstance(drafter, ModelDrafter) and drafter.model.weight_format == "native"
     prompts = [[5, 6, 7, 8, 9, 5, 6, 7], [40, 41]]
     ar = [r.output for r in Generator(target).generate(prompts, 10)]
+    assert [r.output for r in Generator(target, drafter).generate(prompts, 10)] == ar
+    assert drafter.model.draft_vocab is None  # 264 tokens: fewer than the default draft vocabulary
+    # --draft-vocab 100: its 100 tokens most frequent in the standard library's sources, the
+    # end-of-turn ones included; greedy output unchanged.
+    from specdec_kernels import draft_model
+
+    stdlib = draft_model.corpus_files()
+    monkeypatch.setattr(draft_model, "corpus_files", lambda: stdlib[:20])  # a few of its files: quicker
+    _, tok = load_model(str(path), weights="native")
+    drafter = make_drafter("draft", target, draft_model=str(path), draft_vocab=100)
+    vocab = drafter.model.draft_vocab
+    assert vocab.numel() == 100 and set(tok.eos_token_ids) <= set(vocab.tolist())
+    assert set(tok.encode(" e\n")) <= set(vocab.tolist())  # among the most frequent
     assert [r.output for r in Generator(target, drafter).generate(prompts, 10)] == ar
     other_tokens = tmp_path / "other-tokens.gguf"
     write_qwen2_gguf(other_tokens, tiny_vocab_model, swap_tokens=True)

@@ -94,13 +94,15 @@ def trained_file(kind: str, model, given: str | None, shipped: str | None, shipp
 def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: str | None = None,
                  medusa_checkpoint: str | None = None, max_k: int = 16,
                  eagle_checkpoint: str | None = None, draft_weights: str = "stored",
-                 exit_head: str | None = None) -> Drafter | None:
+                 exit_head: str | None = None, draft_vocab: int | None = None) -> Drafter | None:
     """A drafter by name for ``model`` (None for plain autoregressive decoding).
 
     ``draft_model``: a draft file of ``specdec train-draft`` (.safetensors) or a model name /
     checkpoint of the same vocabulary; None = the distilled draft shipped for the model.
     ``draft_weights``: how a draft file's linears run ("stored", "fp32", "q8_0", "q4_0"); for
     an EAGLE head "stored" means Q8_0 blocks on a GGUF-block target, dense otherwise.
+    ``draft_vocab``: the tokens a whole model drafting by name drafts from, its most frequent
+    ones (``draft_model.DRAFT_VOCAB_SIZE`` when None; 0 = its whole vocabulary).
     ``exit_head``: the self-speculation exit head file; None = the shipped one; "none" =
     plain early exit. A trained drafter (``TRAINED``) without a file given for a model the
     package ships none for is a ValueError naming the model."""
@@ -162,20 +164,24 @@ def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: st
             if str(draft_model).endswith(".safetensors"):  # a draft file (given or shipped)
                 dm = load_draft_model(draft_model, model, draft_weights)
             else:  # a model of the target's vocabulary, by name or path
-                dm = draft_by_name(model, draft_model, draft_weights)
+                dm = draft_by_name(model, draft_model, draft_weights, draft_vocab)
         return ModelDrafter(dm, tree_width=3 if name == "draft-tree" else 1, max_k=max_k, name=name, sized=True)
     raise ValueError(f"unknown drafter {name!r}; choose from {DRAFTERS}")
 
 
-def draft_by_name(target, name_or_path: str, draft_weights: str = "stored"):
+def draft_by_name(target, name_or_path: str, draft_weights: str = "stored", draft_vocab: int | None = None):
     """A whole model (registered name, GGUF file or checkpoint folder) as the draft of
     ``target``: loaded in the target's weight format (``draft_weights`` "stored"), or as
     fp32 / q8_0 / q4_0. Its vocabulary must be the target's: the same size and, where both
-    loaders recorded it, the same tokens (``Llama.vocab_digest``)."""
+    loaders recorded it, the same tokens (``Llama.vocab_digest``). It drafts from the
+    ``draft_vocab`` tokens (default ``DRAFT_VOCAB_SIZE``; 0 or more than the vocabulary: all)
+    the Python standard library's sources use most, and its end-of-turn tokens
+    (``draft_model.frequency_ranked_vocab``, FR-Spec): a smaller LM head, a cheaper draft token."""
+    from ..draft_model import DRAFT_VOCAB_SIZE, corpus_token_counts, frequency_ranked_vocab, with_draft_vocab
     from ..models import load_model
 
     weights = target.weight_format if draft_weights == "stored" else draft_weights
-    dm, _ = load_model(name_or_path, weights=weights)
+    dm, tok = load_model(name_or_path, weights=weights)
     if dm.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"draft model {name_or_path!r} has a vocabulary of {dm.config.vocab_size:,} tokens, the "
                          f"target {target.name!r} one of {target.config.vocab_size:,}: a draft must share the "
@@ -184,4 +190,8 @@ def draft_by_name(target, name_or_path: str, draft_weights: str = "stored"):
     if ours is not None and theirs is not None and ours != theirs:
         raise ValueError(f"draft model {name_or_path!r} has as many tokens as the target {target.name!r} but not the "
                          "same ones: a draft must share the target's vocabulary")
+    size = DRAFT_VOCAB_SIZE if draft_vocab is None else draft_vocab
+    if 0 < size < dm.config.vocab_size:
+        counts = corpus_token_counts(tok, dm.config.vocab_size)
+        dm = with_draft_vocab(dm, frequency_ranked_vocab(counts, size, always=tok.eos_token_ids))
     return dm
