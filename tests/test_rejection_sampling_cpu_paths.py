@@ -1,4 +1,4 @@
-"""The C++ CPU rejection sampler's internal paths (csrc/cpu/rejection_sampling.cpp):
+"""The C++ CPU rejection sampler's internal paths (csrc/cpu/rejection_sampling_race.cpp):
 
 - rows the walk does not reach are checked for validity inside the race, tile by tile;
 - the race skips the log of entries that the bound -log(u) >= 1 - u rules out, which must

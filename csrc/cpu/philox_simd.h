@@ -1,6 +1,6 @@
 // The Philox4x32-10 uniforms of one exponential race (the generator of csrc/philox.h) for
 // many vocabulary indices at a time, used by the CPU rejection samplers
-// (rejection_sampling.cpp): PhiloxPlan (what is the same for every index of a race), its
+// (rejection_sampling_race.cpp): PhiloxPlan (what is the same for every index of a race), its
 // scalar twin philox_plan_uniform, and one SIMD kernel, philox_uniforms_simd, instantiated
 // for AVX2 (8 lanes) and AVX-512 (16 lanes) and chosen at run time (cpu_has_avx512, cpu_features.h).
 //
@@ -88,7 +88,7 @@ inline float philox_plan_uniform(const PhiloxPlan& p, uint32_t index) {
 
 #if defined(SPECDEC_X86_SIMD)
 
-// The target of the AVX-512 code (also compact_positive_avx512 in rejection_sampling.cpp).
+// The target of the AVX-512 code (also compact_positive_avx512 in rejection_sampling_race.cpp).
 #define SPECDEC_AVX512 __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,popcnt")))
 
 // GCC 12's AVX-512 headers trip -Wmaybe-uninitialized (their _mm512_undefined_*), and
