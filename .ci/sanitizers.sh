@@ -61,6 +61,7 @@ TESTS=(
   tests/test_rng.py
   tests/test_rejection_sampling.py
   tests/test_rejection_sampling_cpu_paths.py
+  tests/test_rejection_sampling_flat.py
   tests/test_rejection_sampling_stats.py
   tests/test_apply_top_k_top_p.py
   tests/test_tree_attention.py
