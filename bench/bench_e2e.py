@@ -46,6 +46,7 @@ from bench.common import RESULTS_DIR, code_prompts, print_table, write_results  
 from specdec_kernels.cli import Parser  # noqa: E402
 from specdec_kernels.decoding import Generator, SpecSchedule, make_drafter  # noqa: E402
 from specdec_kernels.decoding.registry import DRAFTER_INFO, default_schedule  # noqa: E402
+from specdec_kernels.draft_model import DRAFT_VOCAB_SIZE, DRAFT_WEIGHTS  # noqa: E402
 from specdec_kernels.models import load_model  # noqa: E402
 from specdec_kernels.models.registry import WEIGHT_FORMATS  # noqa: E402
 from specdec_kernels.models.skinny_rows import skinny_linear_rows  # noqa: E402
@@ -236,6 +237,11 @@ def build_parser(prog: str, default_out_dir: Path) -> Parser:
                         "load caches and the step-cost curve on a slow machine")
     p.add_argument("--k", type=int, default=4, help="speculation length (initial, for the adaptive schedules)")
     p.add_argument("--self-spec-layers", type=int, default=8, help="layers of the target that self-spec / draft run")
+    p.add_argument("--draft-model", default=None,
+                   help="draft / draft-tree: a draft file or a model name of the target's vocabulary (as specdec "
+                        "generate's flag; None: the draft the package ships for the model)")
+    p.add_argument("--draft-weights", default="stored", choices=DRAFT_WEIGHTS, help="as specdec generate's flag")
+    p.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB_SIZE, help="as specdec generate's flag")
     p.add_argument("--prompt-lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     p.add_argument("--weights", default="native", choices=WEIGHT_FORMATS,
@@ -274,7 +280,7 @@ class Session:
         self.prompts: list = []
         self.methods: list = []
         self.llama_spec = None  # the bench.llama_cpp_speculative module with --llama-bin
-        self.spec_binary = self.gguf = None
+        self.spec_binary = self.gguf = self.draft_gguf = None
         self.hf: HFRunner | None = None
 
     def ours(self, drafter: str | None, batch_ids: list, target=None, max_batch=None, new_tokens=None):
@@ -283,7 +289,9 @@ class Session:
         target = target or self.model
         new_tokens = self.args.max_new_tokens if new_tokens is None else new_tokens
         name, _, schedule = (drafter or "none").partition(":")
-        made = make_drafter(name, target, self_spec_layers=self.args.self_spec_layers, max_k=16)
+        made = make_drafter(name, target, self_spec_layers=self.args.self_spec_layers, max_k=16,
+                            draft_model=self.args.draft_model, draft_weights=self.args.draft_weights,
+                            draft_vocab=self.args.draft_vocab)
         gen = Generator(target, made, SpecSchedule(schedule or default_schedule(name), self.args.k))
         t = time.perf_counter()
         reqs = gen.generate(batch_ids, new_tokens, max_batch=max_batch)
@@ -334,7 +342,9 @@ def warm_up(s: Session) -> None:
 
         s.llama_spec = llama_spec
         s.spec_binary, s.gguf = llama_spec.binary_path(args.llama_bin), resolve(args.model)
-        s.methods = list(llama_spec.METHODS) + s.methods
+        draft = resolve(args.draft_model) if args.draft_model else None  # its draft-simple runs with this file
+        s.draft_gguf = draft if draft and draft.endswith(".gguf") else None
+        s.methods = list(llama_spec.methods(s.draft_gguf)) + s.methods
     if not args.no_hf:
         with tempfile.TemporaryDirectory() as d:
             s.hf = HFRunner(s.model, d)
@@ -352,7 +362,8 @@ def _run_hf(s: Session, method: str, ids: list, row: dict):
 
 def _run_llama_spec(s: Session, method: str, group: list, ids: list, row: dict):
     text = s.tok.apply_chat_template([{"role": "user", "content": group[0]["text"]}])
-    res = s.llama_spec.run(s.spec_binary, s.gguf, text, s.args.max_new_tokens, method, threads=s.args.threads)
+    res = s.llama_spec.run(s.spec_binary, s.gguf, text, s.args.max_new_tokens, method, threads=s.args.threads,
+                           draft_path=s.draft_gguf)
     outs, dt = [s.tok.encode(res["text"])], res["prefill_seconds"] + res["decode_seconds"]
     steps = max(res["tokens"] - res["accepted"], 1)  # each step emits its accepted drafts + 1
     row.update(prefill_tokens=res["prompt_tokens"], prefill_seconds=res["prefill_seconds"],
@@ -404,7 +415,7 @@ def run_one(s: Session, bs: int, rnd: int, group: list, method: str) -> dict:
            "categories": [p["category"] for p in group]}
     if method.startswith("hf"):
         outs, dt = _run_hf(s, method, ids, row)
-    elif s.llama_spec is not None and method in s.llama_spec.METHODS:
+    elif s.llama_spec is not None and method in s.llama_spec.methods(s.draft_gguf):
         outs, dt = _run_llama_spec(s, method, group, ids, row)
     elif method == "llama-cpp-ar":
         outs, dt = _run_llama_ar(s, ids, row)

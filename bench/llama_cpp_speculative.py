@@ -8,7 +8,9 @@ the same thread count. The numbers are the tool's own: "encoded N tokens in S se
 "n_accept".
 
 ``METHODS``: its lookup types at their defaults, and autoregressive decoding through the
-same binary and the same loop — ``ngram-simple`` with a lookup n-gram longer than any
+same binary and the same loop; with a draft model (``methods(draft_path)``) also
+``draft-simple`` with that GGUF file (``-md``) at its default ``--spec-draft-n-max`` (3) and
+at 8 (its issue's measured setting) — ``ngram-simple`` with a lookup n-gram longer than any
 context here (``--spec-ngram-simple-size-n 1024``: it never matches, so every step decodes
 one token), because ``--spec-type none`` gives it no speculator to run.
 
@@ -30,9 +32,20 @@ METHODS = {
     "llama-spec-ngram-simple": ["--spec-type", "ngram-simple"],
     "llama-spec-ngram-mod": ["--spec-type", "ngram-mod"],
 }
+DRAFT_METHODS = {
+    "llama-spec-draft": ["--spec-type", "draft-simple"],
+    "llama-spec-draft-n8": ["--spec-type", "draft-simple", "--spec-draft-n-max", "8"],
+}
 _NUMBERS = {"prompt": r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds",
             "decode": r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds",
             "drafted": r"n_drafted\s*=\s*(\d+)", "accepted": r"n_accept\s*=\s*(\d+)"}
+
+
+def methods(draft_path: str | None = None) -> dict:
+    """{method: its arguments}: METHODS, and DRAFT_METHODS drafting with ``draft_path``."""
+    if draft_path is None:
+        return dict(METHODS)
+    return {**METHODS, **{m: a + ["-md", draft_path] for m, a in DRAFT_METHODS.items()}}
 
 
 def binary_path(bin_dir: str) -> str:
@@ -44,8 +57,8 @@ def binary_path(bin_dir: str) -> str:
 
 
 def run(binary: str, model_path: str, prompt_text: str, max_new_tokens: int, method: str, *, threads: int,
-        timeout: float = 1800) -> dict:
-    """One greedy generation of ``prompt_text`` (chat template applied) with ``METHODS[method]``:
+        timeout: float = 1800, draft_path: str | None = None) -> dict:
+    """One greedy generation of ``prompt_text`` (chat template applied) with ``methods(draft_path)[method]``:
     {prompt_tokens, prefill_seconds, tokens, decode_seconds, drafted, accepted, text}.
     RuntimeError with the tool's last lines when it fails or prints none of its timings."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
@@ -54,7 +67,7 @@ def run(binary: str, model_path: str, prompt_text: str, max_new_tokens: int, met
     try:
         cmd = [binary, "-m", model_path, "-f", prompt_file, "-n", str(max_new_tokens), "--temp", "0", "--top-k", "1",
                "--seed", "1", "-t", str(threads), "-tb", str(threads), "-c", "4096", "-b", "2048",
-               *METHODS[method]]
+               *methods(draft_path)[method]]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     finally:
         os.unlink(prompt_file)

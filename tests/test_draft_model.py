@@ -209,6 +209,23 @@ def test_chain_length_follows_the_step_cost(model, prompts):
     assert r.stats.drafted == 0 and r.stats.steps == 6
 
 
+def test_a_too_low_prior_is_probed_not_kept(model, prompts):
+    """A draft that equals the target, sized from a prior of 0.05 and verification rows that
+    pay only at high acceptance: it probes one token a step, finds it accepted and drafts
+    chains; an unrelated draft stops after its few probes (PROBE_TOKENS) and decodes
+    autoregressive steps from then on. Greedy output stays the target's either way."""
+    from specdec_kernels.decoding.drafters import PROBE_TOKENS
+
+    cost = StepCost({1: {1: 1.0, 2: 1.5, 8: 1.8}})
+    ar = greedy_reference(model, prompts[1], 24)
+    same = ModelDrafter(model.truncated(model.config.num_layers), step_cost=cost, acceptance=0.05, sized=True)
+    (r,) = Generator(model, same, SpecSchedule("max", 6, max_k=6)).generate(prompts[1:2], 24)
+    assert r.output == ar and r.stats.drafted > 2 * PROBE_TOKENS and r.stats.steps < 12
+    other = ModelDrafter(Llama.random(tiny_config(num_layers=1), seed=11), step_cost=cost, acceptance=0.05, sized=True)
+    (r,) = Generator(model, other, SpecSchedule("max", 6, max_k=6)).generate(prompts[1:2], 24)
+    assert r.output == ar and 1 <= r.stats.drafted <= PROBE_TOKENS
+
+
 def _distill_data(target, n_seqs=24, length=24, seed=0, layers=None):
     """Teacher-forced top-k targets of ``target`` on random token sequences (the data dict of
     ``training.distill_data``)."""

@@ -232,6 +232,10 @@ class ChainRun:
     alts: list = field(default_factory=list)  # tree_width > 1: the root's other children
 
 
+PRIOR_TOKENS = 4  # how many drafted tokens' worth of evidence a request's prior acceptance counts as
+PROBE_TOKENS = 4  # drafted tokens a request probes with before its sizing may keep drafting off
+
+
 class ModelDrafter(SizedDrafter):
     """Draft with a (smaller) Llama of the same vocabulary, chain or top-k tree.
 
@@ -275,7 +279,7 @@ class ModelDrafter(SizedDrafter):
     def acceptance(self, rid=None) -> float:
         """Request ``rid``'s running estimate of P(a draft token is accepted | the ones before
         it were); the prior for an unknown request."""
-        acc, rej = self._seen.get(rid, (4 * self.prior, 4 * (1 - self.prior)))
+        acc, rej = self._seen.get(rid, (PRIOR_TOKENS * self.prior, PRIOR_TOKENS * (1 - self.prior)))
         return acc / max(1e-9, acc + rej)
 
     def chain_length(self, batch: int, cap: int, acceptance: float | None = None) -> int:
@@ -288,6 +292,18 @@ class ModelDrafter(SizedDrafter):
         a = self.prior if acceptance is None else acceptance
         k, _ = best_chain_length(a, cap, self._cost, batch=batch, width=self.tree_width,
                                  draft_cost=self.relative_cost(self._token_s, batch))
+        return k
+
+    def _sized_length(self, rid, cap: int, batch: int) -> int:
+        """Request ``rid``'s chain length this step: :meth:`chain_length` at its running
+        acceptance, or a one-token probe while it has fewer than PROBE_TOKENS drafted tokens of
+        its own seen and a chain would pay at full acceptance — so a prior that is too low
+        (a whole model by name has no recorded agreement: 0.5) cannot keep a draft that agrees
+        97% of the time off for good, and one that does not pay stops after a few probes."""
+        k = self.chain_length(batch, cap, self.acceptance(rid))
+        acc, rej = self._seen.get(rid, (PRIOR_TOKENS, 0.0))
+        if k == 0 and cap > 0 and acc + rej < PRIOR_TOKENS + PROBE_TOKENS and self.chain_length(batch, cap, 1.0) > 0:
+            return 1
         return k
 
     def start(self, gen, reqs):
@@ -306,7 +322,7 @@ class ModelDrafter(SizedDrafter):
 
     def admit(self, gen, reqs):
         for r in reqs:
-            self._seen[r.rid] = [4 * self.prior, 4 * (1 - self.prior)]
+            self._seen[r.rid] = [PRIOR_TOKENS * self.prior, PRIOR_TOKENS * (1 - self.prior)]
         if self.share:
             return
         for r in reqs:
@@ -322,7 +338,7 @@ class ModelDrafter(SizedDrafter):
         model, cache = self.model, self.cache
         drafts = [Draft.root_only(r.tokens[-1]) for r in reqs]
         if self.sized and self._token_s is not None:
-            lengths = [min(n, self.chain_length(len(reqs), n, self.acceptance(r.rid))) for r, n in zip(reqs, lengths)]
+            lengths = [self._sized_length(r.rid, n, len(reqs)) for r, n in zip(reqs, lengths)]
         runs = []
         for b, (r, k) in enumerate(zip(reqs, lengths)):
             if k <= 0:

@@ -172,7 +172,8 @@ def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: st
 def draft_by_name(target, name_or_path: str, draft_weights: str = "stored", draft_vocab: int | None = None):
     """A whole model (registered name, GGUF file or checkpoint folder) as the draft of
     ``target``: loaded in the target's weight format (``draft_weights`` "stored"), or as
-    fp32 / q8_0 / q4_0. Its vocabulary must be the target's: the same size and, where both
+    fp32 / q8_0 / q4_0 (blocks with int8 activations when the target's products use them).
+    Its vocabulary must be the target's: the same size and, where both
     loaders recorded it, the same tokens (``Llama.vocab_digest``). It drafts from the
     ``draft_vocab`` tokens (default ``DRAFT_VOCAB_SIZE``; 0 or more than the vocabulary: all)
     the Python standard library's sources use most, and its end-of-turn tokens
@@ -190,6 +191,8 @@ def draft_by_name(target, name_or_path: str, draft_weights: str = "stored", draf
     if ours is not None and theirs is not None and ours != theirs:
         raise ValueError(f"draft model {name_or_path!r} has as many tokens as the target {target.name!r} but not the "
                          "same ones: a draft must share the target's vocabulary")
+    if target.int8_activations and not dm.int8_activations:  # q8_0 / q4_0 blocks made on load
+        dm = dm.with_int8_activations()  # its speed is what matters; exactness is the target's
     size = DRAFT_VOCAB_SIZE if draft_vocab is None else draft_vocab
     if 0 < size < dm.config.vocab_size:
         counts = corpus_token_counts(tok, dm.config.vocab_size)
