@@ -268,9 +268,12 @@ class ModelDrafter(SizedDrafter):
         self.name = name or ("draft-tree" if tree_width > 1 else "draft")
         self.sized = sized
         self._own_step_cost(step_cost)
-        self.prior = acceptance if acceptance is not None else float(
-            getattr(model, "metadata", {}).get("held_out_top1", 0.5))
-        # Per request: [accepted draft tokens, rejections] seen, seeded with the prior worth 4 tokens.
+        measured = acceptance if acceptance is not None else getattr(model, "metadata", {}).get("held_out_top1")
+        self.prior = 0.5 if measured is None else float(measured)
+        # A measured prior counts as PRIOR_TOKENS drafted tokens of evidence; 0.5 for want of one
+        # (a whole model by name) as one, so a request's own acceptance soon decides.
+        self.prior_tokens = PRIOR_TOKENS if measured is not None else 1
+        # Per request: [accepted draft tokens, rejections] seen, seeded with the prior.
         self._seen: dict = {}
         self._token_s = None  # measured seconds of one draft depth (batch of this step), EMA
         self._drafted: dict = {}
@@ -279,7 +282,7 @@ class ModelDrafter(SizedDrafter):
     def acceptance(self, rid=None) -> float:
         """Request ``rid``'s running estimate of P(a draft token is accepted | the ones before
         it were); the prior for an unknown request."""
-        acc, rej = self._seen.get(rid, (PRIOR_TOKENS * self.prior, PRIOR_TOKENS * (1 - self.prior)))
+        acc, rej = self._seen.get(rid, (self.prior_tokens * self.prior, self.prior_tokens * (1 - self.prior)))
         return acc / max(1e-9, acc + rej)
 
     def chain_length(self, batch: int, cap: int, acceptance: float | None = None) -> int:
@@ -301,8 +304,8 @@ class ModelDrafter(SizedDrafter):
         (a whole model by name has no recorded agreement: 0.5) cannot keep a draft that agrees
         97% of the time off for good, and one that does not pay stops after a few probes."""
         k = self.chain_length(batch, cap, self.acceptance(rid))
-        acc, rej = self._seen.get(rid, (PRIOR_TOKENS, 0.0))
-        if k == 0 and cap > 0 and acc + rej < PRIOR_TOKENS + PROBE_TOKENS and self.chain_length(batch, cap, 1.0) > 0:
+        acc, rej = self._seen.get(rid, (self.prior_tokens, 0.0))
+        if k == 0 and cap > 0 and acc + rej < self.prior_tokens + PROBE_TOKENS and self.chain_length(batch, cap, 1.0) > 0:
             return 1
         return k
 
@@ -322,7 +325,7 @@ class ModelDrafter(SizedDrafter):
 
     def admit(self, gen, reqs):
         for r in reqs:
-            self._seen[r.rid] = [PRIOR_TOKENS * self.prior, PRIOR_TOKENS * (1 - self.prior)]
+            self._seen[r.rid] = [self.prior_tokens * self.prior, self.prior_tokens * (1 - self.prior)]
         if self.share:
             return
         for r in reqs:
