@@ -205,8 +205,11 @@ def corpus_token_counts(tokenizer, vocab_size: int, max_bytes: int = CORPUS_BYTE
     key = f"{tokenizer.vocab_digest()[:16]}-{vocab_size}-{max_bytes}-{len(files)}-stdlib{sys.version_info[0]}.{sys.version_info[1]}"
     path = os.path.join(package_cache_dir("vocab"), key + ".pt")
     if os.path.exists(path):
-        counts = torch.load(path)
-        if counts.shape == (vocab_size,):
+        try:
+            counts = torch.load(path)
+        except Exception:  # an unreadable entry (cut short, corrupt) is counted again
+            counts = None
+        if isinstance(counts, torch.Tensor) and counts.shape == (vocab_size,) and counts.dtype == torch.int64:
             return counts
     counts, read = torch.zeros(vocab_size, dtype=torch.int64), 0
     with tqdm(total=max_bytes, unit="B", unit_scale=True, desc="counting draft-vocabulary tokens", leave=False) as bar:

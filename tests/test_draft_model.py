@@ -342,6 +342,10 @@ def test_corpus_token_counts_are_counted_once_and_cached(tmp_path, monkeypatch):
     prefix = torch.bincount(torch.tensor([ord(c) % 8 for c in "abc"]), minlength=8)
     assert torch.equal(corpus_token_counts(tok, 8, max_bytes=3), prefix)  # its own cache entry
     assert corpus_token_counts(tok, 9).shape == (9,)
+    for entry in (tmp_path / "cache" / "vocab").iterdir():  # a corrupt cache entry is counted again
+        entry.write_bytes(b"not a tensor")
+    calls = tok.calls
+    assert torch.equal(corpus_token_counts(tok, 8), want) and tok.calls == calls + 2
 
 
 def test_the_corpus_is_the_standard_librarys_sources():
