@@ -242,6 +242,8 @@ def build_parser(prog: str, default_out_dir: Path) -> Parser:
                         "generate's flag; None: the draft the package ships for the model)")
     p.add_argument("--draft-weights", default="stored", choices=DRAFT_WEIGHTS, help="as specdec generate's flag")
     p.add_argument("--draft-vocab", type=int, default=DRAFT_VOCAB_SIZE, help="as specdec generate's flag")
+    p.add_argument("--eagle-checkpoint", default=None,
+                   help="eagle / eagle+ngram: an EAGLE head file (as specdec generate's flag; None: the shipped head)")
     p.add_argument("--prompt-lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     p.add_argument("--weights", default="native", choices=WEIGHT_FORMATS,
@@ -291,7 +293,7 @@ class Session:
         name, _, schedule = (drafter or "none").partition(":")
         made = make_drafter(name, target, self_spec_layers=self.args.self_spec_layers, max_k=16,
                             draft_model=self.args.draft_model, draft_weights=self.args.draft_weights,
-                            draft_vocab=self.args.draft_vocab)
+                            draft_vocab=self.args.draft_vocab, eagle_checkpoint=self.args.eagle_checkpoint)
         gen = Generator(target, made, SpecSchedule(schedule or default_schedule(name), self.args.k))
         t = time.perf_counter()
         reqs = gen.generate(batch_ids, new_tokens, max_batch=max_batch)

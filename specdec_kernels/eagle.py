@@ -99,15 +99,27 @@ class EagleHead(nn.Module):
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def for_target(cls, target, draft_vocab: torch.Tensor, *, init_layer: int | None = -1) -> "EagleHead":
+    def for_target(cls, target, draft_vocab: torch.Tensor, *, init_layer: int | None = -1,
+                   intermediate_size: int | None = None) -> "EagleHead":
         """A head for ``target`` (a ``Llama``), its decoder layer copied from the target's
-        layer ``init_layer`` (None: random) — a better start than random with little data."""
-        head = cls(target.config, draft_vocab)
+        layer ``init_layer`` (None: random) — a better start than random with little data.
+        ``intermediate_size`` (default: the target's) narrows the head's MLP, to the first
+        that many of the copied layer's gate / up rows and down columns."""
+        I_t = target.config.intermediate_size
+        inter = I_t if intermediate_size is None else int(intermediate_size)
+        if not 0 < inter <= I_t:
+            raise ValueError(f"intermediate_size must be in 1..{I_t} (the target's), got {inter}")
+        head = cls(target.config, draft_vocab, intermediate_size=inter)
         if init_layer is not None:
             L = target.layers[init_layer]
             with torch.no_grad():
                 for name in layer_keys(head.attention_bias):
-                    getattr(head, name).copy_(dense(L[name]).float())  # native weights: dequantised
+                    w = dense(L[name]).float()
+                    if name == "w_gate_up":
+                        w = torch.cat([w[:inter], w[I_t:I_t + inter]])
+                    elif name == "w_down":
+                        w = w[:, :inter]
+                    getattr(head, name).copy_(w)  # native weights: dequantised
         return head.attach(target)
 
     def attach(self, target) -> "EagleHead":
@@ -260,7 +272,8 @@ def attention_reference(q, k, v, mask=None):
 # Files.
 # ---------------------------------------------------------------------------------------
 
-SHIPPED_HEADS = {"smollm2-135m": "eagle_smollm2_135m.safetensors"}
+SHIPPED_HEADS = {"smollm2-135m": "eagle_smollm2_135m.safetensors",
+                 "qwen2.5-coder-1.5b": "eagle_qwen2.5_coder_1.5b.safetensors"}
 
 
 def default_eagle_checkpoint(model_name: str, *, must_exist: bool = True) -> str | None:

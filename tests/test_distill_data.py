@@ -20,6 +20,9 @@ class _Tok:
     def user_turn_prefix(self, opener=""):
         return [61, 62] + [1 + (ord(c) % 60) for c in opener[:8]]
 
+    def encode(self, text):
+        return [1 + (ord(c) % 60) for c in text]
+
     def decode(self, ids):
         return "".join(chr(ord("a") + t % 26) for t in ids)
 
@@ -98,3 +101,45 @@ def test_written_prompts_are_seeded_cached_and_answered(model, tmp_path):
     assert torch.equal(regenerated["tokens"], data["tokens"])
     with pytest.raises(ValueError, match="not both"):
         distill_data.load_or_generate(model, _Tok(), 3, prompts=PROMPTS, **kw)
+
+
+def test_corpus_sequences_are_seeded_spread_and_extend():
+    few = distill_data.corpus_sequences(_Tok(), 5, seq_len=64, seed=0)
+    more = distill_data.corpus_sequences(_Tok(), 9, seq_len=64, seed=0)
+    assert len(few) == 5 and more[:5] == few  # a larger corpus extends a smaller one
+    assert all(len(s) == 64 for s in more)
+    other = distill_data.corpus_sequences(_Tok(), 5, seq_len=64, seed=1)
+    assert other != few  # another seed, other files
+    # One sequence a file: each file's start, in the same seeded order.
+    starts = distill_data.corpus_sequences(_Tok(), 9, seq_len=64, seed=0, per_file=1)
+    assert len(starts) == 9 and starts[0] == few[0] and len({tuple(s) for s in starts}) == 9
+    with pytest.raises(ValueError, match="at least 8"):
+        distill_data.corpus_sequences(_Tok(), 2, seq_len=4, seed=0)
+
+
+def test_corpus_data_is_teacher_forced_cached_and_resumed(model, tmp_path):
+    kw = dict(model_name="tiny", seq_len=16, layers=(1, 2), topk=4, shard_size=2, cache_dir=tmp_path, progress=False)
+    data = distill_data.load_corpus(model, _Tok(), 80, **kw)  # 5 sequences in 3 shards
+    assert data["seq_start"].tolist() == [0, 16, 32, 48, 64, 80] and data["prompt_len"].tolist() == [0] * 5
+    assert data["category"] == ["corpus"] * 5
+    seqs = distill_data.corpus_sequences(_Tok(), 5, seq_len=16, seed=0)
+    assert data["tokens"].tolist() == [t for s in seqs for t in s]
+    ref = distill_data.teacher_forced(model, seqs[3:4], (1, 2), 4)
+    assert torch.equal(ref["features"], data["features"][:, 48:64]) and torch.equal(ref["topk_ids"], data["topk_ids"][48:64])
+    (folder,) = tmp_path.joinpath("tiny").iterdir()
+    assert folder.name.startswith("python-stdlib") and len(list(folder.glob("shard_*.pt"))) == 3
+    folder.joinpath("shard_0001.pt").unlink()  # an interrupted run: the missing shard is made again
+    again = distill_data.load_corpus(model, _Tok(), 80, **kw)
+    assert torch.equal(again["features"], data["features"]) and torch.equal(again["tokens"], data["tokens"])
+
+
+def test_training_data_can_be_corpus_only(model, tmp_path):
+    args = argparse.Namespace(model="tiny", weights="native-int8act", max_new_tokens=6, topk=4, shard_size=2,
+                              cache_dir=str(tmp_path), num_prompts=0, sampled_prompts=0, answer_temperature=0.8,
+                              written_prompts=0, seed=0, corpus_tokens=32, corpus_seq_len=16)
+    data = distill_data.load_training_data(model, _Tok(), args)
+    assert data["seq_start"].tolist() == [0, 16, 32]
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny-native-int8act"]  # features differ by weight format
+    args.corpus_tokens = 0
+    with pytest.raises(ValueError, match="no training data"):
+        distill_data.load_training_data(model, _Tok(), args)

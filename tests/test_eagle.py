@@ -357,6 +357,73 @@ def test_save_load_round_trip(model, tmp_path):
         assert torch.allclose(a.to(torch.bfloat16).float(), b.float()), n
 
 
+def test_a_narrow_head_slices_the_target_layer_and_round_trips(model, prompts, tmp_path):
+    """``intermediate_size`` below the target's: the MLP starts as the first I gate / up rows
+    and down columns of the copied layer, loads back at its width, and drafts losslessly."""
+    from specdec_kernels.models.llama import dense
+
+    I_t = model.config.intermediate_size
+    head = EagleHead.for_target(model, torch.arange(model.config.vocab_size), intermediate_size=I_t // 2)
+    L = model.layers[-1]
+    gate_up, down = dense(L["w_gate_up"]).float(), dense(L["w_down"]).float()
+    assert torch.equal(head.w_gate_up, torch.cat([gate_up[: I_t // 2], gate_up[I_t: I_t + I_t // 2]]))
+    assert torch.equal(head.w_down, down[:, : I_t // 2])
+    full = EagleHead.for_target(model, torch.arange(8))
+    assert torch.equal(full.w_gate_up, gate_up) and full.intermediate_size == I_t
+    path = tmp_path / "narrow.safetensors"
+    save_eagle_head(head, path)
+    back = load_eagle_head(path, model)
+    assert back.intermediate_size == I_t // 2 and back.w_down.shape == (model.config.hidden_size, I_t // 2)
+    sched = SpecSchedule("max", 4, max_k=4)
+    out = Generator(model, EagleDrafter(model, back, step_cost=FREE, step_seconds=SLOW_STEP, top_k=3, max_depth=4), sched).generate([prompts[0]], 12)[0].output
+    assert out == greedy_reference(model, prompts[0], 12)
+    for bad in (0, I_t + 1):
+        with pytest.raises(ValueError, match="intermediate_size"):
+            EagleHead.for_target(model, torch.arange(8), intermediate_size=bad)
+
+
+def test_bf16_training_loss_follows_fp32(model):
+    """``precision="bf16"`` (autocast products, fp32 master weights) gives the fp32 loss within
+    bf16 rounding, and gradients reach every trained parameter in fp32."""
+    from specdec_kernels.training.eagle_training import losses
+
+    head = make_head(model, seed=3).train().requires_grad_(True)
+    B, T, H, k = 2, 9, model.config.hidden_size, 4
+    g = torch.Generator().manual_seed(0)
+    batch = {"feats": torch.randn(B, T, H, generator=g), "next": torch.randn(B, T, H, generator=g),
+             "tokens": torch.randint(0, 64, (B, T), generator=g),
+             "target_ids": torch.randint(0, model.config.vocab_size, (B, T, k), generator=g),
+             "target_logits": torch.randn(B, T, k, generator=g), "lens": torch.tensor([T, T - 3]),
+             "answer_from": torch.zeros(B, dtype=torch.int64)}
+    ref, _, _ = losses(head, batch, 2, feat_scale=1.0)
+    low, _, counts = losses(head, batch, 2, feat_scale=1.0, precision="bf16")
+    assert low.dtype == torch.float32 and counts == [T + T - 3, T - 1 + T - 4]
+    lo, hi = float(low.detach()), float(ref.detach())
+    assert abs(lo - hi) <= 0.02 * abs(hi), (lo, hi)
+    low.backward()
+    for n, p in head.named_parameters():
+        assert p.grad is not None and p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all(), n
+    with pytest.raises(ValueError, match="precision"):
+        losses(head, batch, 1, feat_scale=1.0, precision="fp16")
+
+
+def test_shipped_heads_fit_the_package_and_name_their_data():
+    """Every head the package ships exists, is at most 40 MB, and records its training data
+    (a corpus of real text names its licence)."""
+    import os
+
+    from specdec_kernels.eagle import SHIPPED_HEADS, default_eagle_checkpoint
+    from specdec_kernels.models.registry import read_metadata
+
+    for name in SHIPPED_HEADS:
+        path = default_eagle_checkpoint(name)
+        assert path is not None and os.path.getsize(path) <= 40e6, (name, path)
+        meta = read_metadata(path)
+        assert "trained_by" in meta and int(meta["intermediate_size"]) > 0, name
+        if meta.get("corpus", "none") != "none":
+            assert meta["corpus_licence"] and int(meta["corpus_tokens"]) > 0, name
+
+
 def test_unrolled_training_forward_matches_drafting(model):
     """The trainer's step-j output at position t equals drafting j-1 tokens after the true
     entries 0..t-j+1 with the head fed its own outputs (the training-time-test pattern)."""

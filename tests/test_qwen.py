@@ -429,6 +429,7 @@ def test_qwen_1_5b_native_speculative_equals_autoregressive():
     ar = [r.output for r in Generator(model).generate(prompts, 8)]
     assert "def" in tok.decode(ar[0])
     for name, kw in (("ngram", {}), ("ngram-tree", {}),  # ngram-tree: with the tables measured for the 1.5B
-                     ("draft", {"draft_model": require_real_model("qwen2.5-coder-0.5b")})):
+                     ("draft", {"draft_model": require_real_model("qwen2.5-coder-0.5b")}),
+                     ("eagle", {}), ("eagle+ngram", {})):  # eagle: the head the package ships for the 1.5B
         drafter = make_drafter(name, model, **kw)
         assert [r.output for r in Generator(model, drafter).generate(prompts, 8)] == ar, name

@@ -24,7 +24,12 @@ Shared by the EAGLE head (``specdec train-eagle``) and the draft-model / exit-he
    of the sequence; and the target's top-k next-token logits (fp16) and their ids, for a KL
    to the target's distribution (issue: distilled draft model). Position t's features are
    the state after reading tokens[0..t]: they produce the prediction of tokens[t+1].
-3. **Cache.** Shards of ``shard_size`` prompts, ``cache_dir/<model>/<key>/shard_XXXX.pt``
+3. **Real text** (``--corpus-tokens``): sequences of ``--corpus-seq-len`` tokens cut from the
+   Python standard library's sources (PSF licence; every machine running the package has
+   them), files in a seeded order, at most two sequences a file so the corpus spans the
+   library; no generation, only the teacher-forced pass of 2. (EAGLE-1's data: the target's
+   features over fixed text). ``prompt_len`` is 0 there: every position is scored.
+4. **Cache.** Shards of ``shard_size`` prompts, ``cache_dir/<model>/<key>/shard_XXXX.pt``
    where the key names everything that changes the data (seed, token limit, layers, top-k,
    shard size); an interrupted run resumes at the first missing shard (shards are written
    atomically). ``synthetic_prompts(n)`` is a prefix of ``synthetic_prompts(n + m)``, so a
@@ -107,6 +112,43 @@ def written_prompts(model, tok, indices, *, seed: int, max_tokens: int = 96) -> 
     return out
 
 
+CORPUS_NAME = "python-stdlib"
+CORPUS_LICENCE = "PSF-2.0 (the Python standard library's own sources)"
+
+
+def corpus_sequences(tok, count: int, *, seq_len: int, seed: int, per_file: int = 2) -> list[list[int]]:
+    """``count`` token sequences of ``seq_len`` tokens (fewer if the library runs out) cut
+    from the starts of the standard library's source files (``draft_model.corpus_files``,
+    tests skipped), the files shuffled by ``seed``, at most ``per_file`` sequences a file.
+    Sequence i does not depend on ``count``, so a larger corpus extends a smaller one."""
+    from ..draft_model import corpus_files
+
+    if seq_len < 8:
+        raise ValueError(f"corpus sequences need at least 8 tokens, got seq_len={seq_len}")
+    files = corpus_files()
+    random.Random(seed).shuffle(files)
+    out: list[list[int]] = []
+    for f in files:
+        if len(out) >= count:
+            break
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            text = fh.read(seq_len * per_file * 8)  # source code runs 3-4 characters a token
+        ids = tok.encode(text)
+        out += [ids[c * seq_len:(c + 1) * seq_len] for c in range(min(per_file, len(ids) // seq_len))]
+    return out[:count]
+
+
+def corpus_shard(model, sequences: list[list[int]], *, layers, topk: int) -> dict:
+    """:func:`teacher_forced` data over corpus ``sequences`` (no prompt: ``prompt_len`` 0)."""
+    data = teacher_forced(model, sequences, layers, topk)
+    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.int64)
+    data.update(tokens=torch.tensor([t for s in sequences for t in s], dtype=torch.int64),
+                seq_start=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+                prompt_len=torch.zeros(len(sequences), dtype=torch.int64),
+                layers=torch.tensor(list(layers), dtype=torch.int64), category=["corpus"] * len(sequences))
+    return data
+
+
 def collect(model, prompts: list[list[int]], *, max_new_tokens: int, layers, topk: int,
             batch_size: int = 32, temperature: float = 0.0, seed: int = 0) -> dict:
     """Answers of ``model`` to ``prompts`` (token ids) with the package's batched decode loop
@@ -156,8 +198,6 @@ def load_or_generate(model, tok, num_prompts: int, *, model_name: str, max_new_t
     [{"prompt", "category"}]; or, with ``written``, ``num_prompts`` prompts the model writes
     itself, :func:`written_prompts`), generated shard by shard and cached (see the module
     docstring); answers greedy, or sampled at ``temperature`` (seeded per prompt)."""
-    from tqdm import tqdm
-
     from .medusa_prompts import synthetic_prompts
 
     torch.manual_seed(seed)
@@ -177,32 +217,70 @@ def load_or_generate(model, tok, num_prompts: int, *, model_name: str, max_new_t
     if temperature > 0:
         tag += f"_T{temperature:g}"
     key = f"{tag}_t{max_new_tokens}_l{'-'.join(map(str, layers))}_k{topk}_b{shard_size}"
-    root = Path(cache_dir) / Path(model_name).stem / key
+
+    def make(start: int, stop: int) -> dict:
+        chunk = prompts[start:stop]
+        if written:
+            chunk = written_prompts(model, tok, range(start, stop), seed=seed)
+        shard = collect(model, [tok.chat_prompt(p["prompt"]) for p in chunk], max_new_tokens=max_new_tokens,
+                        layers=layers, topk=topk, batch_size=shard_size, temperature=temperature,
+                        seed=seed * 1_000_003 + start)
+        shard["category"] = [p.get("category", "") for p in chunk]
+        return shard
+
+    return cached_shards(Path(cache_dir) / _folder(model_name) / key, len(prompts), shard_size, make,
+                         desc="self-distillation", unit="prompt", progress=progress, regenerate=regenerate)
+
+
+def load_corpus(model, tok, num_tokens: int, *, model_name: str, seq_len: int = 256, layers=None, topk: int = 32,
+                shard_size: int = 32, seed: int = 0, cache_dir=DEFAULT_CACHE, progress: bool = True) -> dict:
+    """Teacher-forced data over ``num_tokens`` tokens of the standard library's sources
+    (:func:`corpus_sequences`, module docstring 3), made by one prefill a sequence and cached
+    shard by shard like :func:`load_or_generate`'s."""
+    import hashlib
+    import sys
+
+    layers = tuple(layers or default_layers(model.config.num_layers))
+    sequences = corpus_sequences(tok, -(-num_tokens // seq_len), seq_len=seq_len, seed=seed)
+    digest = hashlib.sha1(repr([s[:4] for s in sequences[:shard_size]]).encode()).hexdigest()[:8]
+    key = (f"{CORPUS_NAME}{sys.version_info[0]}.{sys.version_info[1]}_{digest}_s{seed}_n{seq_len}"
+           f"_l{'-'.join(map(str, layers))}_k{topk}_b{shard_size}")
+    return cached_shards(Path(cache_dir) / _folder(model_name) / key, len(sequences), shard_size,
+                         lambda a, b: corpus_shard(model, sequences[a:b], layers=layers, topk=topk),
+                         desc="corpus features", unit="seq", progress=progress)
+
+
+def _folder(model_name: str) -> str:
+    """A model's cache folder name (a path's stem; :func:`cache_name`'s output as is)."""
+    return Path(model_name).stem if os.sep in model_name or os.path.exists(model_name) else model_name
+
+
+def cached_shards(root: Path, count: int, shard_size: int, make, *, desc: str, unit: str, progress: bool = True,
+                  regenerate: bool = False) -> dict:
+    """The data of ``count`` items, made ``shard_size`` at a time by ``make(start, stop)`` and
+    cached as ``root/shard_XXXX.pt`` (written atomically: a killed run never leaves half a
+    shard, and the next run resumes at the first missing one), concatenated."""
+    from tqdm import tqdm
+
     root.mkdir(parents=True, exist_ok=True)
-    shards = []
-    chunks = [prompts[s: s + shard_size] for s in range(0, len(prompts), shard_size)]
-    bar = tqdm(total=len(prompts), desc="self-distillation", unit="prompt", disable=not progress)
-    positions = 0
-    for i, chunk in enumerate(chunks):
+    shards, positions = [], 0
+    bar = tqdm(total=count, desc=desc, unit=unit, disable=not progress)
+    for i, start in enumerate(range(0, count, shard_size)):
+        stop = min(count, start + shard_size)
         path = root / f"shard_{i:04d}.pt"
         if path.exists() and not regenerate:
             shard = torch.load(path, weights_only=True)
         else:
             t0 = time.perf_counter()
-            if written:
-                chunk = written_prompts(model, tok, range(i * shard_size, i * shard_size + len(chunk)), seed=seed)
-            shard = collect(model, [tok.chat_prompt(p["prompt"]) for p in chunk], max_new_tokens=max_new_tokens,
-                            layers=layers, topk=topk, batch_size=shard_size, temperature=temperature,
-                            seed=seed * 1_000_003 + i * shard_size)
-            shard["category"] = [p.get("category", "") for p in chunk]
+            shard = make(start, stop)
             tmp = path.with_suffix(".tmp")
             torch.save(shard, tmp)
-            tmp.replace(path)  # atomic: a killed run never leaves half a shard
+            tmp.replace(path)
             if progress:
                 tqdm.write(f"shard {i}: {shard['tokens'].shape[0]} positions in {time.perf_counter() - t0:.0f}s -> {path}")
         shards.append(shard)
         positions += shard["tokens"].shape[0]
-        bar.update(len(chunk))
+        bar.update(stop - start)
         bar.set_postfix(positions=positions)
     bar.close()
     return concat(shards)
@@ -224,24 +302,44 @@ def add_data_arguments(p, *, num_prompts: int) -> None:
     p.add_argument("--max-new-tokens", type=int, default=96, help="tokens generated per training prompt")
     p.add_argument("--shard-size", type=int, default=32, help="prompts per cached data shard (the unit of resuming)")
     p.add_argument("--topk", type=int, default=32, help="target logits cached per position")
+    p.add_argument("--corpus-tokens", type=int, default=0,
+                   help="tokens of real code and text (the Python standard library's sources, PSF licence) "
+                        "run teacher-forced through the target: features at the cost of a prefill")
+    p.add_argument("--corpus-seq-len", type=int, default=256, help="tokens per corpus sequence")
+
+
+def cache_name(model: str, weights: str = "native") -> str:
+    """The cache folder's name for a model (a registered name, or a file's or folder's stem)
+    loaded with ``weights``: features differ between weight formats."""
+    name = Path(model).stem if os.path.exists(model) else model
+    return name if weights == "native" else f"{name}-{weights}"
 
 
 def load_training_data(model, tok, args) -> dict:
-    """The data of :func:`add_data_arguments`' options: ``--num-prompts`` greedy answers (seed
-    ``args.seed``), plus ``--sampled-prompts`` sampled ones (seed + 1), plus greedy answers
-    to ``--written-prompts`` prompts the model wrote (seed + 2), concatenated."""
-    kw = dict(model_name=args.model, max_new_tokens=args.max_new_tokens, topk=args.topk,
+    """The data of :func:`add_data_arguments`' options: ``--corpus-tokens`` tokens of real
+    code, plus ``--num-prompts`` greedy answers (seed ``args.seed``), plus
+    ``--sampled-prompts`` sampled ones (seed + 1), plus greedy answers to
+    ``--written-prompts`` prompts the model wrote (seed + 2), concatenated."""
+    name = cache_name(args.model, getattr(args, "weights", "native"))
+    kw = dict(model_name=name, max_new_tokens=args.max_new_tokens, topk=args.topk,
               shard_size=args.shard_size, cache_dir=args.cache_dir)
-    data = load_or_generate(model, tok, args.num_prompts, seed=args.seed, **kw)
+    parts = []
+    corpus_tokens = getattr(args, "corpus_tokens", 0)
+    if corpus_tokens > 0:
+        parts.append(load_corpus(model, tok, corpus_tokens, model_name=name, seq_len=args.corpus_seq_len,
+                                 topk=args.topk, shard_size=args.shard_size, seed=args.seed, cache_dir=args.cache_dir))
+    if args.num_prompts > 0:
+        parts.append(load_or_generate(model, tok, args.num_prompts, seed=args.seed, **kw))
+    if not parts and args.sampled_prompts <= 0 and args.written_prompts <= 0:
+        raise ValueError("no training data: give --corpus-tokens, --num-prompts, --sampled-prompts or --written-prompts")
     if args.sampled_prompts > 0:
         if not args.answer_temperature > 0:
             raise ValueError(f"--answer-temperature must be > 0, got {args.answer_temperature}")
-        data = concat([data, load_or_generate(model, tok, args.sampled_prompts, seed=args.seed + 1,
-                                              temperature=args.answer_temperature, **kw)])
+        parts.append(load_or_generate(model, tok, args.sampled_prompts, seed=args.seed + 1,
+                                      temperature=args.answer_temperature, **kw))
     if args.written_prompts > 0:
-        data = concat([data, load_or_generate(model, tok, args.written_prompts, seed=args.seed + 2, written=True,
-                                              **kw)])
-    return data
+        parts.append(load_or_generate(model, tok, args.written_prompts, seed=args.seed + 2, written=True, **kw))
+    return concat(parts)
 
 
 def split_sequences(seq_start: torch.Tensor, held_out: float, seed: int) -> tuple[list[int], list[int]]:
