@@ -70,7 +70,8 @@ def test_training_data_joins_greedy_and_sampled_sets(model, tmp_path, monkeypatc
 
     monkeypatch.setattr(medusa_prompts, "synthetic_prompts", lambda n, seed=0: PROMPTS[seed: seed + n])
     args = argparse.Namespace(model="tiny", max_new_tokens=6, topk=4, shard_size=2, cache_dir=str(tmp_path),
-                              num_prompts=3, sampled_prompts=2, answer_temperature=0.8, written_prompts=3, seed=0)
+                              num_prompts=3, sampled_prompts=2, answer_temperature=0.8, written_prompts=3, seed=0,
+                              corpus_tokens=0)
     data = distill_data.load_training_data(model, _Tok(), args)
     assert data["seq_start"].shape[0] - 1 == 8 and data["prompt_len"].shape[0] == 8
     assert sum(c.startswith("written:") for c in data["category"]) == 3

@@ -309,9 +309,9 @@ def add_data_arguments(p, *, num_prompts: int) -> None:
 
 
 def cache_name(model: str, weights: str = "native") -> str:
-    """The cache folder's name for a model (a registered name, or a file's or folder's stem)
-    loaded with ``weights``: features differ between weight formats."""
-    name = Path(model).stem if os.path.exists(model) else model
+    """The cache folder's name for a model (:func:`_folder`) loaded with ``weights``:
+    features differ between weight formats."""
+    name = _folder(model)
     return name if weights == "native" else f"{name}-{weights}"
 
 
@@ -320,18 +320,17 @@ def load_training_data(model, tok, args) -> dict:
     code, plus ``--num-prompts`` greedy answers (seed ``args.seed``), plus
     ``--sampled-prompts`` sampled ones (seed + 1), plus greedy answers to
     ``--written-prompts`` prompts the model wrote (seed + 2), concatenated."""
-    name = cache_name(args.model, getattr(args, "weights", "native"))
+    if max(args.corpus_tokens, args.num_prompts, args.sampled_prompts, args.written_prompts) <= 0:
+        raise ValueError("no training data: give --corpus-tokens, --num-prompts, --sampled-prompts or --written-prompts")
+    name = cache_name(args.model, getattr(args, "weights", "native"))  # train-draft has no --weights
     kw = dict(model_name=name, max_new_tokens=args.max_new_tokens, topk=args.topk,
               shard_size=args.shard_size, cache_dir=args.cache_dir)
     parts = []
-    corpus_tokens = getattr(args, "corpus_tokens", 0)
-    if corpus_tokens > 0:
-        parts.append(load_corpus(model, tok, corpus_tokens, model_name=name, seq_len=args.corpus_seq_len,
+    if args.corpus_tokens > 0:
+        parts.append(load_corpus(model, tok, args.corpus_tokens, model_name=name, seq_len=args.corpus_seq_len,
                                  topk=args.topk, shard_size=args.shard_size, seed=args.seed, cache_dir=args.cache_dir))
     if args.num_prompts > 0:
         parts.append(load_or_generate(model, tok, args.num_prompts, seed=args.seed, **kw))
-    if not parts and args.sampled_prompts <= 0 and args.written_prompts <= 0:
-        raise ValueError("no training data: give --corpus-tokens, --num-prompts, --sampled-prompts or --written-prompts")
     if args.sampled_prompts > 0:
         if not args.answer_temperature > 0:
             raise ValueError(f"--answer-temperature must be > 0, got {args.answer_temperature}")

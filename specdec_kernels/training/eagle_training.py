@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from ..decoding.cost_model import chain_tokens
 from ..eagle import EagleHead, save_eagle_head
+from ..models.registry import WEIGHT_FORMATS
 from . import distill_data
 from .medusa_training import warmup_cosine
 
@@ -161,7 +162,7 @@ def losses(head, batch, steps: int, *, feat_scale: float, decay: float = 0.7, re
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
         g_all = unrolled(head, batch["feats"], batch["tokens"], steps, fuse)
-        logp_all = [head.logits(g).float().log_softmax(-1) for g in g_all]  # [B, T, Vd] each
+        logp_all = [head.logits(g).log_softmax(-1) for g in g_all]  # fp32 [B, T, Vd] each
     g_all = [g.float() for g in g_all]
     T = batch["tokens"].shape[1]
     t = torch.arange(T)
@@ -302,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-intermediate", type=int, default=0,
                    help="the head's MLP width (0: the target's); narrower heads cost less per draft depth and fit "
                         "the package (the 1.5B's shipped head: 1536)")
-    p.add_argument("--weights", default="native", help="the target's weights while making the data (load_model)")
+    p.add_argument("--weights", default="native", choices=WEIGHT_FORMATS,
+                   help="the target's weights while making the data and decoding the validation prompts")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16",
                    help="the products of the training forward and backward (bf16: autocast, fp32 master weights)")
     p.add_argument("--unroll", type=int, default=3, help="training-time-test steps (draft depths trained)")
