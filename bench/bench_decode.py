@@ -110,7 +110,7 @@ def eagle_step_breakdown(model, context: int = 64, rows: int = 8, reps: int = 30
 
     import torch.nn.functional as F
 
-    from specdec_kernels.eagle import eagle_head_for
+    from specdec_kernels.drafting.eagle.head import eagle_head_for
     from specdec_kernels.models.block import linear
 
     head = eagle_head_for(model)

@@ -101,7 +101,7 @@ def main(argv=None) -> int:
 
     from bench.bench_e2e import load_prompts
     from specdec_kernels.decoding import Generator
-    from specdec_kernels.draft_model import exit_model_for
+    from specdec_kernels.drafting.draft_model.model import exit_model_for
     from specdec_kernels.models import load_model
 
     model, tok = load_model(args.model, args.weights)

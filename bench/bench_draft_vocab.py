@@ -35,7 +35,8 @@ from bench.common import print_table, write_results  # noqa: E402
 from specdec_kernels.decoding import Generator  # noqa: E402
 from specdec_kernels.decoding.cost_model import best_chain_length, draft_token_seconds, step_cost_for  # noqa: E402
 from specdec_kernels.decoding.registry import draft_by_name  # noqa: E402
-from specdec_kernels.draft_model import DRAFT_WEIGHTS, corpus_token_counts, frequency_ranked_vocab, with_draft_vocab  # noqa: E402
+from specdec_kernels.drafting.draft_model.model import (DRAFT_WEIGHTS, corpus_token_counts, frequency_ranked_vocab,
+                                                        with_draft_vocab)  # noqa: E402
 from specdec_kernels.models import load_model  # noqa: E402
 from specdec_kernels.threads import apply_threads  # noqa: E402
 

@@ -46,7 +46,7 @@ from bench.common import RESULTS_DIR, code_prompts, print_table, write_results  
 from specdec_kernels.cli import Parser  # noqa: E402
 from specdec_kernels.decoding import Generator, SpecSchedule, make_drafter  # noqa: E402
 from specdec_kernels.decoding.registry import DRAFTER_INFO, default_schedule  # noqa: E402
-from specdec_kernels.draft_model import DRAFT_VOCAB_SIZE, DRAFT_WEIGHTS  # noqa: E402
+from specdec_kernels.drafting.draft_model.model import DRAFT_VOCAB_SIZE, DRAFT_WEIGHTS  # noqa: E402
 from specdec_kernels.models import load_model  # noqa: E402
 from specdec_kernels.models.registry import WEIGHT_FORMATS  # noqa: E402
 from specdec_kernels.models.skinny_rows import skinny_linear_rows  # noqa: E402

@@ -45,8 +45,7 @@ import torch  # noqa: E402  (loads libtorch before the extension)
 
 from bench.common import RESULTS_DIR  # noqa: E402
 from specdec_kernels.decoding.cost_model import StepCost  # noqa: E402
-from specdec_kernels.decoding.drafters import (NGRAM_TABLES_PATH, NgramTables, NgramTreeDrafter,  # noqa: E402
-                                               ngram_tables_for)
+from specdec_kernels.drafting.ngram import NGRAM_TABLES_PATH, NgramTables, NgramTreeDrafter, ngram_tables_for
 
 RANKS = 4  # RANK entries: ranks 0..RANKS-1 (the last pools the rest)
 SHRINKS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4)

@@ -80,8 +80,8 @@ def soak_one(model, drafter, prompts: list, max_new_tokens: int, *, schedule: st
     after_warmup = samples[min(len(samples) - 1, int(len(samples) * warmup))] if samples else 0
     caches = {}
     for name, c in caches_of(gen, drafter).items():
-        caches[name] = {"free_blocks": c.num_free_blocks, "num_blocks": c.num_blocks,
-                        "active_slots": len(c.active_slots)}
+        caches[name] = {"free_blocks": c.num_free_blocks, "scratch_blocks": c.num_scratch_blocks,
+                        "num_blocks": c.num_blocks, "active_slots": len(c.active_slots)}
     return {
         "outputs": [r.output for r in reqs],
         "errors": [r.error for r in reqs if r.error is not None],
@@ -109,9 +109,9 @@ def check(result: dict, reference: list | None, rss_growth_mb: float) -> list[st
     if growth > rss_growth_mb:
         failures.append(f"resident size grew by {growth:.1f} MB after the warm-up (limit {rss_growth_mb} MB)")
     for name, c in result["caches"].items():
-        if c["free_blocks"] != c["num_blocks"] or c["active_slots"]:
-            failures.append(f"{name} cache not returned: {c['free_blocks']}/{c['num_blocks']} blocks free, "
-                            f"{c['active_slots']} slots active")
+        if c["free_blocks"] + c["scratch_blocks"] != c["num_blocks"] or c["active_slots"]:
+            failures.append(f"{name} cache not returned: {c['free_blocks']}/{c['num_blocks']} blocks free "
+                            f"({c['scratch_blocks']} held as scratch), {c['active_slots']} slots active")
     return failures
 
 

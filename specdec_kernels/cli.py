@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ._platform import restore_ctrl_c, user_cache_dir
 from .decoding.registry import DEFAULT_DRAFTER, DRAFTER_INFO, DRAFTERS, default_drafter, default_schedule, make_drafter
-from .draft_model import DRAFT_VOCAB_SIZE, DRAFT_WEIGHTS
+from .drafting.draft_model.model import DRAFT_VOCAB_SIZE, DRAFT_WEIGHTS
 from .models.registry import WEIGHT_FORMATS
 
 SCHEDULES = ("constant", "heuristic", "adaptive", "max")  # SpecSchedule.KINDS
@@ -411,15 +411,15 @@ def main(argv=None) -> int:
         if argv[:1] == ["bench"]:  # every later argument belongs to the benchmark's own parser
             return cmd_bench(argv[1:])
         if argv[:1] == ["train-medusa"]:
-            from .training.medusa_training import main as train_main
+            from .drafting.medusa.training import main as train_main
 
             return train_main(argv[1:])
         if argv[:1] == ["train-eagle"]:
-            from .training.eagle_training import main as train_eagle_main
+            from .drafting.eagle.training import main as train_eagle_main
 
             return train_eagle_main(argv[1:])
         if argv[:1] == ["train-draft"]:
-            from .training.draft_training import main as train_draft_main
+            from .drafting.draft_model.training import main as train_draft_main
 
             return train_draft_main(argv[1:])
         args = build_parser().parse_args(argv)

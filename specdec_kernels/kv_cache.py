@@ -124,6 +124,7 @@ class PagedKVCache:
         self.lengths = torch.zeros(max_batch, dtype=torch.int32, device=self.device)
         # Host bookkeeping. Free lists are stacks, reversed so that block 0 / slot 0 go first.
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
+        self._scratch_blocks = 0
         self._free_slots = list(range(max_batch - 1, -1, -1))
         self._blocks: dict[int, list[int]] = {}  # slot -> its blocks, in sequence order
         self._lengths: dict[int, int] = {}  # slot -> committed tokens
@@ -165,6 +166,11 @@ class PagedKVCache:
         return len(self._free_blocks)
 
     @property
+    def num_scratch_blocks(self) -> int:
+        """Blocks held as scratch space (``take_blocks``), never a slot's."""
+        return self._scratch_blocks
+
+    @property
     def active_slots(self) -> list[int]:
         return sorted(self._blocks)
 
@@ -196,6 +202,16 @@ class PagedKVCache:
             self.free(slot)
             raise
         return slot
+
+    def take_blocks(self, count: int) -> torch.Tensor:
+        """Take ``count`` free blocks out of the pool for good: scratch space its caller
+        addresses itself (a drafter's copies of draft paths), never handed to a slot.
+        Returns their indices, int64 [count]; OutOfBlocksError when fewer are free."""
+        if count > len(self._free_blocks):
+            raise OutOfBlocksError(f"need {count} scratch blocks, {len(self._free_blocks)} free")
+        taken = [self._free_blocks.pop() for _ in range(count)]
+        self._scratch_blocks += count
+        return torch.tensor(taken, dtype=torch.int64, device=self.device)
 
     def reserve(self, slots: Sequence[int], num_new: Sequence[int] | int) -> None:
         """Make sure the request in each slot has room for ``num_new`` tokens past its

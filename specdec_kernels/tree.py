@@ -56,6 +56,7 @@ from typing import Optional, Sequence
 import torch
 
 __all__ = [
+    "merge_token_trees",
     "MC_SIM_7B_63",
     "Tree",
     "MedusaTree",
@@ -752,3 +753,21 @@ def _monotone_keys(scores, parents, sizes: list) -> tuple[torch.Tensor, torch.Te
         prev_key = key
         offset += sizes[d]
     return torch.cat(keys, dim=1), torch.cat(parent_global, dim=1)
+
+
+def merge_token_trees(parents: list, tokens: list, other_parents: list, other_tokens: list) -> tuple[list, list]:
+    """The union of two draft trees with the same root (``parents[i] < i``, token ids): the
+    other tree's nodes are appended after the first's, except where the path already has
+    the node (the same parent and token), which is shared. Returns (parents, tokens)."""
+    parents, tokens = list(parents), list(tokens)
+    child = {(parents[i], tokens[i]): i for i in range(len(parents) - 1, 0, -1)}
+    where = [0] * len(other_parents)
+    for j in range(1, len(other_parents)):
+        key = (where[other_parents[j]], other_tokens[j])
+        if key not in child:
+            child[key] = len(tokens)
+            parents.append(key[0])
+            tokens.append(key[1])
+        where[j] = child[key]
+    return parents, tokens
+

@@ -236,7 +236,7 @@ def test_train_medusa_refuses_to_overwrite(env):
 
 
 def test_train_medusa_default_output_is_a_new_file(tmp_path, monkeypatch):
-    from specdec_kernels.training.medusa_training import output_path
+    from specdec_kernels.drafting.medusa.training import output_path
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     a = output_path(None, "smollm2-135m", overwrite=False)

@@ -214,7 +214,9 @@ def test_triton_kernels_in_threads():
 
 @pytest.mark.parametrize("drafter", ["none", "medusa", "ngram"])
 def test_two_generators_in_two_threads(drafter):
-    from specdec_kernels.decoding import Generator, MedusaDrafter, NgramDrafter, SamplingParams, SpecSchedule
+    from specdec_kernels.decoding import Generator, SamplingParams, SpecSchedule
+    from specdec_kernels.drafting.medusa.drafter import MedusaDrafter
+    from specdec_kernels.drafting.ngram import NgramDrafter
     from specdec_kernels.models import Llama, tiny_config
 
     model = Llama.random(tiny_config(num_layers=2), seed=0)

@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from specdec_kernels.decoding import Generator, NgramTreeDrafter, SpecSchedule
+from specdec_kernels.decoding import Generator, SpecSchedule
+from specdec_kernels.drafting.ngram import NgramTreeDrafter
 from specdec_kernels.decoding import cost_model
 from specdec_kernels.decoding.cost_model import (RelativeStepCost, StepCost, as_step_cost, best_chain_length,
                                                  best_node_count, calibrate, chain_payoffs, chain_tokens, payoff,
@@ -331,7 +332,7 @@ def _old_select(probs, cost, B, draft_rel):  # NgramTreeDrafter.select (draft_re
     return best_n, best
 
 
-def _old_pick_tree_size(values, cost_per_node, draft_cost):  # medusa_training.pick_tree_size
+def _old_pick_tree_size(values, cost_per_node, draft_cost):  # drafting.medusa.training.pick_tree_size
     acc, best = 1.0, (1.0, 0)
     for n, v in enumerate(values, start=1):
         acc += v
@@ -342,7 +343,7 @@ def _old_pick_tree_size(values, cost_per_node, draft_cost):  # medusa_training.p
 
 
 def test_pay_off_sizes_as_the_drafters_did():
-    from specdec_kernels.training.medusa_training import pick_tree_size
+    from specdec_kernels.drafting.medusa.training import pick_tree_size
 
     g = torch.Generator().manual_seed(0)
     for case in range(60):

@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec_kernels.eagle import EagleHead
+from specdec_kernels.drafting.eagle.head import EagleHead
 from specdec_kernels.kv_cache import PagedKVCache
 from specdec_kernels.models import Llama, tiny_config
 from specdec_kernels.models.block import DecoderBlock, apply_rope, causal_attention, paged_attention, rope_at, rope_tables
 from specdec_kernels.models.llama import Batch, dense
-from specdec_kernels.training.draft_training import DraftLM
-from specdec_kernels.training.eagle_training import unrolled
+from specdec_kernels.drafting.draft_model.training import DraftLM
+from specdec_kernels.drafting.eagle.training import unrolled
 
 ATOL = RTOL = 1e-5  # fp32: the same arithmetic, up to the order of the products' sums
 

@@ -157,7 +157,7 @@ def test_bad_stacks_are_refused():
 def test_eagle_head_halves_give_the_python_blocks_bits(base, fmt, int8):
     """The EAGLE head's decode halves (``decode_qkv`` / ``decode_output``) on its one-layer
     stack equal its Python decode block, for every decode format."""
-    from specdec_kernels.eagle import EagleHead
+    from specdec_kernels.drafting.eagle.head import EagleHead
 
     target = base.quantized("Q8_0")
     head = EagleHead.for_target(target, torch.arange(40)).set_decode_format(fmt, int8_activations=int8)

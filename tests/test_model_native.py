@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from specdec_kernels import gguf_blocks, ops
-from specdec_kernels.decoding import (Generator, MedusaDrafter, ModelDrafter, NgramDrafter, NgramTreeDrafter,
-                                      SelfSpecDrafter, SpecSchedule)
+from specdec_kernels.decoding import Generator, SpecSchedule
+from specdec_kernels.drafting.medusa.drafter import MedusaDrafter
+from specdec_kernels.drafting.draft_model.drafter import ModelDrafter, SelfSpecDrafter
+from specdec_kernels.drafting.ngram import NgramDrafter, NgramTreeDrafter
 from specdec_kernels.models import Llama, tiny_config
 from specdec_kernels.models.llama import dense, is_block_weight, linear
 

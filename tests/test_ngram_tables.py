@@ -7,7 +7,7 @@ import pytest
 
 from bench.fit_ngram_tables import count_matches, simulate, tables_from_counts
 from specdec_kernels.decoding.cost_model import StepCost
-from specdec_kernels.decoding.drafters import NGRAM_TABLES_PATH, NgramTables, NgramTreeDrafter, ngram_tables_for
+from specdec_kernels.drafting.ngram import NGRAM_TABLES_PATH, NgramTables, NgramTreeDrafter, ngram_tables_for
 
 
 def test_tables_are_found_by_model_name():

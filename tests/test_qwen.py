@@ -250,7 +250,7 @@ def test_a_draft_model_by_path_must_share_the_vocabulary(tiny_gguf, tiny_vocab_m
     """``draft --draft-model NAME_OR_PATH``: a whole model of the target's vocabulary drafts
     (in the target's weight format) and greedy output stays exact; a model of another
     vocabulary — another size, or the same size with other tokens — is a clear error."""
-    from specdec_kernels.decoding import ModelDrafter
+    from specdec_kernels.drafting.draft_model.drafter import ModelDrafter
     from specdec_kernels.models.hf_loader import save_hf_dir
 
     path, _ = tiny_gguf
@@ -263,7 +263,7 @@ def test_a_draft_model_by_path_must_share_the_vocabulary(tiny_gguf, tiny_vocab_m
     assert drafter.model.draft_vocab is None  # 264 tokens: fewer than the default draft vocabulary
     # --draft-vocab 100: its 100 tokens most frequent in the standard library's sources, the
     # end-of-turn ones included; greedy output unchanged.
-    from specdec_kernels import draft_model
+    from specdec_kernels.drafting.draft_model import model as draft_model
 
     stdlib = draft_model.corpus_files()
     monkeypatch.setattr(draft_model, "corpus_files", lambda: stdlib[:20])  # a few of its files: quicker

@@ -7,9 +7,11 @@ import math
 import pytest
 import torch
 
-from specdec_kernels.decoding import Generator, ModelDrafter, NgramDrafter, SamplingParams, SpecSchedule
-from specdec_kernels.decoding.eagle_drafter import EagleDrafter
-from specdec_kernels.eagle import EagleHead
+from specdec_kernels.decoding import Generator, SamplingParams, SpecSchedule
+from specdec_kernels.drafting.draft_model.drafter import ModelDrafter
+from specdec_kernels.drafting.ngram import NgramDrafter
+from specdec_kernels.drafting.eagle.drafter import EagleDrafter
+from specdec_kernels.drafting.eagle.head import EagleHead
 from specdec_kernels.kv_cache import OutOfBlocksError
 from specdec_kernels.models import Llama, tiny_config
 

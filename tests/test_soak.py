@@ -37,14 +37,16 @@ def test_soak_every_drafter(model):
 
 def test_soak_check_catches_each_failure():
     ok = {"errors": [], "tokens": 4, "expected_tokens": 4, "outputs": [[1, 2], [3, 4]], "rss_after_warmup_mb": 100.0,
-          "rss_end_mb": 110.0, "caches": {"target": {"free_blocks": 8, "num_blocks": 8, "active_slots": 0}}}
-    assert check(ok, [[1, 2], [3, 4]], 64.0) == []
+          "rss_end_mb": 110.0, "caches": {"target": {"free_blocks": 8, "scratch_blocks": 0, "num_blocks": 8, "active_slots": 0},
+                     "drafter": {"free_blocks": 6, "scratch_blocks": 2, "num_blocks": 8, "active_slots": 0}}}
+    assert check(ok, [[1, 2], [3, 4]], 64.0) == []  # blocks held as scratch are not lost
     cases = {
         "differ": dict(outputs=[[1, 2], [3, 5]]),
         "failed": dict(errors=["request 1: NaN"]),
         "tokens generated": dict(tokens=3),
         "resident size": dict(rss_end_mb=200.0),
-        "not returned": dict(caches={"target": {"free_blocks": 7, "num_blocks": 8, "active_slots": 0}}),
+        "not returned": dict(caches={"target": {"free_blocks": 7, "scratch_blocks": 0, "num_blocks": 8,
+                                                "active_slots": 0}}),
     }
     for words, change in cases.items():
         failures = check({**ok, **change}, [[1, 2], [3, 4]], 64.0)

@@ -559,3 +559,16 @@ def test_eagle_tree_feeds_build_tree():
     offsets = torch.tensor([0] + [s.shape[1] for s in scores]).cumsum(0)
     step = torch.searchsorted(offsets, eagle.candidate[:, 1:].contiguous(), right=True) - 1
     assert torch.equal(tree.depth[:, 1:].long(), step + 1)
+
+
+
+def test_merge_token_trees_shares_matching_nodes():
+    from specdec_kernels.tree import merge_token_trees
+
+    parents, tokens = [-1, 0, 0, 1], [7, 3, 4, 5]
+    chain = [3, 5, 9, 1]  # shares root -> 3 -> 5, then two new nodes
+    assert merge_token_trees(parents, tokens, list(range(-1, len(chain))), [7] + chain) == \
+        ([-1, 0, 0, 1, 3, 4], [7, 3, 4, 5, 9, 1])
+    # A tree: both branches of the other tree land under the shared node.
+    assert merge_token_trees(parents, tokens, [-1, 0, 1, 1], [7, 4, 6, 8]) == ([-1, 0, 0, 1, 2, 2], [7, 3, 4, 5, 6, 8])
+    assert merge_token_trees(parents, tokens, [-1], [7]) == (parents, tokens)

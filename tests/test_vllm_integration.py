@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec_kernels.decoding import NgramTreeDrafter
+from specdec_kernels.drafting.ngram import NgramTreeDrafter
 from specdec_kernels.integrations import vllm as integration
 from specdec_kernels.integrations.vllm.proposer import trie_chain
 from tests import vllm_helpers as vh

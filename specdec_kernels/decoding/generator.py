@@ -58,7 +58,7 @@ from ..kv_cache import OutOfBlocksError
 from ..models.llama import Batch, Llama
 from ..tree import tree_mask as build_tree_mask, tree_mask_ragged
 from .cost_model import LiveCheck, RelativeStepCost, StepCost, step_cost_for, with_seconds
-from .drafters import Draft, Drafter
+from .drafter import Draft, Drafter
 from .schedule import SpecSchedule
 from .stats import RequestStats
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from .drafters import Drafter
+    from .drafter import Drafter
 
 
 class DrafterInfo(NamedTuple):
@@ -108,8 +108,9 @@ def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: st
     package ships none for is a ValueError naming the model."""
     # Imported here: the table above serves --help and argument checks without loading the
     # decode loop's modules.
-    from .drafters import (MEDUSA_SMALL_CHOICES, MedusaDrafter, ModelDrafter, NgramDrafter, NgramTreeDrafter,
-                           SelfSpecDrafter, medusa_heads_for)
+    from ..drafting.medusa.drafter import MEDUSA_SMALL_CHOICES, MedusaDrafter, medusa_heads_for
+    from ..drafting.draft_model.drafter import ModelDrafter, SelfSpecDrafter
+    from ..drafting.ngram import NgramDrafter, NgramTreeDrafter
 
     if name in ("none", "ar", None):
         return None
@@ -118,7 +119,7 @@ def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: st
     if name == "ngram-tree":
         return NgramTreeDrafter(max_k=max_k)
     if name in ("self-spec", "self-spec-plain"):
-        from ..draft_model import SHIPPED_EXITS, default_exit_checkpoint, exit_model
+        from ..drafting.draft_model.model import SHIPPED_EXITS, default_exit_checkpoint, exit_model
 
         if name == "self-spec":
             exit_head = trained_file("self-spec", model, exit_head, default_exit_checkpoint(model.name), SHIPPED_EXITS)
@@ -128,7 +129,7 @@ def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: st
             drafter.name = name
         return drafter
     if name in ("medusa", "medusa+ngram"):  # the package's trained heads for the model unless a checkpoint is given
-        from ..medusa import SHIPPED_HEADS, default_medusa_checkpoint
+        from ..drafting.medusa.heads import SHIPPED_HEADS, default_medusa_checkpoint
 
         heads = medusa_heads_for(model, trained_file("medusa", model, medusa_checkpoint,
                                                      default_medusa_checkpoint(model.name), SHIPPED_HEADS))
@@ -139,17 +140,17 @@ def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: st
         drafter.name = "medusa-untrained"
         return drafter
     if name in ("eagle", "eagle+ngram", "eagle-untrained"):  # the package's trained head unless one is given
-        from ..eagle import SHIPPED_HEADS, default_eagle_checkpoint, eagle_head_for
-        from .eagle_drafter import EagleDrafter
+        from ..drafting.eagle.head import SHIPPED_HEADS, default_eagle_checkpoint, eagle_head_for
+        from ..drafting.eagle.drafter import EagleDrafter
 
         checkpoint = "untrained" if name == "eagle-untrained" else \
             trained_file("eagle", model, eagle_checkpoint, default_eagle_checkpoint(model.name), SHIPPED_HEADS)
         head = eagle_head_for(model, checkpoint, weights=draft_weights)
-        return EagleDrafter(model, head, ngram=NgramDrafter(max_k=max_k) if name == "eagle+ngram" else None,
+        return EagleDrafter(model, head, lookup=NgramTreeDrafter(max_k=max_k) if name == "eagle+ngram" else None,
                             name=name)
     if name in ("draft", "draft-tree", "draft-untrained"):
-        from ..draft_model import (SHIPPED_DRAFTS, default_draft_checkpoint, draft_model_for, load_draft_model,
-                                   truncated_draft)
+        from ..drafting.draft_model.model import (SHIPPED_DRAFTS, default_draft_checkpoint, draft_model_for,
+                                                  load_draft_model, truncated_draft)
 
         if name == "draft-untrained":  # the shipped draft's layers and vocabulary, before distillation
             shipped = default_draft_checkpoint(model.name)
@@ -178,7 +179,8 @@ def draft_by_name(target, name_or_path: str, draft_weights: str = "stored", draf
     ``draft_vocab`` tokens (default ``DRAFT_VOCAB_SIZE``; 0 or more than the vocabulary: all)
     the Python standard library's sources use most, and its end-of-turn tokens
     (``draft_model.frequency_ranked_vocab``, FR-Spec): a smaller LM head, a cheaper draft token."""
-    from ..draft_model import DRAFT_VOCAB_SIZE, corpus_token_counts, frequency_ranked_vocab, with_draft_vocab
+    from ..drafting.draft_model.model import (DRAFT_VOCAB_SIZE, corpus_token_counts, frequency_ranked_vocab,
+                                              with_draft_vocab)
     from ..models import load_model
 
     weights = target.weight_format if draft_weights == "stored" else draft_weights

@@ -5,7 +5,7 @@
 
 The target's decode/verification forward and its prefill, the distilled draft models and the
 self-speculation prefix (both are Llamas), the EAGLE head's decoder layer and the autograd
-twins that train them (``training.draft_training.DraftLM``, the EAGLE trainer) all run
+twins that train them (``drafting.draft_model.training.DraftLM``, the EAGLE trainer) all run
 :class:`DecoderBlock`. Two things differ between them, and both are explicit:
 
 - **the product** (``DecoderBlock.linear``): the model's :func:`linear` when decoding

@@ -74,7 +74,7 @@ class Llama:
 
     Draft models may carry ``draft_vocab`` (int64 [Vd]): their LM head has Vd rows, the
     target-vocabulary ids of those rows, so ``logits`` are [T, Vd] and index into it (the
-    decode loop maps them back; see ``specdec_kernels.draft_model``).
+    decode loop maps them back; see ``drafting.draft_model.model``).
     """
 
     def __init__(self, config: LlamaConfig, weights: dict, *, name: str = "llama", weight_format: str | None = None):

@@ -1,12 +1,9 @@
-"""Training of drafters on a frozen target model.
+"""What the drafters' training recipes share (each recipe lives with its method in
+``specdec_kernels.drafting``):
 
-- :mod:`.medusa_loss`: the Medusa heads' loss (:func:`medusa_loss`), their targets
-  (:func:`medusa_targets` for rows of generated tokens, :func:`sequence_targets` for whole
-  sequences) and one optimisation step (:func:`train_step`);
-- :mod:`.medusa_training`: self-distillation data and the trainer of the shipped heads
-  (``specdec train-medusa``);
-- :mod:`.medusa_prompts`: the synthetic instruction prompts it answers.
+- :mod:`.distill_data`: the target's features and answers, cached in shards: self-distilled
+  answers to prompts and teacher-forced features over real code;
+- :mod:`.prompts`: the synthetic instruction prompts the target answers;
+- :mod:`.recipe`: the learning-rate schedule, the validation prompts, the reduced draft
+  vocabulary and the acceptance check by real decoding.
 """
-from .medusa_loss import medusa_loss, medusa_targets, sequence_targets, train_step
-
-__all__ = ["medusa_loss", "medusa_targets", "sequence_targets", "train_step"]

@@ -1,8 +1,10 @@
 """Self-distillation data: the target answers synthetic prompts; we keep what drafts learn from.
 
-Shared by the EAGLE head (``specdec train-eagle``) and the draft-model / exit-head trainers:
+The one data pipeline of every trainer: the EAGLE head (``specdec train-eagle``), the
+draft-model / exit-head trainers (``specdec train-draft``) and the Medusa heads (``specdec
+train-medusa``, which read the last layer's features of the answers):
 
-1. **Answers.** :func:`~specdec_kernels.training.medusa_prompts.synthetic_prompts` (templates, never
+1. **Answers.** :func:`~specdec_kernels.training.prompts.synthetic_prompts` (templates, never
    the benchmark's prompts) with the chat template applied; the target answers them greedily
    with the package's own batched loop (``Generator`` with no drafter, a batch of prompts of
    similar length per call), stopping at EOS or ``max_new_tokens``. Optionally a second set
@@ -97,7 +99,7 @@ def written_prompts(model, tok, indices, *, seed: int, max_tokens: int = 96) -> 
     continues the user turn of the chat template after an opener drawn with seed
     ``seed * 1_000_003 + i``, sampled at T = 1 with that seed, up to ``max_tokens`` tokens
     or the end-of-turn token -> [{"prompt", "category"}] (category "written:<opener's first word>")."""
-    from ..decoding import Generator, SamplingParams
+    from ..decoding.generator import Generator, SamplingParams
 
     indices = list(indices)
     openers = [random.Random(seed * 1_000_003 + i).choice(OPENERS) for i in indices]
@@ -112,17 +114,30 @@ def written_prompts(model, tok, indices, *, seed: int, max_tokens: int = 96) -> 
     return out
 
 
+_SKIPPED_CORPUS_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+
+
+def corpus_files() -> list[str]:
+    """The Python standard library's own sources (PSF licence), in a fixed order: real code,
+    comments and English docstrings that every machine running this package has."""
+    import sysconfig
+
+    files = []
+    for root, dirs, names in os.walk(sysconfig.get_paths()["stdlib"]):
+        dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_CORPUS_DIRS)
+        files += [os.path.join(root, n) for n in sorted(names) if n.endswith(".py")]
+    return files
+
+
 CORPUS_NAME = "python-stdlib"
 CORPUS_LICENCE = "PSF-2.0 (the Python standard library's own sources)"
 
 
 def corpus_sequences(tok, count: int, *, seq_len: int, seed: int, per_file: int = 2) -> list[list[int]]:
     """``count`` token sequences of ``seq_len`` tokens (fewer if the library runs out) cut
-    from the starts of the standard library's source files (``draft_model.corpus_files``,
+    from the starts of the standard library's source files (:func:`corpus_files`,
     tests skipped), the files shuffled by ``seed``, at most ``per_file`` sequences a file.
     Sequence i does not depend on ``count``, so a larger corpus extends a smaller one."""
-    from ..draft_model import corpus_files
-
     if seq_len < 8:
         raise ValueError(f"corpus sequences need at least 8 tokens, got seq_len={seq_len}")
     files = corpus_files()
@@ -154,7 +169,7 @@ def collect(model, prompts: list[list[int]], *, max_new_tokens: int, layers, top
     """Answers of ``model`` to ``prompts`` (token ids) with the package's batched decode loop
     — greedy, or sampled at ``temperature`` (prompt i with seed ``seed + i``) — then
     :func:`teacher_forced` features over prompt + answer."""
-    from ..decoding import Generator, SamplingParams
+    from ..decoding.generator import Generator, SamplingParams
 
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     answers: dict[int, list] = {}
@@ -198,7 +213,7 @@ def load_or_generate(model, tok, num_prompts: int, *, model_name: str, max_new_t
     [{"prompt", "category"}]; or, with ``written``, ``num_prompts`` prompts the model writes
     itself, :func:`written_prompts`), generated shard by shard and cached (see the module
     docstring); answers greedy, or sampled at ``temperature`` (seeded per prompt)."""
-    from .medusa_prompts import synthetic_prompts
+    from .prompts import synthetic_prompts
 
     torch.manual_seed(seed)
     layers = tuple(layers or default_layers(model.config.num_layers))
@@ -347,6 +362,12 @@ def split_sequences(seq_start: torch.Tensor, held_out: float, seed: int) -> tupl
     perm = torch.randperm(S, generator=torch.Generator().manual_seed(seed)).tolist()
     n_held = max(1, int(round(S * held_out))) if S > 1 else 0
     return sorted(perm[n_held:]), sorted(perm[:n_held])
+
+
+def sequence_rows(seq_start: torch.Tensor, seqs: list[int]) -> torch.Tensor:
+    """int64: the rows of sequences ``seqs`` (in that order)."""
+    parts = [torch.arange(int(seq_start[s]), int(seq_start[s + 1])) for s in seqs]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
 def main(argv=None) -> int:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...decoding import NgramTreeDrafter
+from ...drafting.ngram import NgramTreeDrafter
 from .compat import check_vllm_version
 
 

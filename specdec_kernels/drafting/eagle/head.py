@@ -38,12 +38,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .models.block import DecoderBlock, layer_keys, linear, rms_norm, rope_at, rope_tables
-from .models.decoder_step import build_stack, default_path
-from .models.llama import dense, is_block_weight
-from .models.skinny_rows import skinny_linear_rows
-from .draft_model import DRAFT_WEIGHTS  # --draft-weights: the same choices for an EAGLE head
-from .models.registry import read_metadata
+from ...models.block import DecoderBlock, layer_keys, linear, rms_norm, rope_at, rope_tables
+from ...models.decoder_step import build_stack, default_path
+from ...models.llama import dense, is_block_weight
+from ...models.skinny_rows import skinny_linear_rows
+from ..draft_model.model import DRAFT_WEIGHTS  # --draft-weights: the same choices for an EAGLE head
+from ...models.registry import read_metadata
 
 DECODE_FORMATS = (None, "Q8_0", "Q4_0")  # how the decode fast paths run the head's products
 
@@ -188,7 +188,7 @@ class EagleHead(nn.Module):
             if self.decode_format is None:
                 w["lm_head_draft"] = self.lm_head_draft.to(dtype).contiguous()
             else:
-                from .gguf_blocks import quantize
+                from ...gguf_blocks import quantize
 
                 def blocks(t):
                     q = quantize(t.float().contiguous(), self.decode_format) if isinstance(t, torch.Tensor) else t
@@ -279,7 +279,7 @@ SHIPPED_HEADS = {"smollm2-135m": "eagle_smollm2_135m.safetensors",
 def default_eagle_checkpoint(model_name: str, *, must_exist: bool = True) -> str | None:
     """Path of the package's trained EAGLE head for a registered model name (also matched on
     the model's file name), or None if none ships."""
-    from .models.registry import shipped_file
+    from ...models.registry import shipped_file
 
     return shipped_file(model_name, SHIPPED_HEADS, must_exist=must_exist)
 

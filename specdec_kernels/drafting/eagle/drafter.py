@@ -12,8 +12,10 @@ entry t holds the head's K/V for (target feature f_t, token t+1). Each step:
 2. **Expand** (EAGLE-2) — depth 1: the root's top-k children with their log-probabilities.
    Depth d > 1: the ``top_k`` candidates of depth d-1 with the highest *cumulative* draft
    log-probability (the beam) are fed back as (their parent's ``g``, their token); each
-   attends to the committed entries, its ancestors' entries and itself (scratch K/V that is
-   never committed) and yields ``top_k`` children. Expansion stops at the speculation
+   attends to the committed entries, its ancestors' entries and itself through
+   ``tree_attention`` over the head's paged cache (each beam node's path is copied into
+   scratch blocks that continue its request's block table, never committed) and yields
+   ``top_k`` children. Expansion stops at the speculation
    length, ``max_depth``, or when one more depth is not expected to pay for its measured
    cost (below).
 3. **Select** — the verified tree is the root plus the candidates with the highest cumulative
@@ -46,26 +48,30 @@ children never depend on their own values, which keeps the acceptance exact), an
 draft's q rows go to ``tree_rejection_sample``. Greedy requests use deterministic top-k
 children (exact: greedy verification follows the target's argmax).
 
-``ngram``: a prompt-lookup chain merged into the tree as one more branch (``eagle+ngram``,
-as ``MedusaDrafter`` does), cut to the tokens whose estimated hit probability pays for a
-verified row (``_with_ngram``).
+``lookup`` (``eagle+ngram``): prompt-lookup tries (``NgramTreeDrafter``: the continuations
+of several earlier occurrences of the request's last tokens, each node with an acceptance
+probability from tables measured for the model) chosen *together* with the head's
+candidates: the most probable nodes of both kinds, while they pay for their rows
+(``_select``), the lookup's merged into the tree where the paths agree
+(``tree.merge_token_trees``). The lookup's probabilities follow the request's evidence
+(``NgramTreeDrafter.verified``), fed only the accepted tokens on its own nodes. Where the
+head has no tree (a backed-off step) the tries alone are drafted, sized the same way.
 """
 from __future__ import annotations
 
 import time
 
 import torch
-import torch.nn.functional as F
 
-from .cost_model import best_node_count, payoff, row_price
-from ..eagle import EagleHead, eagle_head_for
-from ..kv_cache import PagedKVCache
-from ..tree import eagle_tree_from_expansions
-from .drafters import Draft, MedusaDrafter, SizedDrafter, draft_uniforms, sample_rows
+from ...decoding.cost_model import best_node_count, payoff, row_price
+from .head import EagleHead, eagle_head_for
+from ...kv_cache import PagedKVCache
+from ...tree import eagle_tree_from_expansions, merge_token_trees
+from ...decoding.drafter import Draft, SizedDrafter, draft_uniforms, sample_rows
 
 
 class EagleDrafter(SizedDrafter):
-    """EAGLE-2 dynamic trees from an :class:`~specdec_kernels.eagle.EagleHead` (module
+    """EAGLE-2 dynamic trees from an :class:`~specdec_kernels.drafting.eagle.head.EagleHead` (module
     docstring). ``head``: default ``eagle_head_for(target)`` (the trained head the package
     ships for the model). ``top_k``: children per expanded node and beam width.
     ``max_tree_nodes``: most draft nodes per request (root excluded). ``step_cost``: a
@@ -79,19 +85,18 @@ class EagleDrafter(SizedDrafter):
 
     name = "eagle"
     uses_hidden = True  # the head's entries are built from the target's features
-    CHAIN_PRIOR = 0.5  # a request's prompt-lookup hit rate before any observation (_with_ngram)
 
     def __init__(self, target, head: EagleHead | None = None, *, top_k: int = 8, max_depth: int = 8,
-                 max_tree_nodes: int = 48, ngram=None, step_cost=None, step_seconds: float | None = None,
+                 max_tree_nodes: int = 48, lookup=None, step_cost=None, step_seconds: float | None = None,
                  sample_width: int = 2, name: str | None = None):
         self.target = target
         self.head = head if head is not None else eagle_head_for(target)
         self.top_k, self.max_depth, self.max_tree_nodes = top_k, max_depth, max_tree_nodes
         self.sample_width = sample_width
-        self.ngram = ngram
+        self.lookup = lookup  # an NgramTreeDrafter, or None
         sampled_nodes = sample_width + sample_width * sample_width * (max_depth - 1)
-        self.max_nodes = max(max_tree_nodes, sampled_nodes) + 1 + (ngram.max_nodes - 1 if ngram is not None else 0)
-        self.name = name or ("eagle+ngram" if ngram is not None else "eagle")
+        self.max_nodes = max(max_tree_nodes, sampled_nodes) + 1 + (lookup.max_nodes - 1 if lookup is not None else 0)
+        self.name = name or ("eagle+ngram" if lookup is not None else "eagle")
         # A StepCost holds seconds (measured or given); anything else holds relative costs
         # (a dict: a one-batch table), weighed against drafting time with ``step_seconds``.
         self._own_step_cost(step_cost, step_seconds)
@@ -119,18 +124,28 @@ class EagleDrafter(SizedDrafter):
         bs = gen.cache.block_size
         blocks = -(-gen.cache.max_len // bs)
         slots = gen.cache.max_batch
-        self.cache = PagedKVCache(1, h.num_kv_heads, h.head_dim, num_blocks=slots * blocks, block_size=bs,
+        # Scratch blocks for the beam's paths (_beam_forward): two depths' worth of rows, each
+        # row the committed part of its request's last block plus its path.
+        width = max(self.top_k, self.sample_width)
+        path_blocks = -(-(bs - 1 + self.max_depth) // bs)
+        scratch = 2 * slots * width * path_blocks
+        self.cache = PagedKVCache(1, h.num_kv_heads, h.head_dim, num_blocks=slots * blocks + scratch, block_size=bs,
                                   max_batch=slots, max_blocks_per_seq=blocks, dtype=self.target.dtype,
                                   device=self.target.device)
+        self._scratch = self.cache.take_blocks(scratch).view(2, slots * width, path_blocks)
         self.slot, self.pending = {}, {}
         self._empty_run, self._skip = 0, 0
-        self._chains, self._chain_rate = {}, {}  # prompt-lookup chains and their hit rates (_with_ngram)
+        self._lookup_trees = {}  # rid -> the lookup's drafted trie this step (_merge_lookup)
+        if self.lookup is not None:
+            self.lookup.start(gen, [])  # its tables for the target; the requests come through admit
         self.admit(gen, reqs)
 
     def admit(self, gen, reqs):
         for r in reqs:
             self.slot[r.rid] = self.cache.add_request(0)
             self.pending[r.rid] = (None, [])  # filled by hidden_states
+        if self.lookup is not None:
+            self.lookup.admit(gen, reqs)
 
     def hidden_states(self, gen, req, hidden, tokens):
         """Entries (f_t, the token f_t produced) to catch up: after the prefill the prompt's
@@ -146,13 +161,15 @@ class EagleDrafter(SizedDrafter):
     def verified(self, gen, reqs, num_accepted):
         for r, n in zip(reqs, num_accepted):
             self.stats["accepted_hist"][n] = self.stats["accepted_hist"].get(n, 0) + 1
-            self._score_chain(r, n)
+        if self.lookup is not None:
+            self.lookup.verified(gen, reqs, [self._lookup_accepted(r, n) for r, n in zip(reqs, num_accepted)])
 
     def finish(self, gen, req):
         self.cache.free(self.slot.pop(req.rid))
         self.pending.pop(req.rid, None)
-        self._chains.pop(req.rid, None)
-        self._chain_rate.pop(req.rid, None)
+        self._lookup_trees.pop(req.rid, None)
+        if self.lookup is not None:
+            self.lookup.finish(gen, req)
 
     def summary(self) -> dict:
         s = self.stats
@@ -198,23 +215,13 @@ class EagleDrafter(SizedDrafter):
         for b in caught:
             self.pending[reqs[b].rid] = (None, [])
 
-    def _committed_kv(self, slots: list, caught: list):
-        """K/V of each slot's committed entries and the ``caught[i]`` entries written after
-        them, padded: k, v [B, Lmax, Hkv, D], valid bool [B, Lmax], lengths [B]."""
-        cache, h = self.cache, self.head
-        lens = [cache.length(s) + n for s, n in zip(slots, caught)]
-        Lmax = max(lens)
-        B = len(slots)
-        k = torch.zeros(B, Lmax, h.num_kv_heads, h.head_dim, dtype=self.target.dtype)
-        v = torch.zeros_like(k)
-        kc = cache.k_caches[0].view(-1, h.num_kv_heads, h.head_dim)
-        vc = cache.v_caches[0].view(-1, h.num_kv_heads, h.head_dim)
-        for i, (s, n) in enumerate(zip(slots, lens)):
-            idx = cache.slot_mapping(s, torch.arange(n))
-            k[i, :n] = kc[idx]
-            v[i, :n] = vc[idx]
-        valid = torch.arange(Lmax)[None, :] < torch.tensor(lens)[:, None]
-        return k, v, valid, torch.tensor(lens)
+    def _request_paths(self, slots: list, caught: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """(entries of each slot: committed + the ``caught[i]`` written after them, int64 [B];
+        the slots' block tables with room for a path's blocks after them, int32 [B, W])."""
+        lengths = torch.tensor([self.cache.length(s) + n for s, n in zip(slots, caught)], dtype=torch.int64)
+        tables = self.cache.batch_view(slots)[0]
+        pad = torch.zeros(len(slots), self._scratch.shape[-1], dtype=tables.dtype)
+        return lengths, torch.cat([tables, pad], 1)
 
     def _children(self, logp: torch.Tensor, sampled: torch.Tensor, temps: torch.Tensor, width: int,
                   u: torch.Tensor | None = None):
@@ -242,18 +249,18 @@ class EagleDrafter(SizedDrafter):
         if self._skip > 0:  # back-off after empty trees: no head forward this step
             self._skip -= 1
             self.stats["skipped_steps"] += 1
-            return self._with_ngram(reqs, lengths, drafts)
+            return self._lookup_only(reqs, lengths, drafts)
         roots_g, caught = self.catch_up(reqs)
         drafts = self._trees(reqs, lengths, drafts, roots_g, caught, t_start)
         self.commit_caught_up(reqs, caught)  # only now: nothing after this can fail
         return drafts
 
     def _trees(self, reqs, lengths, drafts, roots_g, caught, t_start):
-        """Steps 2-3 (module docstring) for the requests ``catch_up`` gave a draft state,
-        then the prompt-lookup merge; returns every request's draft."""
+        """Steps 2-3 (module docstring) for the requests ``catch_up`` gave a draft state, the
+        prompt-lookup tries chosen with them; returns every request's draft."""
         active = [b for b, k in enumerate(lengths) if k > 0 and b in roots_g]
         if not active:
-            return self._with_ngram(reqs, lengths, drafts)
+            return self._lookup_only(reqs, lengths, drafts)
         B = len(active)
         sub = [reqs[b] for b in active]
         depth_cap = torch.tensor([min(lengths[b], self.max_depth) for b in active])
@@ -265,7 +272,16 @@ class EagleDrafter(SizedDrafter):
         for j in range(len(scores)):
             scores[j] = scores[j].masked_fill((depth_cap < j + 1)[:, None], float("-inf"))
         draft_rel = self.relative_cost(time.perf_counter() - t_start, B)
-        keep, value = self._select(scores, B, draft_rel)
+        probs = self._candidate_probs(scores)
+        keep, _, value = self._select(probs, [None] * B, B, draft_rel)  # the head's own: what back-off judges
+        lookups = self._lookup_candidates(reqs, lengths)
+        keep_lookup = [0] * len(reqs)
+        if any(c is not None for c in lookups):
+            per_request = [[] for _ in reqs]
+            for i, b in enumerate(active):
+                per_request[b] = probs[i]
+            keep_all, keep_lookup, _ = self._select(per_request, lookups, len(reqs), draft_rel)
+            keep = [keep_all[b] for b in active]
         for i, b in enumerate(active):
             drafts[b] = self._request_draft(sub[i], i, bool(sampled[i]), keep[i], *expansions)
         self.stats["steps"] += 1
@@ -275,8 +291,7 @@ class EagleDrafter(SizedDrafter):
             self.stats["nodes"] += len(dd.tokens) - 1
             depth = max(dd.depths())
             self.stats["depth_hist"][depth] = self.stats["depth_hist"].get(depth, 0) + 1
-        worth = value if not any_sampled and B == len(reqs) else None
-        return self._with_ngram(reqs, lengths, drafts, worth)
+        return self._merge_lookup(reqs, drafts, lookups, keep_lookup)
 
     def _expand(self, sub: list, active: list, roots_g: dict, caught: dict, depth_cap: torch.Tensor,
                 sampled: torch.Tensor):
@@ -311,12 +326,8 @@ class EagleDrafter(SizedDrafter):
         tokens = [vocab[cid[:, 0]]]
         qs = [q0[:, 0] if q0 is not None else None]  # q of the root, per request
         cand_g = g0[:, None].expand(B, width, -1)  # the g each candidate's entry is fed with
-        slots = [self.slot[r.rid] for r in sub]
-        committed = self._committed_kv(slots, [caught.get(b, 0) for b in active])
-        clen = committed[3]
-        sk = torch.zeros(B, 0, head.num_kv_heads, head.head_dim, dtype=committed[0].dtype)
-        sv = torch.zeros_like(sk)
-        cand_anc = torch.zeros(B, width, 0, dtype=torch.bool)
+        paths = self._request_paths([self.slot[r.rid] for r in sub], [caught.get(b, 0) for b in active])
+        rows = None  # the beam's scratch rows at the last depth [B, G, P] (_beam_forward)
         beam_q = []  # per depth: q rows of the beam nodes [B, G, Vd] (sampled requests)
         t_depth = time.perf_counter()
         d = 1
@@ -335,9 +346,11 @@ class EagleDrafter(SizedDrafter):
             bsel = beam[..., None]
             feat = torch.gather(cand_g, 1, bsel.expand(B, G, cand_g.shape[-1]))
             tok = torch.gather(tokens[-1], 1, beam)
-            pos = (clen + d - 1)[:, None].expand(B, G).reshape(-1)
-            anc = torch.gather(cand_anc, 1, bsel.expand(B, G, cand_anc.shape[-1]))
-            g, logp, sk, sv, anc = self._beam_forward(feat, tok, pos, anc, sk, sv, committed)
+            # Each beam node's path continues its parent's: candidate c of depth d-1 is a
+            # child of that depth's beam row c // width (depth 1: of the root, no row).
+            parents_rows = None if rows is None else torch.gather(rows, 1, (beam // width)[..., None].expand(
+                B, G, rows.shape[-1]))
+            g, logp, rows = self._beam_forward(feat, tok, d, parents_rows, paths)
             cid, clp, qd = self._children(logp, sampled, temps, width, u_at(d + 1, G))
             beam_score = torch.gather(s_prev, 1, beam)
             scores.append((beam_score[..., None] + clp).reshape(B, G * width))
@@ -345,7 +358,6 @@ class EagleDrafter(SizedDrafter):
             tokens.append(vocab[cid].reshape(B, G * width))
             beam_q.append(qd)
             cand_g = g.repeat_interleave(width, 1)
-            cand_anc = anc.repeat_interleave(width, 1)
             d += 1
             now = time.perf_counter()
             dt = now - t_depth
@@ -353,29 +365,46 @@ class EagleDrafter(SizedDrafter):
             self._depth_seconds = dt if self._depth_seconds is None else 0.8 * self._depth_seconds + 0.2 * dt
         return scores, parents, tokens, qs, beam_q
 
-    def _beam_forward(self, feat, tok, pos, anc, sk, sv, committed):
-        """One head forward of the G beam nodes of each of B requests: feat [B, G, H] (the g
-        they are fed with), tok [B, G] (their tokens), pos [B * G] (their positions), anc
-        [B, G, S] (which of the S tree entries sk / sv [B, S, Hkv, D] so far each attends to),
-        ``committed`` = ``_committed_kv``'s (k, v, valid, lengths). Returns (g [B, G, H],
-        logp [B, G, Vd], sk and sv with the beam's entries appended [B, S + G, Hkv, D], anc
-        with itself appended [B, G, S + G])."""
-        head = self.head
-        ck, cv, cvalid, _ = committed
+    def _beam_forward(self, feat, tok, d: int, parent_rows, paths):
+        """One head forward of the G beam nodes (depth ``d``) of each of B requests: feat
+        [B, G, H] (the g they are fed with), tok [B, G] (their tokens), ``parent_rows`` [B, G,
+        P] (the scratch blocks of each node's parent's path; None at depth 1: the root),
+        ``paths`` (``_request_paths``). Each node gets scratch blocks that continue its
+        request's block table: a copy of the committed part of the request's last block and
+        of its parent's path, then its own K/V at position L + d - 1; it attends through
+        ``tree_attention`` to the request's entries, its ancestors and itself, as one query
+        of its own (so it sees no other branch). Returns (g [B, G, H], logp [B, G, Vd], its
+        scratch blocks [B, G, P])."""
+        head, cache = self.head, self.cache
+        lengths, tables = paths
         B, G = tok.shape
-        rep = head.num_heads // head.num_kv_heads
-        Hkv, D = head.num_kv_heads, head.head_dim
+        bs, P = cache.block_size, self._scratch.shape[-1]
+        rows = self._scratch[d % 2, : B * G].view(B, G, P)  # the parent's depth used the other half
+        if parent_rows is not None:
+            src, dst = parent_rows.reshape(-1), rows.reshape(-1)
+        else:  # the committed part of the last block, where there is one
+            full = lengths // bs
+            has = (lengths % bs) > 0
+            src = tables[has].gather(1, full[has, None]).long().expand(-1, G).reshape(-1)
+            dst = rows[has, :, 0].reshape(-1)
+        for c in (cache.k_caches[0], cache.v_caches[0]):
+            c.index_copy_(0, dst, c.index_select(0, src))
+        pos = (lengths + d - 1).repeat_interleave(G)  # [B * G]
+        offset = (lengths % bs).repeat_interleave(G) + d - 1  # the node's position within its path
+        own = rows.reshape(B * G, P).gather(1, (offset // bs)[:, None])[:, 0] * bs + offset % bs
+        row_tables = tables.repeat_interleave(G, 0)
+        row_tables.scatter_(1, (lengths // bs).repeat_interleave(G)[:, None] + torch.arange(P),
+                            rows.reshape(B * G, P).to(row_tables.dtype))
         x = head.decode_inputs(feat.reshape(B * G, -1), tok.reshape(-1))
         q, k, v = head.decode_qkv(x, pos)
-        sk = torch.cat([sk, k.view(B, G, Hkv, D)], 1)
-        sv = torch.cat([sv, v.view(B, G, Hkv, D)], 1)
-        anc = torch.cat([anc, torch.eye(G, dtype=torch.bool)[None].expand(B, G, G)], -1)  # + itself
-        mask = torch.cat([cvalid[:, None].expand(B, G, -1), anc], -1)[:, None]  # [B, 1, G, L+S]
-        keys = torch.cat([ck, sk], 1).repeat_interleave(rep, 2).transpose(1, 2)
-        vals = torch.cat([cv, sv], 1).repeat_interleave(rep, 2).transpose(1, 2)
-        attn = F.scaled_dot_product_attention(q.view(B, G, -1, D).transpose(1, 2), keys, vals, attn_mask=mask)
-        g, logp = head.decode_output(x, attn.transpose(1, 2).reshape(B * G, -1))
-        return g.view(B, G, -1), logp.view(B, G, -1), sk, sv, anc
+        cache.write(0, own, k, v)
+        attn = torch.empty_like(q)
+        torch.ops.specdec.tree_attention(q, cache.k_caches[0], cache.v_caches[0], row_tables,
+                                         (lengths + d - 1).repeat_interleave(G).to(torch.int32),
+                                         torch.arange(B * G + 1, dtype=torch.int32), None, head.head_dim ** -0.5,
+                                         attn, None)
+        g, logp = head.decode_output(x, attn.reshape(B * G, -1))
+        return g.view(B, G, -1), logp.view(B, G, -1), rows
 
     def _request_draft(self, r, i: int, sampled: bool, keep: int, scores, parents, tokens, qs, beam_q) -> Draft:
         """Step 3 for request ``r`` (row ``i`` of the expansions): a sampled request keeps every
@@ -445,18 +474,28 @@ class EagleDrafter(SizedDrafter):
             return None
         return max(0.0, row_price(value, rows, self.cost, B))
 
-    def _select(self, scores: list, B: int, draft_rel: float) -> tuple[list, float]:
-        """(nodes to keep per request, the expected tokens per unit time they give): the
-        batch's most probable candidates, as many as maximise (B + sum p) / (cost(B + kept)
-        + draft cost) (``cost_model.best_node_count``)."""
+    def _candidate_probs(self, scores: list) -> list:
+        """Each request's candidate probabilities (exp of the cumulative log-probs, all
+        depths), most probable first, at most ``max_tree_nodes``."""
         p_all = torch.cat([s.exp() for s in scores], 1)
         top = p_all.sort(dim=1, descending=True).values[:, : self.max_tree_nodes]
-        pool = sorted(((-float(p), b) for b in range(B) for p in top[b] if p > 0), key=lambda t: t[0])
-        best_n, best = best_node_count([-neg_p for neg_p, _ in pool], self.cost, batch=B, draft_cost=draft_rel)
-        keep = [0] * B
-        for _, b in pool[:best_n]:
-            keep[b] += 1
-        return keep, best
+        return [[float(p) for p in row if p > 0] for row in top]
+
+    def _select(self, probs: list, lookups: list, batch: int, draft_rel: float) -> tuple[list, list, float]:
+        """(head candidates to keep per request, lookup nodes to keep per request, the
+        expected tokens per unit time they give): the batch's most probable nodes of both
+        kinds (``probs``: each request's head candidate probabilities, most probable first;
+        ``lookups``: its lookup trie or None), as many as maximise (batch + sum p) /
+        (cost(batch + kept) + draft cost) (``cost_model.best_node_count``). Each kind's picks
+        are a prefix of its ranking, so each forms a tree."""
+        pool = [(p, b, 0) for b, ps in enumerate(probs) for p in ps]
+        pool += [(p, b, 1) for b, c in enumerate(lookups) if c is not None for p, _ in c.ranked]
+        pool.sort(key=lambda entry: -entry[0])
+        n, value = best_node_count([p for p, _, _ in pool], self.cost, batch=batch, draft_cost=draft_rel)
+        keep = [[0, 0] for _ in probs]
+        for _, b, kind in pool[:n]:
+            keep[b][kind] += 1
+        return [k[0] for k in keep], [k[1] for k in keep], value
 
     def _sampled_draft(self, r, i: int, scores, parents, tokens, qs, beam_q) -> Draft:
         """The tree of a sampled request: every drawn child of every expanded node (i.i.d.
@@ -491,48 +530,50 @@ class EagleDrafter(SizedDrafter):
                 probs[n, vocab] = q.float()
         return Draft(par, tok, probs)
 
-    def _with_ngram(self, reqs, lengths, drafts, worth: float | None = None):
-        """Merge each request's prompt-lookup chain into its tree, cut to the tokens that
-        pay: chain token j is right with probability ~ a^j (a: the request's running rate
-        at which looked-up tokens matched what the target emitted), and it is kept while
-        a^j exceeds the cost of one more verified row times ``worth``, the expected tokens
-        per unit cost of the step as drafted (``_select``'s value; by default B tokens for
-        the cost of the drafts' rows, costs relative to a one-row-per-request step of the B
-        requests). At batch 1 with nothing drafted that is the row's cost itself; at batch 4
-        a row must be worth about four times its share of the step, since the step already
-        yields four tokens. With free rows the whole chain is kept. Every looked-up chain is
-        scored against the emitted tokens in ``verified``, kept or not, so the rate recovers
-        when copying starts to pay."""
-        if self.ngram is None:
-            return drafts
-        out, B = [], len(reqs)
-        rows = sum(len(d.tokens) for d in drafts)
-        if worth is None:
-            worth = payoff(B, rows, self.cost, batch=B)
-        for r, k, d in zip(reqs, lengths, drafts):
-            if k > 0 and d.probs is None:
-                chain = self.ngram.lookup(r.tokens, min(k, self.ngram.max_nodes - 1))
-                self._chains[r.rid] = chain
-                rate, keep = self._chain_rate.get(r.rid, self.CHAIN_PRIOR), 0
-                while keep < len(chain) and rate ** (keep + 1) > row_price(worth, rows, self.cost, B):
-                    keep, rows = keep + 1, rows + 1
-                if keep:
-                    par, tok = MedusaDrafter.merge_chain(d.parents, d.tokens, chain[:keep])
-                    d = Draft(par, tok)
-            out.append(d)
-        return out
+    # ---- prompt lookup (eagle+ngram) ---------------------------------------------------
+    def _lookup_candidates(self, reqs, lengths) -> list:
+        """Each greedy request's prompt-lookup trie (``NgramTreeDrafter.request_candidates``),
+        or None: no lookup, nothing to draft, or a sampled request (its tree keeps every
+        drawn child, with the q rows a looked-up node does not have)."""
+        if self.lookup is None:
+            return [None] * len(reqs)
+        return [self.lookup.request_candidates(r, k) if k > 0 and r.sampling.temperature <= 0 else None
+                for r, k in zip(reqs, lengths)]
 
-    def _score_chain(self, r, n: int) -> None:
-        """Update the request's chain rate from this step's looked-up chain against the
-        n + 1 tokens the target emitted: each chain token up to the first mismatch is one
-        observation (a moving average)."""
-        chain = self._chains.pop(r.rid, None)
-        if not chain:
-            return
-        emitted = r.tokens[len(r.tokens) - (n + 1):]
-        rate = self._chain_rate.get(r.rid, self.CHAIN_PRIOR)
-        for want, got in zip(chain, emitted):
-            rate = 0.9 * rate + 0.1 * float(want == got)
-            if want != got:
+    def _lookup_only(self, reqs, lengths, drafts) -> list:
+        """A step without head trees (backed off, or no request with a draft state): the
+        prompt-lookup tries alone, sized the same way."""
+        lookups = self._lookup_candidates(reqs, lengths)
+        if all(c is None for c in lookups):
+            return drafts
+        _, keep, _ = self._select([[] for _ in reqs], lookups, len(reqs), 0.0)
+        return self._merge_lookup(reqs, drafts, lookups, keep)
+
+    def _merge_lookup(self, reqs, drafts, lookups, keep) -> list:
+        """Each request's ``keep[b]`` best lookup nodes merged into its draft (shared where
+        the paths agree); the lookup is told what they promise, and the trie is kept to count
+        its accepted tokens (``_lookup_accepted``)."""
+        for b, (r, c, n) in enumerate(zip(reqs, lookups, keep)):
+            if c is None or n == 0:
+                continue
+            self.lookup.promise(r, c, n)
+            parents, tokens = c.tree(n)
+            self._lookup_trees[r.rid] = (parents, tokens)
+            drafts[b] = Draft(*merge_token_trees(drafts[b].parents, drafts[b].tokens, parents, tokens))
+        return drafts
+
+    def _lookup_accepted(self, r, n: int) -> int:
+        """How many of the ``n`` accepted tokens of ``r``'s step lie on the lookup's own
+        drafted trie (the accepted head nodes are not the tables' evidence)."""
+        tree = self._lookup_trees.pop(r.rid, None)
+        if tree is None or n <= 0:
+            return n
+        parents, tokens = tree
+        accepted = r.tokens[len(r.tokens) - (n + 1): len(r.tokens) - 1]
+        node, count = 0, 0
+        for t in accepted:
+            node = next((j for j in range(1, len(parents)) if parents[j] == node and tokens[j] == t), None)
+            if node is None:
                 break
-        self._chain_rate[r.rid] = rate
+            count += 1
+        return count

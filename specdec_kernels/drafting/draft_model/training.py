@@ -36,10 +36,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -47,12 +45,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import distill_data
-from .eagle_training import draft_vocabulary  # the EAGLE trainer's draft vocabulary
-from .medusa_training import warmup_cosine
-from ..decoding.cost_model import best_chain_length, draft_token_seconds, relative_cost
-from ..models.block import DecoderBlock, causal_attention, layer_keys, rms_norm, rope_at, rope_tables
-from ..models.llama import dense
+from ...training import distill_data
+from ...training.recipe import VALIDATION_PROMPTS, decode_acceptance, draft_vocabulary, fit
+from ...decoding.cost_model import best_chain_length, draft_token_seconds, relative_cost
+from ...models.block import DecoderBlock, causal_attention, layer_keys, rms_norm, rope_at, rope_tables
+from ...models.llama import dense
 
 
 # ---- the trainable models ---------------------------------------------------------------------
@@ -185,50 +182,25 @@ def agreement(module, seqs: Sequences, batch_seqs: int = 8) -> float:
 def train(module, train_seqs: Sequences, held: Sequences, *, epochs: int, batch_seqs: int, lr: float, seed: int,
           weight_decay: float = 0.0, max_seconds: float = 0, on_best=None, log=print, progress=True,
           desc="train draft") -> dict:
-    """AdamW + warm-up + cosine over ``epochs``; held-out agreement after each epoch, the best
-    epoch's weights left in ``module`` (``on_best(module, agreement)`` when one improves)."""
-    from tqdm import tqdm
-
-    torch.manual_seed(seed)
+    """``recipe.fit`` over ``epochs``; held-out agreement before training and after each
+    epoch, the best weights left in ``module`` (``on_best(module, agreement)`` when an epoch
+    improves). Returns fit's result with ``before`` and ``best`` as agreements."""
     params = [p for p in module.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
-    total = math.ceil(len(train_seqs) / batch_seqs) * epochs
-    sched = warmup_cosine(opt, total)
-    g = torch.Generator().manual_seed(seed)
-    before = agreement(module, held)
-    log(f"{desc}: held-out top-1 agreement before training {before:.3f}")
-    history, best = [], (before, -1, {k: v.detach().clone() for k, v in module.state_dict().items()})
-    bar = tqdm(total=total, desc=desc, unit="step", disable=not progress)
-    t0, done, stopped = time.perf_counter(), 0, False
-    for epoch in range(epochs):
-        perm = torch.randperm(len(train_seqs), generator=g).tolist()
-        for s in range(0, len(perm), batch_seqs):
-            if max_seconds and time.perf_counter() - t0 > max_seconds:
-                stopped = True
-                break
-            b = train_seqs.batch(perm[s: s + batch_seqs])
-            loss, h, c = distill_loss(module(b["features"] if isinstance(module, ExitHead) else b["tokens"]), b)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
-            done += 1
-            bar.update(1)
-            bar.set_postfix(epoch=epoch, loss=f"{loss.item():.3f}", top1=f"{h / max(1, c):.2f}")
+
+    def step(seqs):
+        b = train_seqs.batch(seqs)
+        loss, h, c = distill_loss(module(b["features"] if isinstance(module, ExitHead) else b["tokens"]), b)
+        return loss, {"loss": f"{loss.item():.3f}", "top1": f"{h / max(1, c):.2f}"}
+
+    def evaluate():
         acc = agreement(module, held)
-        history.append({"epoch": epoch, "held_out_top1": acc})
-        log(f"{desc}: epoch {epoch}: held-out top-1 agreement {acc:.3f}")
-        if acc > best[0]:
-            best = (acc, epoch, {k: v.detach().clone() for k, v in module.state_dict().items()})
-            if on_best is not None:
-                on_best(module, acc)
-        if stopped:
-            break
-    bar.close()
-    module.load_state_dict(best[2])
-    return {"before": before, "history": history, "best_epoch": best[1], "best": best[0], "updates": done,
-            "stopped_early": stopped, "seconds": time.perf_counter() - t0}
+        return acc, acc, f"held-out top-1 agreement {acc:.3f}"
+
+    result = fit(module, params, len(train_seqs), batch_seqs, step, evaluate, epochs=epochs, lr=lr, seed=seed,
+                 weight_decay=weight_decay, max_seconds=max_seconds, score_before=True, desc=desc, log=log,
+                 progress=progress, on_best=None if on_best is None else lambda acc: on_best(module, acc))
+    result["history"] = [{"epoch": e, "held_out_top1": acc} for e, acc in enumerate(result["history"])]
+    return result
 
 
 # ---- command line -----------------------------------------------------------------------------
@@ -256,23 +228,6 @@ def layer_features(model, data: dict, layers: tuple, cache_path: Path, progress=
     torch.save(out, tmp)
     tmp.replace(cache_path)
     return out
-
-
-@torch.no_grad()
-def decode_acceptance(target, tok, drafter, prompts: list, *, max_new_tokens: int = 48, k: int = 4) -> dict:
-    """Mean accepted length of real greedy decoding with ``drafter`` (chain of ``k``, batch 1)
-    and whether every output equals autoregressive decoding's."""
-    from ..decoding import Generator, SpecSchedule
-
-    emitted = steps = 0
-    same = True
-    for text in prompts:
-        ids = tok.chat_prompt(text)
-        (r,) = Generator(target, drafter, SpecSchedule("constant", k)).generate([ids], max_new_tokens)
-        (ar,) = Generator(target, None).generate([ids], max_new_tokens)
-        same &= r.output == ar.output
-        emitted, steps = emitted + r.stats.emitted, steps + r.stats.steps
-    return {"mean_accepted_length": round(emitted / max(1, steps), 3), "identical_to_autoregressive": same}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -314,9 +269,8 @@ def _prepare(args) -> SimpleNamespace:
     split, the draft ``vocab`` [Vd] and the target's lm_head rows of it ``lm_rows`` [Vd, hidden]
     (fp32), ``V`` (the target's vocabulary size), the file ``meta`` data, the target's
     ``step_cost`` curve, ``max_chain`` and the validation ``prompts``."""
-    from ..decoding.cost_model import step_cost_for
-    from ..models import load_model
-    from .medusa_training import VALIDATION_PROMPTS
+    from ...decoding.cost_model import step_cost_for
+    from ...models import load_model
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -324,7 +278,7 @@ def _prepare(args) -> SimpleNamespace:
     data = distill_data.load_training_data(model, tok, args)
     train_ids, held_ids = distill_data.split_sequences(data["seq_start"], args.held_out, args.seed)
     st = data["seq_start"]
-    rows = torch.cat([torch.arange(int(st[s]), int(st[s + 1])) for s in train_ids])
+    rows = distill_data.sequence_rows(st, train_ids)
     vocab = draft_vocabulary(data["topk_ids"][rows, 0], model.config.vocab_size, args.draft_vocab_size)
     meta = {"model": args.model, "num_prompts": args.num_prompts, "sampled_prompts": args.sampled_prompts,
             "answer_temperature": args.answer_temperature, "written_prompts": args.written_prompts,
@@ -343,8 +297,8 @@ def train_draft_model(c: SimpleNamespace, args, out: str) -> None:
     """``--kind draft``: distil the target's first ``--layers`` layers into a draft model, saved to
     ``out`` at each best held-out score; then its measured draft cost, predicted chain speedup
     and (with validation prompts) real decoding acceptance go into the file's metadata."""
-    from ..decoding.drafters import ModelDrafter
-    from ..draft_model import load_draft_model, save_draft_model, truncated_draft
+    from .drafter import ModelDrafter
+    from .model import load_draft_model, save_draft_model, truncated_draft
 
     model, vocab, V = c.model, c.vocab, c.V
     lr = args.lr or 2e-4
@@ -390,7 +344,7 @@ def train_draft_model(c: SimpleNamespace, args, out: str) -> None:
 def _sweep_exit_layers(c: SimpleNamespace, args, out: str, Ls: tuple, lr: float) -> dict:
     """Train one exit head per candidate layer L of ``Ls``, each written to ``{out}.L{L}.tmp``:
     {L: its scores, costs and predicted speedup, "tmp": its file}."""
-    from ..draft_model import exit_model, save_exit_head
+    from .model import exit_model, save_exit_head
 
     model = c.model
     cache_path = Path(args.cache_dir) / Path(args.model).stem / (
@@ -423,8 +377,8 @@ def train_exit_head(c: SimpleNamespace, args, out: str, error) -> None:
     decoding acceptance in its metadata. ``error``: the parser's error (bad --exit-layers)."""
     from safetensors.torch import load_file
 
-    from ..decoding.drafters import ModelDrafter
-    from ..draft_model import exit_model, save_exit_head
+    from .drafter import ModelDrafter
+    from .model import exit_model, save_exit_head
 
     model = c.model
     lr = args.lr or 2e-3

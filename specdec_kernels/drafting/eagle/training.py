@@ -25,7 +25,7 @@
    predictions of the training data) are saved; ``--out`` never overwrites an existing file
    unless ``--overwrite`` is given.
 
-Feature choice (module docstring of ``specdec_kernels.eagle``): ``--features fused`` trains
+Feature choice (module docstring of ``drafting.eagle.head``): ``--features fused`` trains
 the same head on a learned projection of layers low/middle/last instead of the last layer
 alone (depth-1 comparison only; decoding uses the last layer).
 """
@@ -41,21 +41,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..decoding.cost_model import chain_tokens
-from ..eagle import EagleHead, save_eagle_head
-from ..models.registry import WEIGHT_FORMATS
-from . import distill_data
-from .medusa_training import warmup_cosine
+from ...decoding.cost_model import chain_tokens
+from .head import EagleHead, save_eagle_head
+from ...models.registry import WEIGHT_FORMATS
+from ...training import distill_data
+from ...training.recipe import VALIDATION_PROMPTS, decode_acceptance, draft_vocabulary, fit
 
 PRECISIONS = ("fp32", "bf16")
-
-
-def draft_vocabulary(targets: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor:
-    """int64 [size]: the target tokens ranked by frequency, then the lowest ids not yet in."""
-    from .medusa_training import draft_vocabulary as _draft_vocabulary  # the Medusa heads' helper
-
-    vocab = _draft_vocabulary(targets, vocab_size, size)
-    return torch.arange(vocab_size) if vocab is None else vocab
 
 
 class Examples:
@@ -207,82 +199,32 @@ def train(head: EagleHead, train_ex: Examples, held_ex: Examples, *, steps: int,
           lr: float, seed: int, feat_scale: float, fuse=None, log=print, progress: bool = True,
           max_updates: int = 0, max_seconds: float = 0, stop_after: int = 0, on_best=None,
           precision: str = "fp32") -> dict:
-    """AdamW + cosine schedule over ``epochs`` (or ``max_updates``); returns the history
-    (held-out scores per epoch) and leaves the best epoch's weights in ``head``.
+    """``recipe.fit`` over ``epochs`` (or ``max_updates``), scored by the held-out expected
+    chain length after each epoch; the best epoch's weights are left in ``head``.
     ``on_best(head, scores)`` is called whenever an epoch improves the held-out score (the
     trainer saves the head then, so an interrupted run keeps its best epoch).
     ``max_seconds`` (0 = off): a wall-clock safety net, checked after every update — when
     it stops the run early the result says so (``stopped_early``). ``stop_after`` (0 = off):
     stop after that many updates without changing the learning-rate schedule (replays a run
     that the time limit stopped)."""
-    from tqdm import tqdm
-
-    torch.manual_seed(seed)
     params = [p for p in head.parameters() if p.requires_grad] + ([fuse] if fuse is not None else [])
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
-    per_epoch = math.ceil(len(train_ex) / batch_seqs)
-    total = per_epoch * epochs if not max_updates else min(max_updates, per_epoch * epochs)
-    sched = warmup_cosine(opt, total)
-    g = torch.Generator().manual_seed(seed)
-    history, best = [], None
-    bar = tqdm(total=total, desc="train eagle", unit="step", disable=not progress)
-    head.train()
-    done = 0
-    t_start = time.perf_counter()
-    stopped_early = False
-    for epoch in range(epochs):
-        perm = torch.randperm(len(train_ex), generator=g).tolist()
-        for s in range(0, len(perm), batch_seqs):
-            if done >= total:
-                break
-            if (max_seconds and time.perf_counter() - t_start > max_seconds) or (stop_after and done >= stop_after):
-                stopped_early = True
-                break
-            batch = train_ex.batch(perm[s: s + batch_seqs])
-            loss, hits, counts = losses(head, batch, steps, feat_scale=feat_scale, fuse=fuse, precision=precision)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
-            done += 1
-            bar.update(1)
-            bar.set_postfix(epoch=epoch, loss=f"{float(loss.detach()):.3f}", top1=f"{hits[0] / max(1, counts[0]):.2f}")
+    epoch = [0]
+
+    def step(seqs):
+        loss, hits, counts = losses(head, train_ex.batch(seqs), steps, feat_scale=feat_scale, fuse=fuse,
+                                    precision=precision)
+        return loss, {"loss": f"{float(loss.detach()):.3f}", "top1": f"{hits[0] / max(1, counts[0]):.2f}"}
+
+    def score():
         ev = evaluate(head, held_ex, steps, feat_scale=feat_scale, fuse=fuse, precision=precision)
-        ev["epoch"] = epoch
-        history.append(ev)
-        log(f"epoch {epoch}: held-out top-1 by depth {[round(a, 3) for a in ev['top1_by_depth']]}, "
-            f"expected chain length {ev['expected_chain_length']:.3f}")
-        if best is None or ev["expected_chain_length"] > best[0]:
-            best = (ev["expected_chain_length"], epoch, {k: v.detach().clone() for k, v in head.state_dict().items()})
-            if on_best is not None:
-                on_best(head, ev)
-        if done >= total or stopped_early:
-            break
-    bar.close()
-    if best is not None and best[1] != history[-1]["epoch"]:
-        log(f"keeping epoch {best[1]} (best held-out expected chain length)")
-        head.load_state_dict(best[2])
-    return {"history": history, "best_epoch": best[1] if best else None, "updates": done,
-            "stopped_early": stopped_early}
+        ev["epoch"] = epoch[0]
+        epoch[0] += 1
+        return ev["expected_chain_length"], ev, (f"held-out top-1 by depth {[round(a, 3) for a in ev['top1_by_depth']]}, "
+                                                 f"expected chain length {ev['expected_chain_length']:.3f}")
 
-
-@torch.no_grad()
-def decode_acceptance(model, tok, head, prompts: list[str], *, max_new_tokens: int = 40) -> dict:
-    """Mean accepted length of real greedy decoding with the EAGLE drafter on ``prompts``
-    (never the benchmark's), batch 1, and whether every output equals autoregressive."""
-    from ..decoding import Generator, SpecSchedule
-    from ..decoding.eagle_drafter import EagleDrafter
-
-    emitted = steps = 0
-    by_depth = []
-    for text in prompts:
-        ids = tok.chat_prompt(text)
-        (r,) = Generator(model, EagleDrafter(model, head), SpecSchedule("max", 8, max_k=8)).generate([ids], max_new_tokens)
-        emitted += r.stats.emitted
-        steps += r.stats.steps
-        by_depth.append(r.stats.acceptance_per_pos)
-    return {"mean_accepted_length": emitted / max(1, steps), "prompts": len(prompts)}
+    return fit(head, params, len(train_ex), batch_seqs, step, score, epochs=epochs, lr=lr, seed=seed,
+               max_updates=max_updates, max_seconds=max_seconds, stop_after=stop_after, desc="train eagle", log=log,
+               progress=progress, on_best=None if on_best is None else lambda ev: on_best(head, ev))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -326,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load_data(args):
     """(model, tokenizer, distillation data) of ``args.model`` (distill_data.load_training_data)."""
-    from ..models import load_model
+    from ...models import load_model
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -345,9 +287,9 @@ def _split_examples(args, model, data):
     for ``--features fused``), feature scale (std of the top layer's train features))."""
     train_seqs, held_seqs = distill_data.split_sequences(data["seq_start"], args.held_out, args.seed)
     st = data["seq_start"]
-    train_rows = torch.cat([torch.arange(int(st[s]), int(st[s + 1])) for s in train_seqs])
+    train_rows = distill_data.sequence_rows(st, train_seqs)
     vocab = draft_vocabulary(data["topk_ids"][train_rows, 0], model.config.vocab_size, args.draft_vocab_size)
-    held_rows = torch.cat([torch.arange(int(st[s]), int(st[s + 1])) for s in held_seqs])
+    held_rows = distill_data.sequence_rows(st, held_seqs)
     inv = torch.zeros(model.config.vocab_size, dtype=torch.bool)
     inv[vocab] = True
     print(f"draft vocabulary: {vocab.shape[0]} tokens cover {inv[data['topk_ids'][held_rows, 0]].float().mean():.3f} "
@@ -386,10 +328,13 @@ def _finish(args, model, tok, head, result: dict, train_s: float, base_meta: dic
             "held_out_top1_by_depth": json.dumps([round(a, 4) for a in best["top1_by_depth"]]),
             "held_out_expected_chain_length": round(best["expected_chain_length"], 4)}
     if args.features == "top" and args.eval_prompts:
-        from .medusa_training import VALIDATION_PROMPTS
+        from ...decoding.schedule import SpecSchedule
+        from .drafter import EagleDrafter
 
         head.eval().requires_grad_(False)
-        dec = decode_acceptance(model, tok, head, VALIDATION_PROMPTS[: args.eval_prompts])
+        dec = decode_acceptance(model, tok, EagleDrafter(model, head), VALIDATION_PROMPTS[: args.eval_prompts],
+                                schedule=SpecSchedule("max", 8, max_k=8), max_new_tokens=40,
+                                compare_autoregressive=False)
         print(f"validation decoding (greedy, batch 1, {dec['prompts']} prompts): mean accepted length "
               f"{dec['mean_accepted_length']:.3f}")
         meta["validation_mean_accepted_length"] = round(dec["mean_accepted_length"], 3)

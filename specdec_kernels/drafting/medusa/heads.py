@@ -5,7 +5,7 @@ Head k (0-based) is L ResBlocks, x <- x + SiLU(W x + b), followed by an LM head:
 saves K x V x H weights). At decode time ``forward`` runs all heads through the fused
 ``specdec::medusa_topk`` op and returns each head's top-k candidates with their
 log-probabilities; ``logits`` is the plain differentiable path used for training (the loss
-and the training step are in ``specdec_kernels.training.medusa_loss``).
+and the training step are in ``specdec_kernels.drafting.medusa.loss``).
 
 State dict: the module's keys are those of the Medusa reference implementation's model,
 ``medusa_head.{k}.{j}.linear.weight`` / ``.bias`` for ResBlock j of head k and
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import ops
+from ... import ops
 
 __all__ = ["MedusaHeads", "ResBlock", "default_medusa_checkpoint", "load_medusa_heads", "read_medusa_metadata",
            "read_medusa_state_dict", "save_medusa_heads"]
@@ -254,7 +254,7 @@ def read_medusa_metadata(source) -> dict:
     """The string metadata of a ``.safetensors`` file ({} for anything else)."""
     if isinstance(source, dict) or not os.fspath(source).endswith(".safetensors"):
         return {}
-    from .models.registry import read_metadata
+    from ...models.registry import read_metadata
 
     return read_metadata(source)
 
@@ -289,7 +289,7 @@ SHIPPED_HEADS = {"smollm2-135m": "medusa_smollm2_135m.safetensors"}
 def default_medusa_checkpoint(model_name: str, *, must_exist: bool = True) -> str | None:
     """Path of the package's trained Medusa heads for a registered model name (e.g.
     ``smollm2-135m``, also matched on the model's file name), or None if none ships."""
-    from .models.registry import shipped_file
+    from ...models.registry import shipped_file
 
     return shipped_file(model_name, SHIPPED_HEADS, must_exist=must_exist)
 

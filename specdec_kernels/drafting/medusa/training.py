@@ -3,35 +3,36 @@
     specdec train-medusa --model smollm2-135m    (a new file in ~/.cache/specdec_kernels/medusa)
     specdec train-medusa --model smollm2-135m --out specdec_kernels/data/medusa_smollm2_135m.safetensors --overwrite
 
-1. **Data.** :func:`~specdec_kernels.training.medusa_prompts.synthetic_prompts` builds instruction
+1. **Data.** :func:`~specdec_kernels.training.prompts.synthetic_prompts` builds instruction
    prompts from templates (never the benchmark's prompts); the chat template is applied and
-   the model answers them greedily with the package's own decode loop at a large batch
-   (:func:`collect_self_distillation`). For every emitted token o_i we keep the hidden
-   state that produced it, *after* the final RMSNorm — exactly what ``MedusaDrafter`` feeds
-   the heads at decode time (the pre-norm state of the node that produced the root, normed).
-   Cached as ``hidden`` fp16 [N, H], ``tokens`` int64 [N], ``seq_start`` int64 [S+1].
+   the model answers them greedily with the package's own decode loop at a large batch,
+   through the data pipeline every trainer shares (``training.distill_data``: cached
+   shards, the last layer's features teacher-forced over prompt + answer). For every
+   emitted token o_i we take the hidden state that produced it, *after* the final RMSNorm —
+   what ``MedusaDrafter`` feeds the heads at decode time (the pre-norm state of the node
+   that produced the root, normed; :func:`answer_rows`): ``hidden`` fp16 [N, H],
+   ``tokens`` int64 [N], ``seq_start`` int64 [S+1].
 2. **Targets** (:func:`medusa_targets`). Row i's hidden state produced o_i (the LM head's
    token, the root at decode time); head k (0-based) must predict o_{i+k+1}, the token k+1
    steps after the root — the model's own greedy continuation, which greedy verification
    accepts. (In the base model's position terms: the hidden state at position t, whose LM
    head predicts token t+1, gives head k the target token t+k+2, as in
-   :func:`~specdec_kernels.training.medusa_loss.sequence_targets`.)
+   :func:`~specdec_kernels.drafting.medusa.loss.sequence_targets`.)
    Positions past the end of a sequence are ignored (-1).
 3. **Training** (:func:`train_heads`). ``MedusaHeads`` with L ResBlocks per head and the
-   model's LM head shared (frozen), loss sum_k 0.8^k CE_k (``medusa_loss``, one ``train_step``
+   model's LM head shared (frozen), loss sum_k 0.8^k CE_k (``medusa_loss``, one ``heads_loss``
    per batch). The softmax is taken over the
    tokens that occur in the data (every target is one of them) rather than the full
    vocabulary: the frozen LM head dominates the cost and on one CPU thread the full 49k-row
    softmax would be ~5x slower. Held-out accuracy is measured with the full vocabulary
    (what decoding uses). AdamW, cosine learning rate, fixed seed.
 4. The heads are saved in bf16 (``save_medusa_heads``); ``MedusaDrafter`` loads the shipped
-   file for the model by default (``specdec_kernels.medusa.default_medusa_checkpoint``).
+   file for the model by default (``specdec_kernels.drafting.medusa.heads.default_medusa_checkpoint``).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -39,11 +40,12 @@ from pathlib import Path
 
 import torch
 
-from .._platform import user_cache_dir
-from ..decoding.cost_model import as_step_cost, tree_payoffs
-from ..medusa import MedusaHeads, save_medusa_heads
-from .medusa_loss import medusa_targets, train_step
-
+from ..._platform import user_cache_dir
+from ...decoding.cost_model import as_step_cost, tree_payoffs
+from .heads import MedusaHeads, save_medusa_heads
+from .loss import heads_loss, medusa_targets
+from ...training import distill_data
+from ...training.recipe import VALIDATION_PROMPTS, draft_vocabulary, fit
 
 
 # ---------------------------------------------------------------------------------------
@@ -51,138 +53,46 @@ from .medusa_loss import medusa_targets, train_step
 # ---------------------------------------------------------------------------------------
 
 
-def collect_self_distillation(model, prompts: list[list[int]], *, max_new_tokens: int = 128, batch_size: int = 64,
-                              progress: bool = True) -> dict:
-    """Greedy answers of ``model`` to ``prompts`` (token ids) with the hidden states behind them.
+def answer_rows(model, data: dict) -> dict:
+    """The heads' rows from the shared pipeline's data (``training.distill_data``: prompt +
+    answer sequences with the last layer's features): for every answer token, the
+    final-normed hidden state that produced it (the feature one position earlier), as
+    ``MedusaDrafter`` feeds the heads. Returns {"hidden": fp16 [N, H], "tokens": int64 [N],
+    "seq_start": int64 [S+1]} over the sequences that have an answer."""
+    from ...models.llama import rms_norm
 
-    Returns {"hidden": fp16 [N, H] (final-normed hidden state that produced token i),
-    "tokens": int64 [N] (the emitted tokens, sequence after sequence), "seq_start": int64
-    [S+1] (sequence s owns rows seq_start[s]:seq_start[s+1])}. Sequences are generated in
-    batches of similar prompt length; each stops at EOS (kept) or after ``max_new_tokens``.
-    """
-    from tqdm import tqdm
-
-    from ..decoding import Generator
-    from ..decoding.drafters import HiddenStateRecorder
-    from ..models.llama import rms_norm
-
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    hidden_of: dict[int, list] = {}
-    tokens_of: dict[int, list] = {}
-    bar = tqdm(total=len(prompts), desc="self-distillation", unit="prompt", disable=not progress)
-    emitted = 0
-    for start in range(0, len(order), batch_size):
-        ids = order[start: start + batch_size]
-        # Autoregressive decoding that keeps the hidden states: the last len(output) rows of
-        # a request are the states that produced its output tokens.
-        recorder = HiddenStateRecorder()
-        reqs = Generator(model, recorder).generate([prompts[i] for i in ids], max_new_tokens)
-        for j, r in enumerate(reqs):
-            if not r.output:
-                continue
-            rows = recorder.rows[j]
-            if rows.shape[0] != len(r.prompt) - 1 + len(r.output):
-                raise RuntimeError(f"captured {rows.shape[0]} hidden states for {len(r.prompt) - 1} prompt and "
-                                   f"{len(r.output)} output tokens")
-            h = rows[len(r.prompt) - 1:].to(torch.float32)
-            hidden_of[ids[j]] = rms_norm(h, model.norm.float(), model.config.rms_norm_eps).to(torch.float16)
-            tokens_of[ids[j]] = torch.tensor(r.output, dtype=torch.int64)
-            emitted += len(r.output)
-        bar.update(len(ids))
-        bar.set_postfix(tokens=emitted)
-    bar.close()
-    keep = [i for i in range(len(prompts)) if i in tokens_of]
-    lengths = torch.tensor([tokens_of[i].shape[0] for i in keep], dtype=torch.int64)
-    return {"hidden": torch.cat([hidden_of[i] for i in keep]), "tokens": torch.cat([tokens_of[i] for i in keep]),
+    last = data["layers"].tolist().index(model.config.num_layers)
+    st, prompt_len = data["seq_start"].tolist(), data["prompt_len"].tolist()
+    spans = [(st[s] + prompt_len[s], st[s + 1]) for s in range(len(prompt_len)) if st[s + 1] > st[s] + prompt_len[s]]
+    produced = torch.cat([torch.arange(a - 1, b - 1) for a, b in spans])  # row i produced token i + 1
+    hidden = rms_norm(data["features"][last][produced].float(), model.norm.float(), model.config.rms_norm_eps)
+    lengths = torch.tensor([b - a for a, b in spans], dtype=torch.int64)
+    return {"hidden": hidden.to(torch.float16), "tokens": data["tokens"][produced + 1],
             "seq_start": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])}
 
 
-def load_or_generate(model, tok, num_prompts: int, *, max_new_tokens: int, batch_size: int, seed: int,
-                     cache_dir, regenerate: bool = False, progress: bool = True) -> dict:
-    """Self-distillation data for ``synthetic_prompts(num_prompts, seed)``, generated in
-    shards of ``batch_size`` prompts cached as ``cache_dir/shard_*.pt`` (a shard is reused by
-    any later run with the same seed, batch size and token limit: ``synthetic_prompts(n)``
-    is a prefix of ``synthetic_prompts(n + m)``)."""
-    from .medusa_prompts import synthetic_prompts
-
-    prompts = synthetic_prompts(num_prompts, seed=seed)
-    cache_dir = Path(cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    shards = []
-    for i, start in enumerate(range(0, len(prompts), batch_size)):
-        chunk = prompts[start: start + batch_size]
-        path = cache_dir / f"shard_s{seed}_t{max_new_tokens}_b{batch_size}_{i:04d}.pt"
-        if path.exists() and not regenerate:
-            shard = torch.load(path, weights_only=True)
-        else:
-            ids = [tok.chat_prompt(p["prompt"]) for p in chunk]
-            shard = collect_self_distillation(model, ids, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                                              progress=progress)
-            torch.save(shard, path)
-            if progress:
-                print(f"shard {i}: {shard['tokens'].shape[0]} tokens -> {path}", flush=True)
-        shards.append(shard)
-    return concat_data(shards)
+def training_rows(model, tok, args) -> dict:
+    """:func:`answer_rows` of the target's greedy answers to ``--num-prompts`` synthetic
+    prompts (the shared pipeline's cached shards)."""
+    data = distill_data.load_or_generate(
+        model, tok, args.num_prompts, model_name=distill_data.cache_name(args.model, "fp32"),
+        max_new_tokens=args.max_new_tokens, layers=(model.config.num_layers,), topk=0,
+        shard_size=args.gen_batch_size, seed=args.seed, cache_dir=args.cache_dir, regenerate=args.regenerate)
+    return answer_rows(model, data)
 
 
-# Validation prompts: the package's default prompt file plus these, written by hand unlike
-# the templates (the template-held-out sequences overrate the heads: their prompts are near
-# copies of training ones). Never the benchmark's prompts.
-VALIDATION_PROMPTS = [
-    "Explain how a refrigerator keeps food cold.",
-    "What are the benefits of regular exercise for older adults?",
-    "Write a Python function that returns the sum of the squares of a list, with a docstring.",
-    "Give me three tips for writing a good cover letter.",
-    "Describe the water cycle in a short paragraph.",
-    "My tomato plants have yellow leaves. What could be wrong?",
-    "Translate to English: Je voudrais réserver une table pour deux personnes ce soir.",
-    "A car travels 150 km in 2.5 hours. What is its average speed? Explain the steps.",
-    "Write a short thank-you note to a colleague who helped me move house.",
-    "Compare cats and dogs as pets in a few sentences.",
-    "Pretend you are a museum guide and introduce a painting of a stormy sea.",
-    "What is the difference between a virus and a bacterium?",
-]
-
-
-def validation_data(model, tok, *, max_new_tokens: int, cache_dir, progress: bool = True) -> dict:
-    """Self-distillation data for the package's prompts.jsonl + VALIDATION_PROMPTS (cached)."""
+def validation_rows(model, tok, args, *, max_new_tokens: int = 96) -> dict:
+    """:func:`answer_rows` of the answers to the package's prompts.jsonl + VALIDATION_PROMPTS
+    (written by hand: the template-held-out sequences overrate the heads)."""
     from importlib import resources
 
-    path = Path(cache_dir) / f"validation_t{max_new_tokens}.pt"
-    if path.exists():
-        return torch.load(path, weights_only=True)
     lines = resources.files("specdec_kernels").joinpath("data/prompts.jsonl").read_text().splitlines()
     texts = [json.loads(line)["prompt"] for line in lines if line.strip()] + VALIDATION_PROMPTS
-    data = collect_self_distillation(model, [tok.chat_prompt(t) for t in texts], max_new_tokens=max_new_tokens,
-                                     batch_size=len(texts), progress=progress)
-    Path(cache_dir).mkdir(parents=True, exist_ok=True)
-    torch.save(data, path)
-    return data
-
-
-def concat_data(shards: list[dict]) -> dict:
-    """Concatenate data dicts of :func:`collect_self_distillation`."""
-    starts, offset = [torch.zeros(1, dtype=torch.int64)], 0
-    for sh in shards:
-        starts.append(sh["seq_start"][1:] + offset)
-        offset += int(sh["seq_start"][-1])
-    return {"hidden": torch.cat([sh["hidden"] for sh in shards]), "tokens": torch.cat([sh["tokens"] for sh in shards]),
-            "seq_start": torch.cat(starts)}
-
-
-def split_sequences(seq_start: torch.Tensor, held_out: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train rows, held-out rows) int64, whole sequences to one side."""
-    S = seq_start.shape[0] - 1
-    g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(S, generator=g)
-    n_held = max(1, int(round(S * held_out))) if S > 1 else 0
-    held = set(perm[:n_held].tolist())
-
-    def rows(seqs):
-        parts = [torch.arange(int(seq_start[s]), int(seq_start[s + 1])) for s in sorted(seqs)]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-
-    return rows(set(range(S)) - held), rows(held)
+    data = distill_data.load_or_generate(
+        model, tok, len(texts), model_name=distill_data.cache_name(args.model, "fp32"), max_new_tokens=max_new_tokens,
+        layers=(model.config.num_layers,), topk=0, shard_size=len(texts), cache_dir=args.cache_dir,
+        prompts=[{"prompt": text, "category": "validation"} for text in texts])
+    return answer_rows(model, data)
 
 
 # ---------------------------------------------------------------------------------------
@@ -210,14 +120,6 @@ def head_accuracy(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tenso
     return {"top1": (hit1 / c).tolist(), f"top{top}": (hitk / c).tolist(), "count": count.long().tolist()}
 
 
-def warmup_cosine(opt, total: int, *, max_warmup: int = 30):
-    """The learning-rate schedule of every trainer here: linear warm-up over min(max_warmup,
-    total / 10) updates, then a cosine decay to 0 at ``total``."""
-    warmup = min(max_warmup, max(1, total // 10))
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / warmup if s < warmup else 0.5 * (
-        1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, total - warmup)))))
-
-
 def train_heads(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.Tensor, *, num_layers: int = 1,
                 root_ids: torch.Tensor | None = None, embed: torch.Tensor | None = None,
                 epochs: int = 3, batch_size: int = 256, lr: float = 1e-3, weight_decay: float = 0.0,
@@ -234,8 +136,6 @@ def train_heads(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.Tens
     a few tens of thousands of tokens the ResBlocks overfit within a few epochs).
     Returns fp32 heads (eval mode).
     """
-    from tqdm import tqdm
-
     torch.manual_seed(seed)
     N, K = targets.shape
     V, H = lm_head.shape
@@ -249,45 +149,34 @@ def train_heads(hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.Tens
     sub_targets = torch.where(targets >= 0, remap[targets.clamp(min=0)], torch.full_like(targets, -100))
     w_sub = lm_head.float()[vocab].contiguous()  # [Vs, H]
     log(f"training {K} heads x {num_layers} ResBlock(s) on {N} rows, softmax over {vocab.shape[0]} of {V} tokens")
-    params = [p for p in heads.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    steps_per_epoch = math.ceil(N / batch_size)
-    total = steps_per_epoch * epochs
-    sched = warmup_cosine(opt, total, max_warmup=50)
-    g = torch.Generator().manual_seed(seed)
-    bar = tqdm(total=total, desc="train heads", unit="step", disable=not progress)
-    heads.train()
-    best = None
-    for epoch in range(epochs):
-        perm = torch.randperm(N, generator=g)
-        run_loss, run_acc, n_seen = torch.zeros(K), torch.zeros(K), 0
-        for s in range(0, N, batch_size):
-            idx = perm[s: s + batch_size]
-            t = sub_targets[idx]  # [M, K]
-            step = train_step(heads, hidden[idx].float(), t, opt, decay=decay, lm_head=w_sub,
-                              root_ids=None if root_ids is None else root_ids[idx])  # logits [M, K, Vs]
-            sched.step()
+    running = {"loss": torch.zeros(K), "top1": torch.zeros(K), "rows": 0}  # this epoch's, for the log
+
+    def step(rows):
+        idx = torch.tensor(rows)
+        t = sub_targets[idx]  # [M, K]
+        loss, per_head, logits = heads_loss(heads, hidden[idx].float(), t, decay=decay, lm_head=w_sub,
+                                            root_ids=None if root_ids is None else root_ids[idx])  # [M, K, Vs]
+        with torch.no_grad():
             valid = (t >= 0).float()
-            run_loss += step["head_losses"] * idx.shape[0]
-            run_acc += ((step["logits"].argmax(-1) == t).float() * valid).sum(0) / valid.sum(0).clamp(min=1) * idx.shape[0]
-            n_seen += idx.shape[0]
-            bar.update(1)
-            bar.set_postfix(epoch=epoch, loss=f"{step['loss']:.3f}")
-        msg = (f"epoch {epoch}: train loss per head {[round(v, 3) for v in (run_loss / n_seen).tolist()]}, "
-               f"top-1 (data vocab) {[round(v, 3) for v in (run_acc / n_seen).tolist()]}")
-        if validation is not None:
-            heads.eval()
-            acc = head_accuracy(heads, validation[0], validation[1], root_ids=validation[2])["top1"]
-            heads.train()
-            score = sum(decay ** k * a for k, a in enumerate(acc))
-            msg += f"; validation top-1 {[round(v, 3) for v in acc]}"
-            if best is None or score > best[0]:
-                best = (score, epoch, {k: v.detach().clone() for k, v in heads.state_dict().items()})
-        log(msg)
-    bar.close()
-    if best is not None and best[1] != epochs - 1:
-        log(f"keeping epoch {best[1]} (best validation)")
-        heads.load_state_dict(best[2])
+            running["loss"] += per_head.detach() * len(rows)
+            running["top1"] += ((logits.argmax(-1) == t).float() * valid).sum(0) / valid.sum(0).clamp(min=1) * len(rows)
+            running["rows"] += len(rows)
+        return loss, {"loss": f"{float(loss.detach()):.3f}"}
+
+    def evaluate():
+        n = max(1, running["rows"])
+        msg = (f"train loss per head {[round(v, 3) for v in (running['loss'] / n).tolist()]}, "
+               f"top-1 (data vocab) {[round(v, 3) for v in (running['top1'] / n).tolist()]}")
+        running.update(loss=torch.zeros(K), top1=torch.zeros(K), rows=0)
+        if validation is None:
+            return None, None, msg
+        heads.eval()
+        acc = head_accuracy(heads, validation[0], validation[1], root_ids=validation[2])["top1"]
+        return sum(decay ** k * a for k, a in enumerate(acc)), acc, msg + f"; validation top-1 {[round(v, 3) for v in acc]}"
+
+    params = [p for p in heads.parameters() if p.requires_grad]
+    fit(heads, params, N, batch_size, step, evaluate, epochs=epochs, lr=lr, seed=seed, weight_decay=weight_decay,
+        betas=(0.9, 0.999), max_warmup=50, max_grad_norm=None, desc="train heads", log=log, progress=progress)
     return heads.eval().requires_grad_(False)
 
 
@@ -360,21 +249,6 @@ def pick_tree_size(scored: list, *, cost_per_node: float, draft_cost: float) -> 
 # ---------------------------------------------------------------------------------------
 
 
-def draft_vocabulary(targets: torch.Tensor, vocab_size: int, size: int) -> torch.Tensor | None:
-    """int64 [size]: the target tokens ranked by frequency, then the lowest ids not yet in
-    (byte-pair merges are numbered roughly by frequency); None when size is 0 or >= V."""
-    if size <= 0 or size >= vocab_size:
-        return None
-    t = targets[targets >= 0]
-    counts = torch.bincount(t, minlength=vocab_size)
-    seen = torch.nonzero(counts).flatten()
-    seen = seen[counts[seen].argsort(descending=True, stable=True)][:size]
-    rest = torch.ones(vocab_size, dtype=torch.bool)
-    rest[seen] = False
-    fill = torch.nonzero(rest).flatten()[: size - seen.numel()]
-    return torch.cat([seen, fill])
-
-
 def output_path(out: str | None, model: str, *, overwrite: bool) -> Path | str:
     """Where the trained heads go: ``out`` if it is new or ``overwrite`` is set, else a new
     file in the per-user cache; an "error: ..." line when ``out`` exists without ``overwrite``
@@ -397,7 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"({user_cache_dir() / 'medusa'}). An existing file, such as the heads the package "
                         "ships, is replaced only with --overwrite")
     p.add_argument("--overwrite", action="store_true", help="allow --out to replace an existing file")
-    p.add_argument("--cache-dir", default=str(user_cache_dir() / "medusa"), help="where the generated data is cached")
+    p.add_argument("--cache-dir", default=str(distill_data.DEFAULT_CACHE),
+                   help="where the generated data is cached (the data pipeline every trainer shares)")
     p.add_argument("--num-prompts", type=int, default=512, help="synthetic prompts the model answers for the training data")
     p.add_argument("--max-new-tokens", type=int, default=160, help="tokens generated per training prompt")
     p.add_argument("--gen-batch-size", type=int, default=64, help="prompts answered at once while generating the data")
@@ -427,9 +302,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_training_data(args):
-    """(model, tokenizer, self-distillation data) of ``args.model``: the data generated or
-    read from the cache (``load_or_generate``)."""
-    from ..models import load_model
+    """(model, tokenizer, the heads' training rows) of ``args.model`` (:func:`training_rows`)."""
+    from ...models import load_model
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -437,9 +311,7 @@ def _load_training_data(args):
     # heads were trained on the fp32 model's hidden states).
     model, tok = load_model(args.model, weights="fp32")
     t0 = time.perf_counter()
-    data = load_or_generate(model, tok, args.num_prompts, max_new_tokens=args.max_new_tokens,
-                            batch_size=args.gen_batch_size, seed=args.seed,
-                            cache_dir=Path(args.cache_dir) / Path(args.model).stem, regenerate=args.regenerate)
+    data = training_rows(model, tok, args)
     print(f"data: {data['tokens'].shape[0]} tokens in {data['seq_start'].shape[0] - 1} sequences "
           f"({time.perf_counter() - t0:.0f}s)")
     return model, tok, data
@@ -488,10 +360,12 @@ def main(argv=None) -> int:
     if args.data_only:
         return 0
     targets = medusa_targets(data["tokens"], data["seq_start"], args.num_heads)
-    train_rows, held_rows = split_sequences(data["seq_start"], args.held_out, args.seed)
+    train_seqs, held_seqs = distill_data.split_sequences(data["seq_start"], args.held_out, args.seed)
+    train_rows = distill_data.sequence_rows(data["seq_start"], train_seqs)
+    held_rows = distill_data.sequence_rows(data["seq_start"], held_seqs)
     t1 = time.perf_counter()
     roots = data["tokens"]  # row i's hidden state produced tokens[i]: the root at decode time
-    val = validation_data(model, tok, max_new_tokens=96, cache_dir=Path(args.cache_dir) / Path(args.model).stem)
+    val = validation_rows(model, tok, args)
     val_targets = medusa_targets(val["tokens"], val["seq_start"], args.num_heads)
     print(f"validation: {val['tokens'].shape[0]} tokens in {val['seq_start'].shape[0] - 1} sequences")
     heads = train_heads(data["hidden"][train_rows], targets[train_rows], model.lm_head, num_layers=args.num_layers,
@@ -505,9 +379,8 @@ def main(argv=None) -> int:
         ("train", data["hidden"][train_rows], targets[train_rows], roots[train_rows]),
         ("held-out", data["hidden"][held_rows], targets[held_rows], roots[held_rows]),
         ("validation", val["hidden"], val_targets, val["tokens"])))
-    vocab = draft_vocabulary(targets[train_rows], model.config.vocab_size, args.draft_vocab_size)
-    if vocab is not None:
-        heads.set_draft_vocab(vocab)
+    if 0 < args.draft_vocab_size < model.config.vocab_size:
+        heads.set_draft_vocab(draft_vocabulary(targets[train_rows], model.config.vocab_size, args.draft_vocab_size))
     # The tree is chosen on the validation prompts (and the template held-out sequences).
     ranks = torch.cat([target_ranks(heads, val["hidden"], val_targets, root_ids=val["tokens"]),
                        target_ranks(heads, data["hidden"][held_rows], targets[held_rows], root_ids=roots[held_rows])])

@@ -1,6 +1,6 @@
 """Trained drafts that run as Llamas: distilled draft models and self-speculation exit heads.
 
-Both come from ``specdec train-draft`` (:mod:`specdec_kernels.training.draft_training`) and
+Both come from ``specdec train-draft`` (:mod:`specdec_kernels.drafting.draft_model.training`) and
 draft from a *draft vocabulary*: the Vd target ids the target predicts most often. Their LM
 head is the target's LM head restricted to those rows, so drafting a token costs a Vd-row
 product instead of a V-row one (SmolLM2: 8,192 of 49,152 rows, 0.29 ms instead of 1.7 ms on
@@ -33,9 +33,10 @@ import sys
 
 import torch
 
-from .models.block import LAYER_KEYS, layer_keys
-from .models.llama import Llama, dense, is_block_weight
-from .models.registry import read_metadata
+from ...models.block import layer_keys
+from ...models.llama import Llama, dense, is_block_weight
+from ...models.registry import read_metadata
+from ...training.distill_data import corpus_files
 
 SHIPPED_DRAFTS = {"smollm2-135m": "draft_smollm2_135m.safetensors"}
 SHIPPED_EXITS = {"smollm2-135m": "exit_smollm2_135m.safetensors"}
@@ -45,14 +46,14 @@ DRAFT_WEIGHTS = ("stored", "fp32", "q8_0", "q4_0")  # how a draft model's linear
 
 def default_draft_checkpoint(model_name: str) -> str | None:
     """The package's distilled draft model for a registered model name, or None."""
-    from .models.registry import shipped_file
+    from ...models.registry import shipped_file
 
     return shipped_file(model_name, SHIPPED_DRAFTS)
 
 
 def default_exit_checkpoint(model_name: str) -> str | None:
     """The package's self-speculation exit head for a registered model name, or None."""
-    from .models.registry import shipped_file
+    from ...models.registry import shipped_file
 
     return shipped_file(model_name, SHIPPED_EXITS)
 
@@ -82,7 +83,7 @@ def save_draft_model(layers: list, norm: torch.Tensor, draft_vocab: torch.Tensor
     weights are stored as GGUF blocks of ``block_type`` (None: bf16)."""
     from safetensors.torch import save_file
 
-    from .gguf_blocks import quantize
+    from ...gguf_blocks import quantize
 
     state = {"norm": norm.detach().float().contiguous(), "draft_vocab": draft_vocab.to(torch.int64).contiguous()}
     for i, L in enumerate(layers):
@@ -103,8 +104,8 @@ def load_draft_model(path, target: Llama, weights: str = "stored") -> Llama:
     with int8 activations when the target's products use them)."""
     from safetensors.torch import load_file
 
-    from .gguf_blocks import QuantizedWeight, quantize
-    from .models.config import LlamaConfig
+    from ...gguf_blocks import QuantizedWeight, quantize
+    from ...models.config import LlamaConfig
 
     if weights not in DRAFT_WEIGHTS:
         raise ValueError(f"draft weights must be one of {DRAFT_WEIGHTS}, got {weights!r}")
@@ -178,28 +179,13 @@ def with_draft_vocab(model: Llama, vocab: torch.Tensor) -> Llama:
 # is then always one of those, and the rare tokens the target picks are only lost acceptance.
 DRAFT_VOCAB_SIZE = 65536  # the default cut (``--draft-vocab``): measured best in docs/drafters.md
 CORPUS_BYTES = 8 * 2**20  # of source text counted
-_SKIPPED_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
-
-
-def corpus_files() -> list[str]:
-    """The Python standard library's own sources (PSF licence), in a fixed order: real code,
-    comments and English docstrings that every machine running this package has."""
-    import sysconfig
-
-    files = []
-    for root, dirs, names in os.walk(sysconfig.get_paths()["stdlib"]):
-        dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS)
-        files += [os.path.join(root, n) for n in sorted(names) if n.endswith(".py")]
-    return files
-
-
 def corpus_token_counts(tokenizer, vocab_size: int, max_bytes: int = CORPUS_BYTES) -> torch.Tensor:
     """int64 [vocab_size]: how often each token occurs in the first ``max_bytes`` of
     :func:`corpus_files`, cached per tokenizer and corpus in the package's cache ("vocab");
     the first count shows a progress bar (a few seconds)."""
     from tqdm import tqdm
 
-    from ._platform import package_cache_dir
+    from ..._platform import package_cache_dir
 
     files = corpus_files()
     key = f"{tokenizer.vocab_digest()[:16]}-{vocab_size}-{max_bytes}-{len(files)}-stdlib{sys.version_info[0]}.{sys.version_info[1]}"
@@ -289,7 +275,7 @@ def exit_model(target: Llama, path) -> Llama:
     runs on blocks, else the target's dtype)."""
     from safetensors.torch import load_file
 
-    from .gguf_blocks import quantize
+    from ...gguf_blocks import quantize
 
     meta = read_metadata(path)
     if meta.get("kind") != "exit":

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..medusa import MedusaHeads
+from .heads import MedusaHeads
 
-__all__ = ["medusa_loss", "medusa_targets", "sequence_targets", "train_step"]
+__all__ = ["medusa_loss", "medusa_targets", "sequence_targets", "heads_loss"]
 
 
 def medusa_targets(tokens: torch.Tensor, seq_start: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -68,25 +68,20 @@ def medusa_loss(head_logits: torch.Tensor, targets: torch.Tensor, *, decay: floa
     return (per_head * weights).sum(), per_head.detach()
 
 
-def train_step(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor, optimizer: torch.optim.Optimizer,
-               *, decay: float = 0.8, root_ids: torch.Tensor | None = None,
-               lm_head: torch.Tensor | None = None) -> dict:
-    """One optimisation step of ``heads`` (the base model is not trained).
+def heads_loss(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor, *, decay: float = 0.8,
+               root_ids: torch.Tensor | None = None, lm_head: torch.Tensor | None = None) -> tuple:
+    """The heads' training loss on one batch (the base model is not trained).
 
     hidden: [..., H], the base model's (final-normed) hidden states, computed without grad;
     targets: int64 [..., K] (see :func:`medusa_loss`); root_ids: int64 [...] for
     root-conditioned heads. ``lm_head`` [Vs, H]: score the heads' states against these rows
     instead of the heads' LM heads (``targets`` then index its rows: the trainer's softmax
-    over the tokens of the data). Returns {"loss": float, "head_losses": fp32 [K],
-    "logits": [..., K, V or Vs] (detached)}."""
-    heads.train()
-    optimizer.zero_grad(set_to_none=True)
+    over the tokens of the data). Returns (loss, per-head losses fp32 [K], logits [..., K,
+    V or Vs])."""
     hidden = hidden.detach()
     if lm_head is None:
         logits = heads.logits(hidden, root_ids)
     else:
         logits = torch.stack(heads.head_states(hidden, root_ids), dim=-2) @ lm_head.T
     loss, per_head = medusa_loss(logits, targets, decay=decay)
-    loss.backward()
-    optimizer.step()
-    return {"loss": float(loss.detach()), "head_losses": per_head, "logits": logits.detach()}
+    return loss, per_head, logits

@@ -1,0 +1,250 @@
+"""Drafting with a smaller Llama of the target's vocabulary.
+
+- :class:`ModelDrafter` — a separate draft model (any Llama of the package with the same
+  vocabulary) with its own paged cache, as a chain or a "top-k tree" (the greedy chain plus
+  the next-best tokens at the first level as extra leaves);
+- :class:`SelfSpecDrafter` — self-speculation: the target's first L layers and its own LM
+  head (or a trained exit head), writing into the target's cache (layers < L of the draft
+  positions are rewritten by the verification forward, so no extra cache and no catch-up
+  are needed).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ...decoding.cost_model import best_chain_length
+from ...decoding.drafter import Draft, SizedDrafter, draft_uniforms, draw_tokens
+from ...models.llama import Batch, Llama
+
+
+@dataclass
+class ChainRun:
+    """One request's draft chain while :meth:`ModelDrafter.propose` extends it."""
+
+    index: int  # the request's position in the batch
+    request: object  # the Request
+    slot: int  # its slot in the draft cache
+    length: int  # tokens to draft
+    committed: int  # tokens the draft cache held at the start of the step
+    pending: list  # tokens the draft cache lacked at the start (fed by the first forward)
+    feed: list  # tokens the next forward feeds
+    pos: int  # cache position of feed[0]
+    chain: list = field(default_factory=list)  # drafted tokens
+    probs: list = field(default_factory=list)  # q each drafted token was drawn from (None: greedy)
+    alts: list = field(default_factory=list)  # tree_width > 1: the root's other children
+
+
+PRIOR_TOKENS = 4  # how many drafted tokens' worth of evidence a request's prior acceptance counts as
+PROBE_TOKENS = 4  # drafted tokens a request probes with before its sizing may keep drafting off
+
+
+class ModelDrafter(SizedDrafter):
+    """Draft with a (smaller) Llama of the same vocabulary, chain or top-k tree.
+
+    ``tree_width`` > 1 adds the next ``tree_width - 1`` best first tokens as extra children
+    of the root (deterministic drafts, verified without draft probabilities). With a chain
+    and sampling, drafts are drawn from the draft model's q and verified with it.
+    ``share_target_cache`` (self-speculation): ``model`` is the target truncated to its first
+    layers and writes into the target's cache. A model with a ``draft_vocab`` (a distilled
+    draft or an exit head, ``drafting.draft_model.model``) drafts ids of that vocabulary,
+    mapped to the target's; its q is zero outside it, which rejection sampling handles exactly.
+    """
+
+    name = "draft"
+
+    def __init__(self, model: Llama, *, tree_width: int = 1, max_k: int = 16, share_target_cache: bool = False,
+                 name: str | None = None, sized: bool = False, step_cost=None, acceptance: float | None = None):
+        """``sized``: the schedule's length is a cap and each step drafts the chain length
+        that maximises expected tokens per unit time (:meth:`chain_length`), from the
+        target's step-cost curve (``step_cost``, default the Generator's ``step_cost``:
+        the target's measured curve unless it was given one), the draft's measured time per token and the request's
+        running acceptance rate (each request starts from ``acceptance``, default the
+        held-out agreement the draft's file records, else 0.5: how predictable a request is
+        varies a lot — code and arithmetic accept several times more than open writing — so
+        one request's rejections do not switch drafting off for the next); the drafters by
+        name (``make_drafter``) run this way with the ``max`` schedule. ``sized=False``:
+        exactly the schedule's length."""
+        self.model, self.tree_width, self.share = model, tree_width, share_target_cache
+        self.vocab_size = model.config.vocab_size
+        self.max_nodes = max_k + tree_width
+        self.name = name or ("draft-tree" if tree_width > 1 else "draft")
+        self.sized = sized
+        self._own_step_cost(step_cost)
+        measured = acceptance if acceptance is not None else getattr(model, "metadata", {}).get("held_out_top1")
+        self.prior = 0.5 if measured is None else float(measured)
+        # A measured prior counts as PRIOR_TOKENS drafted tokens of evidence; 0.5 for want of one
+        # (a whole model by name) as one, so a request's own acceptance soon decides.
+        self.prior_tokens = PRIOR_TOKENS if measured is not None else 1
+        # Per request: [accepted draft tokens, rejections] seen, seeded with the prior.
+        self._seen: dict = {}
+        self._token_s = None  # measured seconds of one draft depth (batch of this step), EMA
+        self._drafted: dict = {}
+
+    # ---- sizing ---------------------------------------------------------------------------
+    def acceptance(self, rid=None) -> float:
+        """Request ``rid``'s running estimate of P(a draft token is accepted | the ones before
+        it were); the prior for an unknown request."""
+        acc, rej = self._seen.get(rid, (self.prior_tokens * self.prior, self.prior_tokens * (1 - self.prior)))
+        return acc / max(1e-9, acc + rej)
+
+    def chain_length(self, batch: int, cap: int, acceptance: float | None = None) -> int:
+        """The chain length (0..cap) maximising expected tokens per unit time at this batch:
+        ``B * sum_{i<=k} a^i / (cost(B (k + w)) + k * t_draft / t_step)`` with ``a`` the running
+        acceptance, ``cost`` the target's step-cost curve (relative to a one-row-per-request
+        step), ``w`` the tree width (the root's extra children count as cost only) and
+        ``t_draft / t_step`` the measured draft-depth time over a target step
+        (``cost_model.best_chain_length``; ``acceptance``: default the prior)."""
+        a = self.prior if acceptance is None else acceptance
+        k, _ = best_chain_length(a, cap, self._cost, batch=batch, width=self.tree_width,
+                                 draft_cost=self.relative_cost(self._token_s, batch))
+        return k
+
+    def _sized_length(self, rid, cap: int, batch: int) -> int:
+        """Request ``rid``'s chain length this step: :meth:`chain_length` at its running
+        acceptance, or a one-token probe while it has fewer than PROBE_TOKENS drafted tokens of
+        its own seen and a chain would pay at full acceptance — so a prior that is too low
+        (a whole model by name has no recorded agreement: 0.5) cannot keep a draft that agrees
+        97% of the time off for good, and one that does not pay stops after a few probes."""
+        k = self.chain_length(batch, cap, self.acceptance(rid))
+        acc, rej = self._seen.get(rid, (self.prior_tokens, 0.0))
+        if k == 0 and cap > 0 and acc + rej < self.prior_tokens + PROBE_TOKENS and self.chain_length(batch, cap, 1.0) > 0:
+            return 1
+        return k
+
+    def start(self, gen, reqs):
+        if self.sized:
+            self._take_step_cost(gen)
+            if self._token_s is None:
+                from ...decoding.cost_model import draft_token_seconds
+
+                self._token_s = draft_token_seconds(self.model)
+        if self.share:
+            self.cache = gen.cache
+        else:
+            self.cache = self.model.new_cache(gen.cache.max_batch, gen.cache.max_len, block_size=gen.cache.block_size)
+            self.slot, self.fed = {}, {}
+        self.admit(gen, reqs)
+
+    def admit(self, gen, reqs):
+        for r in reqs:
+            self._seen[r.rid] = [self.prior_tokens * self.prior, self.prior_tokens * (1 - self.prior)]
+        if self.share:
+            return
+        for r in reqs:
+            self.slot[r.rid] = self.cache.add_request(len(r.prompt))
+            self.model.prefill(torch.tensor(r.prompt[:-1], dtype=torch.int64), self.cache, self.slot[r.rid])
+            self.fed[r.rid] = list(r.prompt[:-1])
+
+    def _slot(self, r):
+        return r.slot if self.share else self.slot[r.rid]
+
+    @torch.inference_mode()
+    def propose(self, gen, reqs, lengths):
+        model, cache = self.model, self.cache
+        drafts = [Draft.root_only(r.tokens[-1]) for r in reqs]
+        if self.sized and self._token_s is not None:
+            lengths = [self._sized_length(r.rid, n, len(reqs)) for r, n in zip(reqs, lengths)]
+        runs = []
+        for b, (r, k) in enumerate(zip(reqs, lengths)):
+            if k <= 0:
+                continue
+            # Step 0 feeds what the draft cache lacks (the root, plus any tokens accepted last
+            # step that the draft never saw); later steps feed one drafted token each.
+            slot = self._slot(r)
+            committed = cache.length(slot)
+            pending = r.tokens[committed:]
+            cache.reserve([slot], [len(pending) + k])
+            runs.append(ChainRun(b, r, slot, k, committed, pending, feed=pending, pos=committed))
+        if not runs:
+            return drafts
+        uniforms = draft_uniforms([run.request for run in runs], max(run.length for run in runs))
+        for step in range(max(run.length for run in runs)):
+            t_step = time.perf_counter()
+            live = [i for i, run in enumerate(runs) if step < run.length]
+            rows = [runs[i] for i in live]
+            row_positions = [torch.arange(run.pos, run.pos + len(run.feed)) for run in rows]
+            indptr = torch.tensor([0] + list(np.cumsum([len(run.feed) for run in rows])), dtype=torch.int32)
+            block_table, _ = cache.batch_view([run.slot for run in rows])
+            slot_mapping = torch.cat([cache.slot_mapping(run.slot, pos) for run, pos in zip(rows, row_positions)])
+            batch = Batch(block_table, torch.tensor([run.pos for run in rows], dtype=torch.int32), indptr, slot_mapping)
+            tokens = torch.tensor([t for run in rows for t in run.feed], dtype=torch.int64)
+            h = model.forward(tokens, torch.cat(row_positions), cache, batch)
+            logits = model.logits(h[indptr[1:].long() - 1])
+            vocab = model.draft_vocab  # None, or the target ids of a draft-vocabulary head's rows
+            drawn, drawn_q = draw_tokens(logits, [run.request for run in rows], uniforms[live, step])
+            for i, run in enumerate(rows):
+                tok, q = drawn[i], drawn_q[i]
+                if step == 0 and self.tree_width > 1:
+                    best = logits[i].topk(self.tree_width).indices.tolist()
+                    tok, q = best[0], None
+                    run.alts = best[1:] if vocab is None else vocab[best[1:]].tolist()
+                elif self.tree_width > 1:
+                    tok, q = int(logits[i].argmax()), None
+                if vocab is not None:
+                    tok = int(vocab[tok])
+                    if q is not None:  # q over the target's vocabulary: zero outside the draft's
+                        q = torch.zeros(self.vocab_size, dtype=q.dtype).index_copy_(0, vocab, q)
+                run.chain.append(tok)
+                run.probs.append(q)
+                run.pos += len(run.feed)
+                run.feed = [tok]
+            if step > 0 and self._token_s is not None:  # step 0 also feeds the catch-up tokens
+                self._token_s = 0.8 * self._token_s + 0.2 * (time.perf_counter() - t_step)
+        for run in runs:
+            r = run.request
+            self._drafted[r.rid] = len(run.chain)
+            if self.tree_width > 1:
+                k = len(run.chain)
+                drafts[run.index] = Draft(list(range(-1, k)) + [0] * len(run.alts), [r.tokens[-1]] + run.chain + run.alts)
+            else:
+                q = None
+                if run.probs[0] is not None:
+                    q = torch.stack(run.probs + [torch.zeros_like(run.probs[0])])
+                drafts[run.index] = Draft.chain(r.tokens[-1], run.chain, q)
+            if not self.share:
+                # What the draft cache holds after this step (committed + written, in order).
+                self.fed[r.rid] = r.tokens[:run.committed] + run.pending + run.chain[:-1]
+        return drafts
+
+    def verified(self, gen, reqs, num_accepted):
+        for r, n in zip(reqs, num_accepted):  # the running acceptance rate (chain_length)
+            k = self._drafted.pop(r.rid, 0)
+            if k > 0 and r.rid in self._seen:
+                n = max(0, min(int(n), k))  # -1: the step failed (NaN logits)
+                self._seen[r.rid][0] += n
+                self._seen[r.rid][1] += n < k
+        if self.share:
+            return
+        for r in reqs:
+            if r.done:
+                continue
+            slot = self.slot[r.rid]
+            fed, toks = self.fed[r.rid], r.tokens
+            n = cache_len = self.cache.length(slot)
+            while n < len(fed) and n < len(toks) - 1 and fed[n] == toks[n]:
+                n += 1
+            self.cache.commit([slot], [n - cache_len])
+
+    def finish(self, gen, req):
+        self._seen.pop(req.rid, None)
+        if not self.share:
+            self.cache.free(self.slot[req.rid])
+
+
+class SelfSpecDrafter(ModelDrafter):
+    """Self-speculation: the target's first layers draft, writing into the target's cache
+    (``ModelDrafter`` options in ``kw``). With ``exit_model`` (``draft_model.exit_model``: the
+    target's first L layers with a trained exit head — norm + low-rank adapter folded into a
+    draft-vocabulary LM head) the exit is trained; else plain early exit after
+    ``num_layers`` layers through the target's own final norm and LM head."""
+
+    def __init__(self, target: Llama, num_layers: int | None = None, *, exit_model: Llama | None = None, **kw):
+        if exit_model is None and num_layers is None:
+            raise ValueError("SelfSpecDrafter needs num_layers or an exit_model")
+        model = exit_model if exit_model is not None else target.truncated(num_layers)
+        name = f"self-spec-{model.config.num_layers}" + ("-exit" if exit_model is not None else "")
+        super().__init__(model, share_target_cache=True, name=kw.pop("name", name), **kw)

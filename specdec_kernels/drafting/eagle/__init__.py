@@ -1,0 +1,2 @@
+"""EAGLE: the feature-level draft head (``head``), the dynamic-tree drafter (``drafter``) and
+``specdec train-eagle`` (``training``)."""
