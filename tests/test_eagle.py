@@ -271,6 +271,30 @@ def test_back_off_when_trees_do_not_pay_for_drafting(model, prompts, step_second
     assert (drafter.stats["skipped_steps"] > 0) == backs_off
 
 
+def test_head_backs_off_where_the_lookup_drafts_alone(model):
+    """eagle+ngram on a prompt that repeats itself, drafting time dwarfing a step: the head's
+    forwards do not pay next to the lookup tries alone, so it backs off, and its skipped
+    steps still draft the tries (accepted: more than one token a step). Output stays equal
+    to autoregressive."""
+    base = torch.randint(0, 64, (10,), generator=torch.Generator().manual_seed(6)).tolist()
+    prompt = base * 4
+    drafter = EagleDrafter(model, make_head(model), top_k=3, lookup=NgramTreeDrafter(), step_cost=FREE,
+                           step_seconds=1e-9)
+    (r,) = Generator(model, drafter, SpecSchedule("max", 4, max_k=4)).generate([prompt], 24, stop_at_eos=False)
+    assert r.output == greedy_reference(model, prompt, 24)
+    assert drafter.stats["skipped_steps"] > 0
+    assert r.stats.emitted / r.stats.steps > 1.5
+    # The criterion: a step whose value (drafting included) does not beat the tries alone
+    # backs off, even when it beats a step that drafts nothing (value 1 here).
+    from specdec_kernels.decoding.drafter import Draft
+
+    drafter._empty_run = drafter._skip = 0
+    drafter._back_off([0], [Draft.root_only(1)], 2.0, 2.5, False)
+    assert (drafter._empty_run, drafter._skip) == (1, 1)
+    drafter._back_off([0], [Draft.root_only(1)], 3.0, 2.5, False)
+    assert drafter._empty_run == 0
+
+
 def test_lookup_nodes_are_chosen_with_the_head_candidates(model):
     """eagle+ngram: the head's candidates and the lookup trie's nodes form one pool, the most
     probable kept while they pay for their rows (a row costs 0.3 of a step here); the lookup

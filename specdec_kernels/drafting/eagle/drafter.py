@@ -273,19 +273,21 @@ class EagleDrafter(SizedDrafter):
             scores[j] = scores[j].masked_fill((depth_cap < j + 1)[:, None], float("-inf"))
         draft_rel = self.relative_cost(time.perf_counter() - t_start, B)
         probs = self._candidate_probs(scores)
-        keep, _, value = self._select(probs, [None] * B, B, draft_rel)  # the head's own: what back-off judges
+        keep, _, value = self._select(probs, [None] * B, B, draft_rel)
+        without_head = payoff(B, B, self.cost, batch=B)  # a step that drafts nothing
         lookups = self._lookup_candidates(reqs, lengths)
         keep_lookup = [0] * len(reqs)
         if any(c is not None for c in lookups):
             per_request = [[] for _ in reqs]
             for i, b in enumerate(active):
                 per_request[b] = probs[i]
-            keep_all, keep_lookup, _ = self._select(per_request, lookups, len(reqs), draft_rel)
+            keep_all, keep_lookup, value = self._select(per_request, lookups, len(reqs), draft_rel)
             keep = [keep_all[b] for b in active]
+            without_head = self._select([[] for _ in reqs], lookups, len(reqs), 0.0)[2]  # the tries alone
         for i, b in enumerate(active):
             drafts[b] = self._request_draft(sub[i], i, bool(sampled[i]), keep[i], *expansions)
         self.stats["steps"] += 1
-        self._back_off(active, drafts, value, any_sampled, B)
+        self._back_off(active, drafts, value, without_head, any_sampled)
         for b in active:
             dd = drafts[b]
             self.stats["nodes"] += len(dd.tokens) - 1
@@ -418,19 +420,21 @@ class EagleDrafter(SizedDrafter):
                                           torch.tensor([r.tokens[-1]]))
         return Draft(tree.parents[0].tolist(), tree.token_ids[0].tolist())
 
-    def _back_off(self, active: list, drafts: list, value: float, any_sampled: bool, B: int) -> None:
-        """Back-off: a step that is not expected to have paid for its drafting — its expected
-        tokens per unit time (``_select``'s value: drafting time included) no better than
-        a step that drafts nothing, B / cost(B) — cost a catch-up
-        pass and the expansions for nothing (typical at batch 4, where the batch already
-        fills the step and extra rows rarely pay). After m such steps in a row the next
-        2^m - 1 steps draft nothing (m <= 5) and their entries wait for the next catch-up
-        pass, one batched forward. A step that paid resets it. (Sampled requests keep every
-        drawn child: there, any node counts as paying.)"""
+    def _back_off(self, active: list, drafts: list, value: float, without_head: float, any_sampled: bool) -> None:
+        """Back-off: a step whose drafting is not expected to have paid — its expected tokens
+        per unit time (``_select``'s ``value``, drafting time included) no better than
+        ``without_head``'s, a step without the head's forwards (one that drafts nothing, or
+        the prompt-lookup tries alone for ``eagle+ngram``) — cost a catch-up pass and the
+        expansions for nothing (typical at batch 4, where the batch already fills the step
+        and extra rows rarely pay, and on code, where the lookup already drafts what the head
+        would). After m such steps in a row the next 2^m - 1 steps run no head forward (m <=
+        5) and their entries wait for the next catch-up pass, one batched forward. A step
+        that paid resets it. (Sampled requests keep every drawn child: there, any node
+        counts as paying.)"""
         if any_sampled:
             paid = any(len(drafts[b].tokens) > 1 for b in active)
         else:
-            paid = value > payoff(B, B, self.cost, batch=B)
+            paid = value > without_head
         if paid:
             self._empty_run = 0
         else:
