@@ -174,10 +174,18 @@ def test_utf8_prompt_from_stdin(tiny_dir, env):
     assert r.returncode == 0, r.stderr.decode()
 
 
+def interactive_sigint():
+    """Ctrl-C as a terminal delivers it: a process started in the background by a shell
+    without job control (how a CI runner may start the suite) inherits SIGINT ignored, and
+    Python then never raises KeyboardInterrupt; a user's shell gives the default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_cleanly(tiny_dir, env):
     p = subprocess.Popen([sys.executable, "-m", "specdec_kernels.cli", "generate", "--model", str(tiny_dir),
                           "--prompt", "go", "--max-new-tokens", "4000", "--drafter", "none"],
-                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=interactive_sigint)
     try:
         assert p.stdout.read(1)  # it has streamed a token
         p.send_signal(signal.SIGINT)
@@ -398,7 +406,7 @@ def test_ctrl_c_while_the_package_loads_is_one_line(tmp_path, env):
     script.write_text("import sys\nsys.stderr.write('importing\\n'); sys.stderr.flush()\n"
                       "from specdec_kernels.cli import main\nsys.exit(main())\n")
     p = subprocess.Popen([sys.executable, str(script), "generate", "--prompt", "hi"], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=interactive_sigint)
     try:
         assert p.stderr.readline() == b"importing\n"
         time.sleep(0.3)  # past the script's own lines, inside `import torch` (which takes over a second here)
