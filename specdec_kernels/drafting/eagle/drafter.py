@@ -29,9 +29,10 @@ entry t holds the head's K/V for (target feature f_t, token t+1). Each step:
 4. **Verify** — the generator's one ``tree_attention`` forward and ``tree_rejection_sample``.
 
 When a step's trees are not expected to pay for the drafting itself (their expected tokens
-per unit time, drafting included, no better than a step that drafts nothing: typical at
-batch 4, where the batch already fills the step), the catch-up pass and expansions were
-spent for nothing, so the drafter backs off: after m such steps in a row it skips the next
+per unit time, drafting included, no better than a step without the head's forwards: one
+that drafts nothing, or for ``eagle+ngram`` the lookup tries alone; typical at batch 4,
+where the batch already fills the step, and on code, where the lookup drafts what the head
+would), the catch-up pass and expansions were spent for nothing, so the drafter backs off: after m such steps in a row it skips the next
 2^m - 1 steps (m <= 5), and their entries wait for the next catch-up pass (one batched
 forward).
 
@@ -402,7 +403,7 @@ class EagleDrafter(SizedDrafter):
         cache.write(0, own, k, v)
         attn = torch.empty_like(q)
         torch.ops.specdec.tree_attention(q, cache.k_caches[0], cache.v_caches[0], row_tables,
-                                         (lengths + d - 1).repeat_interleave(G).to(torch.int32),
+                                         pos.to(torch.int32),  # the entries before each node's own
                                          torch.arange(B * G + 1, dtype=torch.int32), None, head.head_dim ** -0.5,
                                          attn, None)
         g, logp = head.decode_output(x, attn.reshape(B * G, -1))
