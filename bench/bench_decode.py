@@ -50,31 +50,28 @@ def ours(model, prompt_tokens: int, new_tokens: int, path: str) -> tuple[float, 
 
 
 def step_breakdown(model, context: int, reps: int = 15) -> dict:
-    """One decode step (one row: forward + LM head) on each path, medians over ``reps`` steps
-    (ms). On the fused path each step is split by the stack's own timers (the wall time inside
-    its products and its attention kernel) plus the LM head's product timed around it, so the
-    rest is measured within the same step; the Python path runs the same kernels, so its rest
-    is its step minus the fused path's products and attention."""
+    """One decode step (one row: the cache's bookkeeping, then ``forward_logits``: the layers,
+    the final norm and the LM head) on each path, medians over ``reps`` steps (ms). On the
+    fused path each step is split by the stack's own timers (the wall time inside its products,
+    the LM head's included, and its attention kernel), so the rest is measured within the same
+    step; the Python path runs the same kernels, so its rest is its step minus the fused path's
+    products and attention."""
     import time
 
-    from specdec_kernels.models.block import linear, rms_norm
     from specdec_kernels.models.llama import Batch
 
     cache = model.new_cache(1, context + 3 * reps + 16)
     slot = cache.add_request()
     model.prefill(torch.randint(100, 20000, (context,), generator=torch.Generator().manual_seed(0)), cache, slot)
 
-    def step() -> tuple[float, float]:
-        """(step seconds, LM head product seconds)."""
+    def step() -> float:
+        """Seconds of one step as the generator runs it (cache bookkeeping, forward_logits)."""
         t0 = time.perf_counter()
         new = cache.append_slots([slot], [1])
         bt, pl = cache.batch_view([slot])
-        h = model.forward(torch.tensor([5]), new.cache_positions.long(), cache, Batch(bt, pl, new.qo_indptr, new.slot_mapping))
-        normed = rms_norm(h, model.norm, model.config.rms_norm_eps)
-        t1 = time.perf_counter()
-        linear(normed, model.lm_head).float()
-        t2 = time.perf_counter()
-        return t2 - t0, t2 - t1
+        model.forward_logits(torch.tensor([5]), new.cache_positions.long(), cache,
+                             Batch(bt, pl, new.qo_indptr, new.slot_mapping))
+        return time.perf_counter() - t0
 
     saved = model.step_path
     columns: dict[str, list] = {"step_ms_fused": [], "products_ms": [], "attention_ms": [], "rest_ms_fused": [],
@@ -84,15 +81,15 @@ def step_breakdown(model, context: int, reps: int = 15) -> dict:
         stack = model.decoder_stack()
         stack.set_timing(True)
         for i in range(reps + 2):
-            total, head = step()
+            total = step()
             products, attention = stack.take_timings()
             if i >= 2:  # warm-up
-                for key, v in (("step_ms_fused", total), ("products_ms", products + head), ("attention_ms", attention),
-                               ("rest_ms_fused", total - products - head - attention)):
+                for key, v in (("step_ms_fused", total), ("products_ms", products), ("attention_ms", attention),
+                               ("rest_ms_fused", total - products - attention)):
                     columns[key].append(v * 1e3)
         stack.set_timing(False)
         model.step_path = "python"
-        columns["step_ms_python"] = [step()[0] * 1e3 for _ in range(reps + 2)][2:]
+        columns["step_ms_python"] = [step() * 1e3 for _ in range(reps + 2)][2:]
     finally:
         model.step_path = saved
     row = {k: statistics.median(v) for k, v in columns.items()}

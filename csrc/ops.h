@@ -46,6 +46,8 @@ void int8_activation_linear_cpu(const at::Tensor& x, const at::Tensor& packed_we
 
 void rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out);
 
+void silu_and_mul_cpu(const at::Tensor& gate_up, at::Tensor& out);
+
 at::Tensor philox_uniform_cpu(const at::Tensor& seed, const at::Tensor& offset, int64_t position, int64_t purpose,
                               int64_t num);
 

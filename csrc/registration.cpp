@@ -68,6 +68,10 @@ TORCH_LIBRARY(specdec, m) {
   // decode step's norms, one pass, batch-invariant.
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
 
+  // The MLP activation, out = silu(gate) * up of gate|up [..., 2I] -> [..., I] (silu_and_mul.cpp):
+  // one pass, fixed fp32 arithmetic (the package's own exp), the same bits on every CPU.
+  m.def("silu_and_mul(Tensor gate_up, Tensor(a!) out) -> ()");
+
   // The counter-based generator, exposed so that tests can compare backends bit for bit (rng.cpp).
   m.def("philox_uniform(Tensor seed, Tensor offset, int position, int purpose, int num) -> Tensor");
 }

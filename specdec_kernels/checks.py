@@ -409,6 +409,16 @@ def check_rms_norm(x, weight, eps, out) -> None:
     check_outputs_apart(((out, "out"),), ((x, "x"), (weight, "weight")))
 
 
+def check_silu_and_mul(gate_up, out) -> None:
+    check_tensor(gate_up, "gate_up", dtype=FLOAT_DTYPES)
+    if gate_up.dim() < 1 or gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up must be [..., 2I] (gate|up, an even last dim), got shape {list(gate_up.shape)}")
+    check_tensor(out, "out", dtype=gate_up.dtype, shape=(*gate_up.shape[:-1], gate_up.shape[-1] // 2),
+                 device=gate_up.device)
+    check_contiguous(out, "out")
+    check_outputs_apart(((out, "out"),), ((gate_up, "gate_up"),))
+
+
 def check_medusa_topk(hidden, res_weight, res_bias, lm_head, top_k, topk_ids, topk_logprobs) -> None:
     check_tensor(hidden, "hidden", dtype=FLOAT_DTYPES, dims=2)
     M, H = hidden.shape

@@ -855,3 +855,37 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Te
 def _rms_norm_fake(x, weight, eps, out):
     checks.check_one_device("rms_norm", locals())
     return None
+
+
+# ---------------------------------------------------------------------------------------
+# The MLP activation: silu_and_mul.
+# ---------------------------------------------------------------------------------------
+
+__all__ += ["silu_and_mul"]
+
+
+def silu_and_mul(gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up = gate|up``, in one pass.
+
+    gate_up: [..., 2I] fp32/bf16/fp16; out: [..., I] of gate_up's dtype, contiguous, not
+    sharing memory with gate_up (allocated when None). Arithmetic in fp32 (CPU): e = exp(-g)
+    by the package's own range reduction and polynomial (-g clamped to [-87.3, 88.9]; past
+    exp's range e = inf and s = -0),
+    s = g / (1 + e), out = s * u rounded once to out's dtype; every value's result depends on
+    that value only (batch-invariant, the same at every thread count and on every CPU). The
+    Triton kernel (CUDA) uses its own exp (equal within rounding). NaN propagates. Returns out.
+    """
+    checks.check_tensor(gate_up, "gate_up")
+    if out is None:
+        out = torch.empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2) if gate_up.dim() else (),
+                          dtype=gate_up.dtype, device=gate_up.device)
+    if not checks.launcher_checks(gate_up.device):
+        checks.check_silu_and_mul(gate_up, out)
+    torch.ops.specdec.silu_and_mul(gate_up, out)
+    return out
+
+
+@torch.library.register_fake("specdec::silu_and_mul")
+def _silu_and_mul_fake(gate_up, out):
+    checks.check_one_device("silu_and_mul", locals())
+    return None

@@ -1,5 +1,5 @@
 """The fused decode step (``models.decoder_step``, csrc/cpu/decoder_step.cpp) against the Python
-layers it replaces, bit for bit: hidden states and the K/V written into the cache, for Llama
+layers it replaces, bit for bit: hidden states, logits and the K/V written into the cache, for Llama
 and Qwen2 (q/k/v biases), every weight format (fp32, bf16, GGUF blocks with fp32 or int8
 activations, a fused weight of parts of different block types), one and several requests,
 tree rows, row counts on both sides of the skinny/MKL rule, and the truncated stack."""
@@ -52,7 +52,8 @@ def base(request):
 
 def run(model: Llama, path: str, steps, num_layers=None):
     """Prefill two requests, then run ``steps`` forwards of (tokens per request, tree parents or
-    None) on ``path``; returns every forward's hidden states and the final caches."""
+    None) on ``path``; returns every forward's hidden states (and logits, through all layers:
+    ``forward_logits``) and the final caches."""
     model.step_path = path
     cache = model.new_cache(2, 128, block_size=8)
     g = torch.Generator().manual_seed(0)
@@ -75,8 +76,11 @@ def run(model: Llama, path: str, steps, num_layers=None):
                 depth.append(depth[p] + 1)
             positions = torch.cat([pl[b].long() + torch.tensor(depth) for b in range(len(slots))])
         toks = torch.randint(0, 64, (sum(rows),), generator=g)
-        outs.append(model.forward(toks, positions, cache, Batch(bt, pl, new.qo_indptr, new.slot_mapping, mask),
-                                  num_layers=num_layers))
+        batch = Batch(bt, pl, new.qo_indptr, new.slot_mapping, mask)
+        if num_layers is None:  # the verification step: hidden states and logits in one call
+            outs.extend(model.forward_logits(toks, positions, cache, batch))
+        else:
+            outs.append(model.forward(toks, positions, cache, batch, num_layers=num_layers))
         cache.commit(slots, rows)
     return outs, cache
 
@@ -86,6 +90,7 @@ STEPS = {
     "one-request-rows": [([1, 0], None), ([4, 0], None)],
     "chains": [([3, 5], None), ([9, 2], None), ([20, 17], None)],  # skinny rows and MKL's
     "trees": [([7, 7], [-1, 0, 0, 1, 1, 2, 3]), ([1, 1], None)],
+    "many-rows": [([40, 30], None), ([1, 1], None)],  # past the rows the stack keeps buffers for
 }
 
 
@@ -118,13 +123,32 @@ def test_fused_step_at_each_thread_count(base, threads):
     assert all(torch.equal(o, r) for o, r in zip(got, ref))
 
 
+def test_concurrent_forwards_give_the_sequential_bits(base):
+    """The stack keeps its activation buffers between calls; a forward that runs while another
+    holds them works on buffers of its own."""
+    import threading
+
+    model = FORMATS["mixed-parts-int8act"](base)
+    ref, _ = run(model, "fused", STEPS["decode"] + STEPS["chains"])
+    results = [None] * 4
+    def work(i):
+        results[i] = run(model, "fused", STEPS["decode"] + STEPS["chains"])[0]
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got in results:
+        assert all(torch.equal(o, r) for o, r in zip(got, ref))
+
+
 def test_truncated_stack_is_the_self_spec_prefix(base):
     """forward(num_layers=k) and the truncated model (self-speculation's draft) on the fused
     path equal the Python path's first k layers."""
     model = FORMATS["Q8_0"](base)
     ref, _ = run(model, "python", STEPS["chains"], num_layers=2)
     got, _ = run(model, "fused", STEPS["chains"], num_layers=2)
-    short, _ = run(model.truncated(2), "fused", STEPS["chains"])
+    short = run(model.truncated(2), "fused", STEPS["chains"])[0][0::2]  # its hidden states (not its logits)
     assert all(torch.equal(o, r) and torch.equal(s, r) for o, s, r in zip(got, short, ref))
 
 
@@ -147,10 +171,21 @@ def test_bad_stacks_are_refused():
         make(2, 1, 4, 1e-6, [torch.ones(8), torch.ones(8)], [w] * 4, [7, 0, 8, -1] * 4, [1, 1, 1, 1], [])
     with pytest.raises(RuntimeError, match="bias index"):
         make(2, 1, 4, 1e-6, [torch.ones(8), torch.ones(8)], [w] * 4, [0, 0, 8, 3] * 4, [1, 1, 1, 1], [])
+    with pytest.raises(RuntimeError, match="parts_per_product"):  # a final norm without the LM head's count
+        make(2, 1, 4, 1e-6, [torch.ones(8)] * 3, [w] * 4, [0, 0, 8, -1] * 4, [1, 1, 1, 1], [])
     stack = make(2, 1, 4, 1e-6, [torch.ones(8), torch.ones(8)], [w] * 4, [0, 0, 8, -1] * 4, [1, 1, 1, 1], [])
+    cos, sin = torch.ones(16, 4), torch.zeros(16, 4)
+    caches = [torch.zeros(4, 8, 1, 4)]
+    batch = (torch.zeros(1, 4, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+             torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int64), None)
     with pytest.raises(RuntimeError, match="num_layers"):
-        stack.forward(torch.zeros(1, 8), torch.ones(1, 1, 4), torch.zeros(1, 1, 4), [], [], torch.zeros(1, 1),
-                      torch.zeros(1), torch.zeros(2), torch.zeros(1), None, 2, 1, 8)
+        stack.forward(torch.zeros(1, 8), torch.zeros(1, dtype=torch.int64), cos, sin, [], [], *batch, 2, 1, 8)
+    with pytest.raises(RuntimeError, match="outside the rotary tables"):
+        stack.forward(torch.zeros(1, 8), torch.tensor([16]), cos, sin, caches, caches, *batch, 1, 1, 8)
+    with pytest.raises(RuntimeError, match="tables"):
+        stack.forward(torch.zeros(1, 8), torch.tensor([0]), torch.ones(1, 1, 4), sin, caches, caches, *batch, 1, 1, 8)
+    with pytest.raises(RuntimeError, match="built without the LM head"):
+        stack.forward_logits(torch.zeros(1, 8), torch.tensor([0]), cos, sin, caches, caches, *batch, 1, 1, 8)
 
 
 @pytest.mark.parametrize("fmt,int8", [(None, False), ("Q8_0", False), ("Q8_0", True), ("Q4_0", True)])

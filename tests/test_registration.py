@@ -19,6 +19,7 @@ OPS = [
     "quantized_linear",
     "int8_activation_linear",
     "rms_norm",
+    "silu_and_mul",
 ]
 
 

@@ -14,6 +14,13 @@
 // dense fp32/bf16 tensor (ops.linear's rule: skinny_linear for the caller's row range, else
 // at::linear), raw GGUF blocks (quantized_linear) or int8-activation packing
 // (int8_activation_linear). Python builds it (models.decoder_step).
+//
+// With fp32 activations (every weight format but bf16) the layer loop runs on buffers kept per
+// row count and on raw loops (norm, RoPE, residuals, SiLU): it makes no ATen call between the
+// kernels. A decode step's products stream tens of MB of weights through the caches, so any
+// code between them runs cold: an ATen allocation or view costs ~2 us there and torch's silu
+// ~20 us a layer (measured on the 1.5B), against ~1 ms for the whole step's arithmetic
+// outside the products. Other dtypes take the general path below, with the same kernels.
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -21,10 +28,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <vector>
 
 #include "ops.h"
+#include "rms_norm.h"
+#include "silu_and_mul.h"
 
 namespace specdec {
 
@@ -43,6 +54,13 @@ using Product = std::vector<Part>;
 struct Layer {
   at::Tensor attn_norm, mlp_norm;
   Product qkv, o, gate_up, down;
+};
+
+// The rotary tables' rows of a forward's tokens: cos, sin [R, D] (models.block.rope_tables, in
+// the activations' dtype), rows[t] the row of token t (its position; checked to be < R).
+struct RopeRows {
+  at::Tensor cos, sin;
+  std::vector<int64_t> rows;
 };
 
 struct RowRange {
@@ -99,13 +117,55 @@ at::Tensor product(const at::Tensor& x, const Product& parts, RowRange skinny) {
   return at::cat(outs, -1);
 }
 
+// The product of x [M, H] (fp32, contiguous) into out [M, N] (fp32, contiguous), for the
+// fp32 path, whose dense parts are fp32 (DecoderStack::fp32_ready_). part_views: out's column
+// slices, one per part, where M = 1 (none: made here).
+void product_into(const at::Tensor& x, const Product& parts, RowRange skinny, at::Tensor& out,
+                  const std::vector<at::Tensor>& part_views) {
+  const int64_t M = x.size(0);
+  auto one = [&](const Part& p, at::Tensor dst) {
+    if (p.kind != kDense) {
+      block_product(x, p, dst);
+    } else if (skinny.lo <= M && M <= skinny.hi) {
+      skinny_linear_cpu(x, p.weight, p.bias, dst);
+    } else {
+      dst.copy_(at::linear(x, p.weight, p.bias));
+    }
+  };
+  if (parts.size() == 1) return one(parts[0], out);
+  int64_t col = 0;
+  for (size_t j = 0; j < parts.size(); ++j) {
+    const Part& p = parts[j];
+    if (M == 1) {
+      one(p, part_views.empty() ? out.narrow(1, col, p.rows) : part_views[j]);
+    } else {
+      at::Tensor part = at::empty({M, p.rows}, out.options());
+      one(p, part);
+      out.narrow(1, col, p.rows).copy_(part);
+    }
+    col += p.rows;
+  }
+}
+
+// out = a + b over n fp32 values (the residuals; at::add's single rounding).
+void add_into(const float* a, const float* b, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+}
+
+// A layer's activations for one row count T (fp32, contiguous), kept between calls.
+struct Buffers {
+  at::Tensor normed, qkv, q, attn, h, o, gate_up, act, x;  // [T, H], [T, W], [T, Hq, D] x2, [T, H] x3 (h, o|down, x), [T, 2I], [T, I]
+  std::vector<std::vector<at::Tensor>> part_views;         // [4 L]: a product's column slices of its output (T = 1, several parts)
+};
+
 }  // namespace
 
 class DecoderStack : public torch::CustomClassHolder {
  public:
-  // norms: [2 L] (attn_norm, mlp_norm of each layer); weights: one per part, in the order
-  // layer, product (q|k|v, o, gate|up, down), part; part_info: 4 ints per part (kind,
-  // block_type, rows, index into biases or -1); parts_per_product: [4 L].
+  // norms: [2 L (+ 1)] (attn_norm, mlp_norm of each layer, then the final norm where the stack
+  // has the LM head); weights: one per part, in the order layer, product (q|k|v, o, gate|up,
+  // down), part, then the LM head's parts; part_info: 4 ints per part (kind, block_type, rows,
+  // index into biases or -1); parts_per_product: [4 L (+ 1: the LM head's)].
   DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, std::vector<at::Tensor> norms,
                std::vector<at::Tensor> weights, std::vector<int64_t> part_info,
                std::vector<int64_t> parts_per_product, std::vector<at::Tensor> biases)
@@ -113,9 +173,10 @@ class DecoderStack : public torch::CustomClassHolder {
     TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && head_dim > 0 && head_dim % 2 == 0 && num_heads % num_kv_heads == 0,
                 "DecoderStack: bad head shape (num_heads ", num_heads, ", num_kv_heads ", num_kv_heads, ", head_dim ",
                 head_dim, ")");
-    TORCH_CHECK(norms.size() % 2 == 0 && parts_per_product.size() == 2 * norms.size(),
-                "DecoderStack: norms must hold 2 tensors per layer and parts_per_product 4 counts per layer, got ",
-                norms.size(), " and ", parts_per_product.size());
+    const bool has_head = norms.size() % 2 == 1;
+    TORCH_CHECK(parts_per_product.size() + (has_head ? 1 : 0) == 2 * norms.size(),
+                "DecoderStack: norms must hold 2 tensors per layer (+ the final norm) and parts_per_product 4 counts "
+                "per layer (+ the LM head's), got ", norms.size(), " and ", parts_per_product.size());
     TORCH_CHECK(part_info.size() == 4 * weights.size(), "DecoderStack: part_info must hold 4 ints per weight, got ",
                 part_info.size(), " for ", weights.size(), " weights");
     size_t next = 0;
@@ -138,7 +199,23 @@ class DecoderStack : public torch::CustomClassHolder {
       Layer L{norms[2 * i], norms[2 * i + 1], take(counts[0]), take(counts[1]), take(counts[2]), take(counts[3])};
       layers_.push_back(std::move(L));
     }
+    if (has_head) {
+      final_norm_ = norms.back();
+      head_ = take(parts_per_product.back());
+    }
     TORCH_CHECK(next == weights.size(), "DecoderStack: ", weights.size() - next, " weights left over");
+    TORCH_CHECK(!layers_.empty() || !has_head, "DecoderStack: an LM head needs at least one layer");
+    fp32_ready_ = std::all_of(norms.begin(), norms.end(), [](const at::Tensor& n) {
+      return n.scalar_type() == at::kFloat && n.is_contiguous() && n.dim() == 1;
+    });
+    auto dense_fp32 = [](const Product& prod) {
+      return std::all_of(prod.begin(), prod.end(),
+                         [](const Part& p) { return p.kind != kDense || p.weight.scalar_type() == at::kFloat; });
+    };
+    for (const Layer& L : layers_) {
+      fp32_ready_ = fp32_ready_ && dense_fp32(L.qkv) && dense_fp32(L.o) && dense_fp32(L.gate_up) && dense_fp32(L.down);
+    }
+    fp32_ready_ = fp32_ready_ && dense_fp32(head_);
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -154,6 +231,7 @@ class DecoderStack : public torch::CustomClassHolder {
 
   // One layer's halves, for a caller with its own attention in between (the EAGLE head):
   // DecoderBlock.qkv, x [T, H] -> [q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]] (RoPE on q, k)...
+  // cos, sin [T, 1, D] (models.block.rope_at).
   std::vector<at::Tensor> qkv(int64_t layer, at::Tensor x, at::Tensor cos, at::Tensor sin, int64_t skinny_min_rows,
                               int64_t skinny_max_rows) {
     const Layer& L = checked_layer(layer, x);
@@ -162,7 +240,9 @@ class DecoderStack : public torch::CustomClassHolder {
     at::Tensor q = at::empty({T, num_heads_, head_dim_}, qkv.options());
     at::Tensor k = at::empty({T, num_kv_heads_, head_dim_}, qkv.options());
     at::Tensor v = at::empty_like(k);
-    rope_and_write(qkv, cos, sin, at::arange(T, x.options().dtype(at::kLong)), k, v, q);
+    RopeRows rope{cos.reshape({T, head_dim_}), sin.reshape({T, head_dim_}), std::vector<int64_t>(T)};
+    for (int64_t t = 0; t < T; ++t) rope.rows[t] = t;
+    rope_and_write(qkv, rope, at::arange(T, x.options().dtype(at::kLong)), k, v, q);
     return {q, k, v};
   }
 
@@ -171,14 +251,16 @@ class DecoderStack : public torch::CustomClassHolder {
     return output(checked_layer(layer, x), x, attn, RowRange{skinny_min_rows, skinny_max_rows});
   }
 
-  // h [T, H] (the embeddings) through the first num_layers layers; cos, sin [T, 1, D]
-  // (models.block.rope_at); the caches and batch fields as models.block.paged_attention takes
-  // them (k_caches / v_caches: one [num_blocks, block_size, Hkv, D] tensor per layer). Writes
-  // the new K/V into the caches; returns the last hidden states [T, H].
-  at::Tensor forward(at::Tensor h, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_caches,
-                     std::vector<at::Tensor> v_caches, at::Tensor block_table, at::Tensor prefix_lens,
-                     at::Tensor qo_indptr, at::Tensor slot_mapping, std::optional<at::Tensor> tree_mask,
-                     int64_t num_layers, int64_t skinny_min_rows, int64_t skinny_max_rows) {
+  // h [T, H] (the embeddings) through the first num_layers layers; positions int32/int64 [T]
+  // (RoPE's), cos, sin [R, D] (the model's tables, models.block.rope_tables; positions < R);
+  // the caches and batch fields as models.block.paged_attention takes them (k_caches /
+  // v_caches: one [num_blocks, block_size, Hkv, D] tensor per layer). Writes the new K/V into
+  // the caches; returns the last hidden states [T, H].
+  at::Tensor forward(at::Tensor h, at::Tensor positions, at::Tensor cos, at::Tensor sin,
+                     std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, at::Tensor block_table,
+                     at::Tensor prefix_lens, at::Tensor qo_indptr, at::Tensor slot_mapping,
+                     std::optional<at::Tensor> tree_mask, int64_t num_layers, int64_t skinny_min_rows,
+                     int64_t skinny_max_rows) {
     TORCH_CHECK(num_layers >= 0 && num_layers <= this->num_layers(), "DecoderStack.forward: num_layers must be in [0, ",
                 this->num_layers(), "], got ", num_layers);
     TORCH_CHECK(static_cast<int64_t>(k_caches.size()) >= num_layers &&
@@ -188,16 +270,136 @@ class DecoderStack : public torch::CustomClassHolder {
                 h.sizes());
     const RowRange skinny{skinny_min_rows, skinny_max_rows};
     const double sm_scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
+    const RopeRows rope = rope_rows(positions, cos, sin, h.size(0));
+    if (fp32_ready_ && num_layers > 0 && h.scalar_type() == at::kFloat && h.size(1) == layers_[0].attn_norm.size(0)) {
+      bool caches_fp32 = true;
+      for (int64_t i = 0; i < num_layers; ++i) {
+        caches_fp32 = caches_fp32 && k_caches[i].scalar_type() == at::kFloat && v_caches[i].scalar_type() == at::kFloat;
+      }
+      if (caches_fp32) {
+        return forward_fp32(h.contiguous(), rope, k_caches, v_caches, block_table, prefix_lens, qo_indptr,
+                            slot_mapping, tree_mask, num_layers, skinny, sm_scale);
+      }
+    }
     at::Tensor x = h;
     for (int64_t i = 0; i < num_layers; ++i) {
-      const at::Tensor attn = attention(layers_[i], x, cos, sin, k_caches[i], v_caches[i], block_table, prefix_lens,
+      const at::Tensor attn = attention(layers_[i], x, rope, k_caches[i], v_caches[i], block_table, prefix_lens,
                                         qo_indptr, slot_mapping, tree_mask, sm_scale, skinny);
       x = output(layers_[i], x, attn, skinny);
     }
     return x;
   }
 
+  // forward, then the final norm and the LM head over every row (Llama.logits): [hidden [T, H],
+  // logits fp32 [T, V]]. Only for a stack built with the LM head.
+  std::vector<at::Tensor> forward_logits(at::Tensor h, at::Tensor positions, at::Tensor cos, at::Tensor sin,
+                                         std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+                                         at::Tensor block_table, at::Tensor prefix_lens, at::Tensor qo_indptr,
+                                         at::Tensor slot_mapping, std::optional<at::Tensor> tree_mask,
+                                         int64_t num_layers, int64_t skinny_min_rows, int64_t skinny_max_rows) {
+    TORCH_CHECK(!head_.empty(), "DecoderStack.forward_logits: the stack was built without the LM head");
+    const at::Tensor hidden = forward(h, positions, cos, sin, std::move(k_caches), std::move(v_caches), block_table,
+                                      prefix_lens, qo_indptr, slot_mapping, tree_mask, num_layers, skinny_min_rows,
+                                      skinny_max_rows);
+    const RowRange skinny{skinny_min_rows, skinny_max_rows};
+    const int64_t T = hidden.size(0), H = hidden.size(1);
+    if (fp32_ready_ && hidden.scalar_type() == at::kFloat && hidden.is_contiguous() && H == final_norm_.size(0)) {
+      int64_t V = 0;
+      for (const Part& p : head_) V += p.rows;
+      at::Tensor normed = at::empty({T, H}, hidden.options());
+      rms_norm_rows(hidden.data_ptr<float>(), final_norm_.data_ptr<float>(), normed.data_ptr<float>(), T, H,
+                    static_cast<float>(eps_));
+      at::Tensor logits = at::empty({T, V}, hidden.options());
+      timed_product_into(normed, head_, skinny, logits, {});
+      return {hidden, logits};
+    }
+    return {hidden, timed_product(norm(hidden, final_norm_), head_, skinny).to(at::kFloat)};
+  }
+
  private:
+  static constexpr int64_t kMaxBufferedRows = 64;  // decode and verification steps; more rows allocate per call
+
+  Buffers make_buffers(int64_t T) const {
+    const int64_t H = layers_[0].attn_norm.size(0), Hq = num_heads_, Hkv = num_kv_heads_, D = head_dim_;
+    int64_t I = 0;
+    for (const Part& p : layers_[0].gate_up) I += p.rows;
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    Buffers b{at::empty({T, H}, f32), at::empty({T, (Hq + 2 * Hkv) * D}, f32), at::empty({T, Hq, D}, f32),
+              at::empty({T, Hq, D}, f32), at::empty({T, H}, f32), at::empty({T, H}, f32), at::empty({T, I}, f32),
+              at::empty({T, I / 2}, f32), at::empty({T, H}, f32), {}};
+    b.part_views.resize(4 * layers_.size());
+    if (T != 1) return b;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& L = layers_[i];
+      const std::pair<const Product*, at::Tensor*> prods[] = {{&L.qkv, &b.qkv}, {&L.o, &b.o}, {&L.gate_up, &b.gate_up},
+                                                             {&L.down, &b.o}};
+      for (int k = 0; k < 4; ++k) {
+        if (prods[k].first->size() < 2) continue;
+        int64_t col = 0;
+        for (const Part& p : *prods[k].first) {
+          b.part_views[4 * i + k].push_back(prods[k].second->narrow(1, col, p.rows));
+          col += p.rows;
+        }
+      }
+    }
+    return b;
+  }
+
+  // The fp32 layer loop: DecoderBlock and paged_attention on this row count's buffers. The last
+  // layer writes a new tensor (the caller keeps it); h is not written.
+  at::Tensor forward_fp32(const at::Tensor& h, const RopeRows& rope, const std::vector<at::Tensor>& k_caches,
+                          const std::vector<at::Tensor>& v_caches, const at::Tensor& block_table,
+                          const at::Tensor& prefix_lens, const at::Tensor& qo_indptr, const at::Tensor& slot_mapping,
+                          const std::optional<at::Tensor>& tree_mask, int64_t num_layers, RowRange skinny,
+                          double sm_scale) {
+    const int64_t T = h.size(0), H = h.size(1);
+    // Buffers are shared state: a second thread in forward at the same time gets its own.
+    std::unique_lock<std::mutex> lock(buffers_mutex_, std::try_to_lock);
+    Buffers local;
+    Buffers* b = &local;
+    if (lock.owns_lock() && T <= kMaxBufferedRows) {
+      auto it = buffers_.find(T);
+      if (it == buffers_.end()) it = buffers_.emplace(T, make_buffers(T)).first;
+      b = &it->second;
+    } else {
+      local = make_buffers(T);
+    }
+    const int64_t I = b->act.size(1);
+    const float eps = static_cast<float>(eps_);
+    const at::Tensor attn_flat = b->attn.view({T, -1});
+    at::Tensor out = at::empty({T, H}, h.options());
+    const float* x = h.data_ptr<float>();
+    float *normed = b->normed.data_ptr<float>(), *hb = b->h.data_ptr<float>(), *o = b->o.data_ptr<float>();
+    for (int64_t i = 0; i < num_layers; ++i) {
+      const Layer& L = layers_[i];
+      const std::vector<at::Tensor>* views = &b->part_views[4 * i];
+      rms_norm_rows(x, L.attn_norm.data_ptr<float>(), normed, T, H, eps);
+      timed_product_into(b->normed, L.qkv, skinny, b->qkv, views[0]);
+      rope_and_write(b->qkv, rope, slot_mapping, k_caches[i], v_caches[i], b->q);
+      {
+        const Timer timer(timing_ ? &attention_s_ : nullptr);
+        tree_attention_cpu(b->q, k_caches[i], v_caches[i], block_table, prefix_lens, qo_indptr, tree_mask, sm_scale,
+                           b->attn, std::nullopt);
+      }
+      timed_product_into(attn_flat, L.o, skinny, b->o, views[1]);
+      add_into(x, o, hb, T * H);
+      rms_norm_rows(hb, L.mlp_norm.data_ptr<float>(), normed, T, H, eps);
+      timed_product_into(b->normed, L.gate_up, skinny, b->gate_up, views[2]);
+      silu_and_mul_rows(b->gate_up.data_ptr<float>(), b->act.data_ptr<float>(), T, I);
+      timed_product_into(b->act, L.down, skinny, b->o, views[3]);
+      float* next = i + 1 == num_layers ? out.data_ptr<float>() : b->x.data_ptr<float>();
+      add_into(hb, o, next, T * H);
+      x = next;
+    }
+    return out;
+  }
+
+  void timed_product_into(const at::Tensor& x, const Product& parts, RowRange skinny, at::Tensor& out,
+                          const std::vector<at::Tensor>& views) const {
+    const Timer timer(timing_ ? &products_s_ : nullptr);
+    product_into(x, parts, skinny, out, views);
+  }
+
   // Wall time inside the products and the attention kernel, for the benchmark's step breakdown
   // (bench/bench_decode.py); off unless set_timing(true).
   struct Timer {
@@ -222,14 +424,13 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
   // DecoderBlock.qkv, then paged_attention: [T, H] -> [T, Hq * D].
-  at::Tensor attention(const Layer& L, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
-                       const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
+  at::Tensor attention(const Layer& L, const at::Tensor& x, const RopeRows& rope, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& block_table,
                        const at::Tensor& prefix_lens, const at::Tensor& qo_indptr, const at::Tensor& slot_mapping,
                        const std::optional<at::Tensor>& tree_mask, double sm_scale, RowRange skinny) const {
     const int64_t Hq = num_heads_, D = head_dim_, T = x.size(0);
     const at::Tensor qkv = timed_product(norm(x, L.attn_norm), L.qkv, skinny);
     at::Tensor q = at::empty({T, Hq, D}, qkv.options());
-    rope_and_write(qkv, cos, sin, slot_mapping, k_cache, v_cache, q);
+    rope_and_write(qkv, rope, slot_mapping, k_cache, v_cache, q);
     at::Tensor out = at::empty_like(q);
     {
       const Timer timer(timing_ ? &attention_s_ : nullptr);
@@ -255,20 +456,22 @@ class DecoderStack : public torch::CustomClassHolder {
   // apply_rope to the q|k columns of qkv [T, (Hq + 2 Hkv) D], q into q [T, Hq, D], and k and v
   // into the caches at slot_mapping (PagedKVCache.write). The fp32 loop is the ATen ops' bits:
   // x * cos + roll(x, D/2) * sin is two products and a sum, each rounded once (-ffp-contract=off).
-  void rope_and_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                      const at::Tensor& slot_mapping, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      at::Tensor& q) const {
+  void rope_and_write(const at::Tensor& qkv, const RopeRows& rope, const at::Tensor& slot_mapping,
+                      const at::Tensor& k_cache, const at::Tensor& v_cache, at::Tensor& q) const {
     const int64_t Hq = num_heads_, Hkv = num_kv_heads_, D = head_dim_, T = qkv.size(0);
+    const at::Tensor &cos = rope.cos, &sin = rope.sin;
     const bool fast = qkv.scalar_type() == at::kFloat && qkv.is_contiguous() && cos.scalar_type() == at::kFloat &&
                       sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
-                      cos.numel() == T * D && sin.numel() == T * D && k_cache.scalar_type() == at::kFloat &&
+                      k_cache.scalar_type() == at::kFloat &&
                       v_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                       slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
                       slot_mapping.size(0) == T && slot_mapping.is_contiguous();
     if (!fast) {
       const auto qk_v = qkv.split_with_sizes({(Hq + Hkv) * D, Hkv * D}, -1);
       const at::Tensor qk = qk_v[0].unflatten(-1, {Hq + Hkv, D});
-      const auto q_k = (qk * cos + at::roll(qk, {D / 2}, {-1}) * sin).split_with_sizes({Hq, Hkv}, -2);
+      const at::Tensor rows = at::tensor(rope.rows, at::TensorOptions().dtype(at::kLong));
+      const at::Tensor c = cos.index_select(0, rows).unsqueeze(-2), s = sin.index_select(0, rows).unsqueeze(-2);
+      const auto q_k = (qk * c + at::roll(qk, {D / 2}, {-1}) * s).split_with_sizes({Hq, Hkv}, -2);
       k_cache.view({-1, Hkv, D}).index_copy_(0, slot_mapping, q_k[1].to(k_cache.scalar_type()));
       v_cache.view({-1, Hkv, D}).index_copy_(0, slot_mapping, qk_v[1].unflatten(-1, {Hkv, D}).to(v_cache.scalar_type()));
       q.copy_(q_k[0]);
@@ -281,7 +484,7 @@ class DecoderStack : public torch::CustomClassHolder {
     for (int64_t t = 0; t < T; ++t) {
       TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "DecoderStack: slot_mapping[", t, "] = ", slot[t],
                   " is out of range [0, ", slots, ")");
-      const float *row = src + t * width, *ct = c + t * D, *st = s + t * D;
+      const float *row = src + t * width, *ct = c + rope.rows[t] * D, *st = s + rope.rows[t] * D;
       for (int64_t h = 0; h < Hq + Hkv; ++h) {
         const float* xh = row + h * D;
         float* dst = h < Hq ? qp + (t * Hq + h) * D : kp + (slot[t] * Hkv + h - Hq) * D;
@@ -292,21 +495,29 @@ class DecoderStack : public torch::CustomClassHolder {
     }
   }
 
-  // silu(gate) * up of gate|up [T, 2I] -> [T, I]: at::silu, then the product in place (fp32:
-  // the same single rounding as at::mul).
+  // The rows of the tables cos, sin [R, D] at positions [T] (int32 or int64, each in [0, R)).
+  RopeRows rope_rows(const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin, int64_t T) const {
+    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == head_dim_ && sin.sizes() == cos.sizes(),
+                "DecoderStack: cos and sin must be tables [R, ", head_dim_, "], got ", cos.sizes(), " and ", sin.sizes());
+    TORCH_CHECK(positions.dim() == 1 && positions.size(0) == T && positions.device().is_cpu() &&
+                    (positions.scalar_type() == at::kInt || positions.scalar_type() == at::kLong),
+                "DecoderStack: positions must be a CPU int32/int64 tensor [", T, "], got ", positions.scalar_type(),
+                " ", positions.sizes());
+    RopeRows rope{cos, sin, std::vector<int64_t>(T)};
+    const at::Tensor pc = positions.contiguous();
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t pos = pc.scalar_type() == at::kInt ? pc.data_ptr<int32_t>()[t] : pc.data_ptr<int64_t>()[t];
+      TORCH_CHECK(pos >= 0 && pos < cos.size(0), "DecoderStack: positions[", t, "] = ", pos,
+                  " is outside the rotary tables [0, ", cos.size(0), ")");
+      rope.rows[t] = pos;
+    }
+    return rope;
+  }
+
+  // silu(gate) * up of gate|up [T, 2I] -> [T, I]: specdec::silu_and_mul.
   static at::Tensor silu_and_mul(const at::Tensor& gate_up) {
-    const int64_t I = gate_up.size(-1) / 2;
-    at::Tensor act = at::silu(gate_up.narrow(-1, 0, I));
-    const at::Tensor up = gate_up.narrow(-1, I, I);
-    if (act.scalar_type() != at::kFloat || up.scalar_type() != at::kFloat || !act.is_contiguous() ||
-        !gate_up.is_contiguous() || gate_up.dim() != 2) {
-      return act * up;
-    }
-    float* a = act.data_ptr<float>();
-    const float* u = gate_up.data_ptr<float>() + I;
-    for (int64_t t = 0, T = gate_up.size(0); t < T; ++t) {
-      for (int64_t i = 0; i < I; ++i) a[t * I + i] *= u[t * 2 * I + i];
-    }
+    at::Tensor act = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+    silu_and_mul_cpu(gate_up, act);
     return act;
   }
 
@@ -326,8 +537,13 @@ class DecoderStack : public torch::CustomClassHolder {
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_;
   bool timing_ = false;
+  bool fp32_ready_ = false;  // fp32 norms and dense weights: forward_fp32 can run
   mutable double products_s_ = 0, attention_s_ = 0;
   std::vector<Layer> layers_;
+  at::Tensor final_norm_;  // [H], with head_ (the LM head's parts; empty: built without it)
+  Product head_;
+  std::mutex buffers_mutex_;
+  std::map<int64_t, Buffers> buffers_;  // by row count
 };
 
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
@@ -338,6 +554,7 @@ TORCH_LIBRARY_FRAGMENT(specdec, m) {
       .def("set_timing", &DecoderStack::set_timing)
       .def("take_timings", &DecoderStack::take_timings)
       .def("forward", &DecoderStack::forward)
+      .def("forward_logits", &DecoderStack::forward_logits)
       .def("qkv", &DecoderStack::qkv)
       .def("output", &DecoderStack::output_of);
 }

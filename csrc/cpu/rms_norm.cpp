@@ -12,11 +12,13 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "check.h"
 #include "dispatch.h"
 #include "ops.h"
+#include "rms_norm.h"
 
 namespace specdec {
 
@@ -39,6 +41,12 @@ float sum_of_squares(const float* x, int64_t n) {
 
 template <typename T>
 void normalise_rows(const T* x, const T* w, T* out, int64_t rows, int64_t H, float eps) {
+  if constexpr (std::is_same_v<T, float>) {  // no widening copies
+    at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, H)), [&](int64_t r0, int64_t r1) {
+      rms_norm_rows(x + r0 * H, w, out + r0 * H, r1 - r0, H, eps);
+    });
+    return;
+  }
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, H)), [&](int64_t r0, int64_t r1) {
     std::vector<float> row(H), weight(H);
     for (int64_t i = 0; i < H; ++i) weight[i] = static_cast<float>(w[i]);
@@ -53,6 +61,15 @@ void normalise_rows(const T* x, const T* w, T* out, int64_t rows, int64_t H, flo
 }
 
 }  // namespace
+
+void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t H, float eps) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * H;
+    const float scale = 1.0f / std::sqrt(sum_of_squares(xr, H) / static_cast<float>(H) + eps);
+    float* o = out + r * H;
+    for (int64_t i = 0; i < H; ++i) o[i] = xr[i] * scale * w[i];
+  }
+}
 
 void rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
   check_cpu(x, "rms_norm: x");

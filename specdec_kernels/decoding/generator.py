@@ -327,8 +327,7 @@ class Generator:
         mask = None if is_chain else tree_mask_ragged(build_tree_mask(parents, num_nodes), new.qo_indptr, tokens.shape[0])
         batch = Batch(block_table, prefix_lens, new.qo_indptr, new.slot_mapping, mask)
         t0 = time.perf_counter()
-        hidden = model.forward(tokens, positions, cache, batch)
-        logits = model.logits(hidden)
+        hidden, logits = model.forward_logits(tokens, positions, cache, batch)
         # What the step-cost curve measures: the forward and the LM head over every row.
         self._observe_step(int(tokens.shape[0]), B, time.perf_counter() - t0)
         return Verification(parents, tree_tokens, num_nodes, sizes, [max(dep) for dep in depths], hidden,

@@ -68,6 +68,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate|up [..., 2I] -> [..., I]: ``specdec::silu_and_mul`` (one pass,
+    the same bits on every CPU; the fused decode step calls the same loop), or torch's ops
+    where autograd needs them (the trainers)."""
+    if torch.is_grad_enabled() and gate_up.requires_grad:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    out = torch.empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2), dtype=gate_up.dtype, device=gate_up.device)
+    torch.ops.specdec.silu_and_mul(gate_up, out)  # the op directly: once per layer per step
+    return out
+
+
 # ---- rotary embeddings --------------------------------------------------------------------------
 def rope_tables(config, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, signed sin: fp32 [max_pos, head_dim] for :func:`apply_rope`.
@@ -134,8 +146,8 @@ class DecoderBlock:
         """Residual, attention output projection, then the MLP with its residual: x [..., H]
         (the block's input), attn [..., Hq*D] -> [..., H]."""
         h = x + self.linear(attn, L["wo"])
-        gate, up = self.linear(rms_norm(h, L["mlp_norm"], self.eps), L["w_gate_up"]).chunk(2, dim=-1)
-        return h + self.linear(F.silu(gate) * up, L["w_down"])
+        gate_up = self.linear(rms_norm(h, L["mlp_norm"], self.eps), L["w_gate_up"])
+        return h + self.linear(silu_and_mul(gate_up), L["w_down"])
 
     def __call__(self, L, x: torch.Tensor, rope, attend: Callable) -> torch.Tensor:
         """The whole block: ``attend(q, k, v)`` -> [..., T, Hq*D] is the attention."""

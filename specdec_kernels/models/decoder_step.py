@@ -63,23 +63,31 @@ def _parts(w, bias: torch.Tensor | None):
     return out
 
 
-def build_stack(block, layers):
+def build_stack(block, layers, norm: torch.Tensor | None = None, lm_head=None):
     """The ``DecoderStack`` of ``layers`` (a model's layer weight dicts, ``models.block``) for
-    ``block``'s shape (a ``DecoderBlock``: heads, head dim, eps), or None where it cannot run
-    (a weight off the CPU, no C++ class)."""
+    ``block``'s shape (a ``DecoderBlock``: heads, head dim, eps), with the final ``norm`` and
+    the ``lm_head`` where given (``forward_logits``), or None where it cannot run (a weight off
+    the CPU, no C++ class)."""
     if not available():
         return None
     norms, weights, info, counts, biases = [], [], [], [], []
+
+    def add(w, bias=None):
+        parts = _parts(w, bias)
+        counts.append(len(parts))
+        for tensor, kind, block_type, rows, b in parts:
+            weights.append(tensor)
+            info.extend([kind, block_type, rows, -1 if b is None else len(biases)])
+            if b is not None:
+                biases.append(b)
+
     for L in layers:
         norms += [L["attn_norm"], L["mlp_norm"]]
         for key in PRODUCT_KEYS:
-            parts = _parts(L[key], L.get("bqkv") if key == "wqkv" else None)
-            counts.append(len(parts))
-            for tensor, kind, block_type, rows, bias in parts:
-                weights.append(tensor)
-                info += [kind, block_type, rows, -1 if bias is None else len(biases)]
-                if bias is not None:
-                    biases.append(bias)
+            add(L[key], L.get("bqkv") if key == "wqkv" else None)
+    if norm is not None and lm_head is not None and layers:
+        norms.append(norm)
+        add(lm_head)
     if any(t.device.type != "cpu" for t in norms + weights + biases):
         return None
     return torch.classes.specdec.DecoderStack(block.num_heads, block.num_kv_heads, block.head_dim, float(block.eps),

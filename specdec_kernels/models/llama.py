@@ -249,7 +249,7 @@ class Llama:
         if self.step_path != "fused":
             return None
         if self._stack is None:
-            stack = build_stack(self.block, self.layers) if self.device.type == "cpu" else None
+            stack = build_stack(self.block, self.layers, self.norm, self.lm_head) if self.device.type == "cpu" else None
             self._stack = False if stack is None else stack  # False: tried, cannot run
         return None if self._stack is False else self._stack
 
@@ -262,21 +262,22 @@ class Llama:
         dequantised)."""
         if is_block_weight(self.embed):
             if tokens.dim() == 1 and 0 < tokens.numel() <= 16:  # decode steps: rows dequantised once, kept
-                return torch.stack([self._embedding_row(t) for t in tokens.tolist()])
+                rows = [self._embedding_row(t) for t in tokens.tolist()]
+                return rows[0] if len(rows) == 1 else torch.cat(rows)
             return self.embed.embedding(tokens).to(self.dtype)
         return self.embed[tokens].to(self.dtype)  # a no-op unless a draft shares a target's other-dtype embedding
 
     EMBEDDING_ROWS_KEPT = 8192  # dequantised embedding rows kept (6 KB each for H = 1536)
 
     def _embedding_row(self, token: int) -> torch.Tensor:
-        """Row ``token`` of a block-weight embedding, dequantised (the same bits as a lookup of
-        it among others: each row decodes alone). Dequantising a K-quant row in torch ops
+        """Row ``token`` of a block-weight embedding, dequantised, [1, H] (the same bits as a
+        lookup of it among others: each row decodes alone; callers do not write into it). Dequantising a K-quant row in torch ops
         takes ~200 us, a decode step's largest fixed cost; code repeats its tokens."""
         row = self._embedding_rows.get(token)
         if row is None:
             if len(self._embedding_rows) >= self.EMBEDDING_ROWS_KEPT:
                 self._embedding_rows.clear()
-            row = self.embed.embedding(torch.tensor([token], device=self.device))[0].to(self.dtype)
+            row = self.embed.embedding(torch.tensor([token], device=self.device)).to(self.dtype)
             self._embedding_rows[token] = row
         return row
 
@@ -286,19 +287,38 @@ class Llama:
         """Run T new tokens (int64 [T], positions int64 [T]) of a batch through the first
         ``num_layers`` layers (all by default), writing their K/V into ``cache`` at
         ``batch.slot_mapping`` (nothing is committed: the caller owns the cache lengths). Returns the last hidden states [T, H] (before the final norm)."""
+        stack = self.decoder_stack() if cache.device.type == "cpu" else None
+        if stack is not None:
+            return stack.forward(*self._stack_args(tokens, positions, cache, batch, num_layers))
         self._ensure_rope(int(positions.max()) + 1)
         rope = rope_at(self.cos, self.sin, positions)
         h = self.embed_tokens(tokens)
-        stack = self.decoder_stack() if cache.device.type == "cpu" else None
-        if stack is not None:
-            n = len(self.layers) if num_layers is None else len(self.layers[:num_layers])
-            return stack.forward(h, *rope, cache.k_caches, cache.v_caches, batch.block_table, batch.prefix_lens,
-                                 batch.qo_indptr, batch.slot_mapping, batch.tree_mask, n,
-                                 *skinny_linear_rows(h.dtype))
         for i, L in enumerate(self.layers[:num_layers]):
             q, k, v = self.block.qkv(L, h, rope)
             h = self.block.output(L, h, paged_attention(cache, i, batch, q, k, v))
         return h
+
+    @torch.inference_mode()
+    def forward_logits(self, tokens: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
+                       batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` through every layer, then :meth:`logits` of every row: (hidden [T, H],
+        fp32 logits [T, V]) — one C++ call on the fused step path (a verification step)."""
+        stack = self.decoder_stack() if cache.device.type == "cpu" else None
+        if stack is not None:
+            hidden, logits = stack.forward_logits(*self._stack_args(tokens, positions, cache, batch, None))
+            return hidden, logits
+        hidden = self.forward(tokens, positions, cache, batch)
+        return hidden, self.logits(hidden)
+
+    def _stack_args(self, tokens, positions, cache, batch, num_layers) -> tuple:
+        """The arguments of ``DecoderStack.forward`` / ``forward_logits`` for a forward of
+        :meth:`forward`'s arguments (the stack reads the rotary tables at the positions itself,
+        and checks them against the tables, which cover the cache's capacity)."""
+        self._ensure_rope(cache.max_blocks_per_seq * cache.block_size)
+        h = self.embed_tokens(tokens)
+        n = len(self.layers) if num_layers is None else len(self.layers[:num_layers])
+        return (h, positions, self.cos, self.sin, cache.k_caches, cache.v_caches, batch.block_table, batch.prefix_lens,
+                batch.qo_indptr, batch.slot_mapping, batch.tree_mask, n, *skinny_linear_rows(h.dtype))
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, cache: PagedKVCache, slot: int, *, num_layers: int | None = None,

@@ -4,4 +4,4 @@ Each area module exposes launcher functions that take the op's arguments; they a
 CPU tensors under ``TRITON_INTERPRET=1`` (set before triton is imported), which is how the
 test suite exercises every GPU kernel on a machine without a GPU.
 """
-from . import kv_compaction, linear, medusa, rejection_sampling, rms_norm, tree_attention  # noqa: F401
+from . import kv_compaction, linear, medusa, rejection_sampling, rms_norm, silu_and_mul, tree_attention  # noqa: F401
