@@ -289,8 +289,16 @@ class PagedKVCache:
     def batch_view(self, slots: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(block_table int32 [B, max_blocks_per_seq], prefix_lens int32 [B]) of ``slots``,
         as the attention and compaction ops take them; prefix_lens = committed lengths."""
-        index = torch.as_tensor(slots, dtype=torch.int64).to(self.device)
-        return self.block_table.index_select(0, index), self.lengths.index_select(0, index)
+        # From the host bookkeeping (the device tensors mirror it): two tensors made, no reads
+        # of the device ones; this runs every step.
+        slots = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
+        width = self.max_blocks_per_seq
+        for slot in slots:
+            if not 0 <= slot < self.max_batch:
+                raise IndexError(f"slot {slot} is out of range [0, {self.max_batch})")
+        table = [self._blocks.get(s, []) + [-1] * (width - len(self._blocks.get(s, []))) for s in slots]
+        return (torch.tensor(table, dtype=torch.int32, device=self.device).view(len(slots), width),
+                torch.tensor([self._lengths.get(s, 0) for s in slots], dtype=torch.int32, device=self.device))
 
     def commit(self, slots: Sequence[int], num_tokens: Sequence[int] | torch.Tensor | int) -> None:
         """Add ``num_tokens[b]`` to the committed length of ``slots[b]`` (they must already
