@@ -329,7 +329,7 @@ def test_namespace_is_the_api():
 
 def test_list_ops_and_torch_ops_namespace_after_import():
     expected = ["apply_top_k_top_p", "chain_rejection_sample", "chain_rejection_sample_flat", "compact_kv",
-                "int8_activation_linear", "medusa_topk", "philox_uniform", "quantized_linear", "rms_norm", "skinny_linear",
+                "int8_activation_linear", "medusa_topk", "philox_uniform", "quantized_linear", "rms_norm", "silu_and_mul", "skinny_linear",
                 "tree_attention", "tree_rejection_sample"]
     assert specdec_kernels.list_ops() == expected
     # In a fresh interpreter, before any op is called: dir(torch.ops.specdec) lists them all.

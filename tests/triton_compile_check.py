@@ -51,11 +51,11 @@ if "nvidia" not in _triton_backends:
     sys.exit(77)
 
 from specdec_kernels.triton import kv_compaction, linear, medusa, rejection_sampling, tree_attention  # noqa: E402
-from specdec_kernels.triton import rng  # noqa: E402
+from specdec_kernels.triton import rms_norm, rng, silu_and_mul  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 MAX_SHARED_BYTES = 232448  # sm_90: 227 KiB of shared memory per block (opt-in maximum)
-MODULES = (rejection_sampling, tree_attention, kv_compaction, linear, medusa, rng)
+MODULES = (rejection_sampling, tree_attention, kv_compaction, linear, medusa, rms_norm, silu_and_mul, rng)
 FLOAT_DTYPES = ("fp32", "bf16", "fp16")
 VERBOSE = "-v" in sys.argv[1:]
 FULL = "--full" in sys.argv[1:]  # also the slow-to-compile variants (fp32 attention): minutes
@@ -269,7 +269,22 @@ def medusa_cases():
             dict(TOP_K_P2=top_k_p2, BLOCK_T=block_t, BLOCK_C=block_c), f"TOP_K_P2={top_k_p2}")
 
 
-AREAS = (rejection_sampling_cases, tree_attention_cases, kv_compaction_cases, linear_cases, medusa_cases)
+# ---------------------------------------------------------------------------------------
+# The layer's elementwise ops (rms_norm, silu_and_mul): x and out of each float dtype.
+# ---------------------------------------------------------------------------------------
+
+
+def elementwise_cases():
+    for dt in FLOAT_DTYPES:
+        for block in (64, 1024, 2048, 8192):  # next_power_of_2(H): tiny, SmolLM2 (576), 1.5B (1536), 8192
+            yield Case(rms_norm._rms_norm_kernel, dict(x_ptr=f"*{dt}", w_ptr=f"*{dt}", out_ptr=f"*{dt}", H="i32",
+                                                      eps="fp32"), dict(BLOCK=block), f"x {dt}, BLOCK={block}")
+        yield Case(silu_and_mul._silu_and_mul_kernel, dict(x_ptr=f"*{dt}", out_ptr=f"*{dt}", I="i32"),
+                   dict(BLOCK=silu_and_mul.BLOCK), f"x {dt}")
+
+
+AREAS = (rejection_sampling_cases, tree_attention_cases, kv_compaction_cases, linear_cases, medusa_cases,
+         elementwise_cases)
 
 
 def jit_functions():
