@@ -73,6 +73,7 @@ TESTS=(
   tests/test_registration.py
   tests/test_min_temperature.py
   tests/test_rms_norm.py
+  tests/test_silu_and_mul.py
   tests/test_decoder_step.py
 )
 for f in "$ROOT"/tests/test_fuzz_*.py "$ROOT"/tests/test_concurrency.py; do

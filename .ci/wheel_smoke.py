@@ -146,8 +146,11 @@ def run_every_op() -> None:
     xr, wr = torch.randn(3, 48, generator=gen), torch.randn(48, generator=gen)
     torch.testing.assert_close(ops.rms_norm(xr, wr, 1e-6), torch.nn.functional.rms_norm(xr, (48,), wr, 1e-6),
                                atol=1e-5, rtol=1e-5)
+    gu = torch.randn(3, 96, generator=gen) * 4
+    torch.testing.assert_close(ops.silu_and_mul(gu), torch.nn.functional.silu(gu[:, :48]) * gu[:, 48:],
+                               atol=1e-5, rtol=1e-5)
 
-    ran = {"philox_uniform", "rms_norm", "chain_rejection_sample", "chain_rejection_sample_flat", "tree_rejection_sample", "apply_top_k_top_p", "tree_attention",
+    ran = {"philox_uniform", "rms_norm", "silu_and_mul", "chain_rejection_sample", "chain_rejection_sample_flat", "tree_rejection_sample", "apply_top_k_top_p", "tree_attention",
            "compact_kv", "medusa_topk", "skinny_linear", "quantized_linear", "int8_activation_linear"}
     assert set(specdec_kernels.list_ops()) == ran, f"ops not run here: {set(specdec_kernels.list_ops()) - ran}"
     print("every op ran on CPU")
