@@ -98,33 +98,40 @@ def step_breakdown(model, context: int, reps: int = 15) -> dict:
 
 
 def eagle_step_breakdown(model, context: int = 64, rows: int = 8, reps: int = 30) -> dict:
-    """One EAGLE draft depth (the package's head for ``model``): ``rows`` beam nodes through
-    the head's fc, its layer (the one-layer C++ stack on the fused path) with attention over
-    ``context`` committed keys plus themselves, and the draft LM head — medians in ms, with
-    the time inside its products (the stack's timers for the layer's four, the fc and draft
-    LM head timed around their calls) and the ratio step / products (target <= 1.5)."""
+    """One EAGLE draft depth (the package's head for ``model``) as the drafter runs it: ``rows``
+    beam nodes through the head's fc (``decode_inputs``), then ``decode_layer`` (its layer, the
+    final norm and the draft LM head; one C++ call on the fused path), each node a query of its
+    own over ``context`` committed entries of the head's paged cache plus itself (here the
+    nodes' own K/V share one cache slot: a timing, not a draft) — medians in ms, with the time
+    inside its products (the stack's timers, the fc timed around its call) and the ratio
+    step / products (target <= 1.5)."""
     import time
 
-    import torch.nn.functional as F
-
     from specdec_kernels.drafting.eagle.head import eagle_head_for
+    from specdec_kernels.kv_cache import PagedKVCache
     from specdec_kernels.models.block import linear
 
     head = eagle_head_for(model)
     c, g = model.config, torch.Generator().manual_seed(0)
-    Hkv, D, rep = head.num_kv_heads, head.head_dim, head.num_heads // head.num_kv_heads
     feat = torch.randn(rows, c.hidden_size, generator=g)
-    tok, pos = torch.randint(100, 2000, (rows,), generator=g), torch.full((rows,), context)
-    keys = torch.randn(1, Hkv, context, D, generator=g)
+    tok = torch.randint(100, 2000, (rows,), generator=g)
+    cache = PagedKVCache(1, head.num_kv_heads, head.head_dim, num_blocks=4, block_size=64, max_batch=1,
+                         max_blocks_per_seq=4)
+    slot = cache.add_request()
+    new = cache.append_slots([slot], [context])
+    kv = torch.randn(context, head.num_kv_heads, head.head_dim, generator=g)
+    cache.write(0, new.slot_mapping, kv, kv)
+    cache.commit([slot], [context])
+    prefix = torch.full((rows,), context, dtype=torch.int32)
+    pos, indptr = prefix.long(), torch.arange(rows + 1, dtype=torch.int32)
+    own = cache.append_slots([slot], [1]).slot_mapping.expand(rows).contiguous()
+    table = cache.batch_view([slot])[0].expand(rows, -1).contiguous()
     w = head.decode_weights(torch.float32)
+    x_fc = torch.cat([feat, head.embed(tok).float()], -1)
 
     def depth():
         x = head.decode_inputs(feat, tok)
-        q, k, v = head.decode_qkv(x, pos)
-        ks = torch.cat([keys, k.transpose(0, 1)[None]], 2).repeat_interleave(rep, 1)
-        vs = torch.cat([keys, v.transpose(0, 1)[None]], 2).repeat_interleave(rep, 1)
-        attn = F.scaled_dot_product_attention(q.transpose(0, 1)[None], ks, vs)
-        return head.decode_output(x, attn[0].transpose(0, 1).reshape(rows, -1))
+        head.decode_layer(x, pos, cache, table, prefix, indptr, own)
 
     def timed(fn) -> float:
         t0 = time.perf_counter()
@@ -132,16 +139,15 @@ def eagle_step_breakdown(model, context: int = 64, rows: int = 8, reps: int = 30
         return time.perf_counter() - t0
 
     stack = head.decode_stack(torch.float32)
-    x_fc = torch.cat([feat, head.embed(tok).float()], -1)
     steps, products = [], []
     stack.set_timing(True)
     for i in range(reps + 3):
         step = timed(depth)
-        layer = sum(stack.take_timings()[:1])
-        outside = timed(lambda: linear(x_fc, w["fc"])) + timed(lambda: linear(feat, w["lm_head_draft"]))
+        inside = stack.take_timings()[0]
+        fc = timed(lambda: linear(x_fc, w["fc"]))
         if i >= 3:
             steps.append(step * 1e3)
-            products.append((layer + outside) * 1e3)
+            products.append((inside + fc) * 1e3)
     stack.set_timing(False)
     step_ms, products_ms = statistics.median(steps), statistics.median(products)
     return {"rows": rows, "step_ms": step_ms, "products_ms": products_ms, "step_over_products": step_ms / products_ms}

@@ -210,6 +210,39 @@ def test_eagle_head_halves_give_the_python_blocks_bits(base, fmt, int8):
     assert all(torch.equal(a, b) for a, b in zip(results["fused"], results["python"]))
 
 
+@pytest.mark.parametrize("fmt,int8", [(None, False), ("Q8_0", True)])
+def test_eagle_head_layer_in_one_call_gives_the_python_bits(base, fmt, int8):
+    """``decode_layer`` (the drafter's depth: the layer over the head's paged cache, the final
+    norm and the draft LM head) in one C++ call equals the Python halves around
+    ``tree_attention``: g, the log-probs and the K/V written, for two requests of 3 and 2 rows."""
+    from specdec_kernels.drafting.eagle.head import EagleHead
+    from specdec_kernels.kv_cache import PagedKVCache
+
+    target = base.quantized("Q8_0")
+    head = EagleHead.for_target(target, torch.arange(40)).set_decode_format(fmt, int8_activations=int8)
+    g = torch.Generator().manual_seed(1)
+    feats, toks = torch.randn(5, base.config.hidden_size, generator=g), torch.randint(0, 64, (5,), generator=g)
+    results = {}
+    for path in ("python", "fused"):
+        head.step_path = path
+        cache = PagedKVCache(1, head.num_kv_heads, head.head_dim, num_blocks=8, block_size=4, max_batch=2,
+                             max_blocks_per_seq=4)
+        slots = [cache.add_request(), cache.add_request()]
+        for slot, n in zip(slots, (6, 2)):  # committed entries with K/V of their own
+            new = cache.append_slots([slot], [n])
+            kv = torch.randn(n, head.num_kv_heads, head.head_dim, generator=torch.Generator().manual_seed(n))
+            cache.write(0, new.slot_mapping, kv, -kv)
+            cache.commit([slot], [n])
+        new = cache.append_slots(slots, [3, 2])
+        bt, pl = cache.batch_view(slots)
+        positions = torch.tensor([6, 7, 8, 2, 3])
+        x = head.decode_inputs(feats, toks)
+        results[path] = (*head.decode_layer(x, positions, cache, bt, pl, new.qo_indptr, new.slot_mapping),
+                         cache.k_caches[0].clone(), cache.v_caches[0].clone())
+    assert head.decode_stack(torch.float32) is not None
+    assert all(torch.equal(a, b) for a, b in zip(results["fused"], results["python"]))
+
+
 @pytest.mark.parametrize("name,weights", [("smollm2-135m", "native-int8act"), ("qwen2.5-coder-0.5b", "native"),
                                           ("qwen2.5-coder-0.5b", "native-int8act")])
 def test_real_models_fused_step_gives_the_python_bits(name, weights):

@@ -399,14 +399,9 @@ class EagleDrafter(SizedDrafter):
         row_tables.scatter_(1, (lengths // bs).repeat_interleave(G)[:, None] + torch.arange(P),
                             rows.reshape(B * G, P).to(row_tables.dtype))
         x = head.decode_inputs(feat.reshape(B * G, -1), tok.reshape(-1))
-        q, k, v = head.decode_qkv(x, pos)
-        cache.write(0, own, k, v)
-        attn = torch.empty_like(q)
-        torch.ops.specdec.tree_attention(q, cache.k_caches[0], cache.v_caches[0], row_tables,
-                                         pos.to(torch.int32),  # the entries before each node's own
-                                         torch.arange(B * G + 1, dtype=torch.int32), None, head.head_dim ** -0.5,
-                                         attn, None)
-        g, logp = head.decode_output(x, attn.reshape(B * G, -1))
+        g, logp = head.decode_layer(x, pos, cache, row_tables,
+                                    pos.to(torch.int32),  # the entries before each node's own
+                                    torch.arange(B * G + 1, dtype=torch.int32), own)
         return g.view(B, G, -1), logp.view(B, G, -1), rows
 
     def _request_draft(self, r, i: int, sampled: bool, keep: int, scores, parents, tokens, qs, beam_q) -> Draft:

@@ -138,12 +138,15 @@ class EagleHead(nn.Module):
 
     def _rope_at(self, positions: torch.Tensor, dtype):
         """The rotary tables at ``positions`` (int64 [T]) as ``dtype`` (``models.block.rope_at``)."""
-        n = int(positions.max()) + 1 if positions.numel() else 1
+        self._ensure_rope(int(positions.max()) + 1 if positions.numel() else 1)
+        return rope_at(self.cos, self.sin, positions, dtype)
+
+    def _ensure_rope(self, n: int) -> None:
+        """Rotary tables (fp32 [R, D]) of at least ``n`` positions."""
         if n > self._rope_len:
             n = max(n, 2 * self._rope_len, 256)
             self.cos, self.sin = rope_tables(self.config, n)
             self._rope_len = n
-        return rope_at(self.cos, self.sin, positions, dtype)
 
     # ---- the layer, in pieces the trainer and the drafter share ------------------------------
     def block_weights(self, dtype) -> dict:
@@ -202,15 +205,16 @@ class EagleHead(nn.Module):
         return self._decode_weights
 
     def decode_stack(self, dtype):
-        """The one-layer C++ stack of the decode weights (``models.decoder_step``) that the
-        decode halves run on, or None: the Python block runs (``step_path`` "python", weights
+        """The one-layer C++ stack of the decode weights, with the final norm and the draft LM
+        head (``models.decoder_step``), that :meth:`decode_layer` and the decode halves run on,
+        or None: the Python block runs (``step_path`` "python", weights
         off the CPU, or a dtype other than fp32 — the decode block casts block products'
         fp32 outputs to x's dtype, which the C++ products do not)."""
         w = self.decode_weights(dtype)
         if self.step_path != "fused" or dtype != torch.float32:
             return None
         if self._decode_stack is None:
-            stack = build_stack(self.decode_block, [w])
+            stack = build_stack(self.decode_block, [w], w["norm"], w["lm_head_draft"])
             self._decode_stack = False if stack is None else stack  # False: tried, cannot run
         return None if self._decode_stack is False else self._decode_stack
 
@@ -257,6 +261,30 @@ class EagleHead(nn.Module):
             g = self.decode_block.output(w, x, attn)
         logits = linear(rms_norm(g, w["norm"], self.eps), w["lm_head_draft"]).float()
         return g, logits.log_softmax(-1)
+
+
+    @torch.inference_mode()
+    def decode_layer(self, x: torch.Tensor, positions: torch.Tensor, cache, block_table: torch.Tensor,
+                     prefix_lens: torch.Tensor, qo_indptr: torch.Tensor, slot_mapping: torch.Tensor):
+        """The layer and the draft log-probs over the head's paged cache (its layer 0): x [T, H]
+        (:meth:`decode_inputs`), positions int64 [T] (RoPE's); the rows' K/V are written at
+        ``slot_mapping``, then each request's rows (``qo_indptr``) attend through
+        ``tree_attention`` to its ``prefix_lens`` entries of ``block_table`` and causally to
+        each other -> (g [T, H], fp32 draft log-probs [T, Vd]). On the fused path one C++ call
+        (``DecoderStack.forward_logits``), with the same bits as the halves."""
+        stack = self.decode_stack(x.dtype)
+        if stack is not None:
+            self._ensure_rope(cache.max_blocks_per_seq * cache.block_size)
+            g, logits = stack.forward_logits(x, positions, self.cos, self.sin, cache.k_caches[:1], cache.v_caches[:1],
+                                             block_table, prefix_lens, qo_indptr, slot_mapping, None, 1,
+                                             *skinny_linear_rows(x.dtype))
+            return g, logits.log_softmax(-1)
+        q, k, v = self.decode_qkv(x, positions)
+        cache.write(0, slot_mapping, k, v)
+        attn = torch.empty_like(q)
+        torch.ops.specdec.tree_attention(q, cache.k_caches[0], cache.v_caches[0], block_table, prefix_lens,
+                                         qo_indptr, None, self.head_dim ** -0.5, attn, None)
+        return self.decode_output(x, attn.reshape(attn.shape[0], -1))
 
 
 def attention_reference(q, k, v, mask=None):
