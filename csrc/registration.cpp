@@ -6,17 +6,16 @@
 //
 // Conventions (docs/design.md): index tensors int32, token ids int64, padding -1; outputs are
 // caller-given tensors marked (a!); no op synchronises with the host.
-#include <Python.h>
+#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
-extern "C" {
-// Importing specdec_kernels._C loads this shared object, which runs the static
-// initialisers below and registers the ops; the module itself is empty.
-PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
+namespace specdec {
+void bind_decoder_stack(pybind11::module_& m);  // decoder_step.cpp
 }
-}
+
+// Importing specdec_kernels._C loads this shared object, which runs the static initialisers
+// below and registers the ops; the module itself holds the fused decode step's class.
+PYBIND11_MODULE(_C, m) { specdec::bind_decoder_stack(m); }
 
 TORCH_LIBRARY(specdec, m) {
   // Rejection sampling (rejection_sampling.cpp).

@@ -163,7 +163,7 @@ def test_the_path_is_chosen_by_the_environment(monkeypatch, base):
 
 def test_bad_stacks_are_refused():
     """The C++ class checks what Python hands it (a layout that does not add up, a bad kind)."""
-    make = torch.classes.specdec.DecoderStack
+    from specdec_kernels._C import DecoderStack as make
     w = torch.zeros(8, 8)
     with pytest.raises(RuntimeError, match="parts_per_product"):
         make(2, 1, 4, 1e-6, [torch.ones(8), torch.ones(8)], [w], [0, 0, 8, -1], [1, 1, 1], [])

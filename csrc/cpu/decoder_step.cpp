@@ -22,8 +22,8 @@
 // ~20 us a layer (measured on the 1.5B), against ~1 ms for the whole step's arithmetic
 // outside the products. Other dtypes take the general path below, with the same kernels.
 #include <ATen/ATen.h>
-#include <torch/custom_class.h>
-#include <torch/library.h>
+#include <torch/csrc/utils/pybind.h>
+#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <chrono>
@@ -160,7 +160,7 @@ struct Buffers {
 
 }  // namespace
 
-class DecoderStack : public torch::CustomClassHolder {
+class DecoderStack {
  public:
   // norms: [2 L (+ 1)] (attn_norm, mlp_norm of each layer, then the final norm where the stack
   // has the LM head); weights: one per part, in the order layer, product (q|k|v, o, gate|up,
@@ -546,10 +546,14 @@ class DecoderStack : public torch::CustomClassHolder {
   std::map<int64_t, Buffers> buffers_;  // by row count
 };
 
-TORCH_LIBRARY_FRAGMENT(specdec, m) {
-  m.class_<DecoderStack>("DecoderStack")
-      .def(torch::init<int64_t, int64_t, int64_t, double, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                       std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>>())
+// A pybind11 class, not a torch.classes one: a call from Python through torch.classes (schema
+// matching, boxing) runs ~140 us when cold, as every call between two weight streams is; a
+// pybind11 call ~20 us.
+void bind_decoder_stack(pybind11::module_& m) {
+  namespace py = pybind11;
+  py::class_<DecoderStack, std::shared_ptr<DecoderStack>>(m, "DecoderStack")
+      .def(py::init<int64_t, int64_t, int64_t, double, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                    std::vector<int64_t>, std::vector<int64_t>, std::vector<at::Tensor>>())
       .def("num_layers", &DecoderStack::num_layers)
       .def("set_timing", &DecoderStack::set_timing)
       .def("take_timings", &DecoderStack::take_timings)

@@ -1,7 +1,7 @@
 """The fused decode step: a model's layer stack run by one C++ call on the CPU.
 
 ``Llama.forward`` (decode and verification rows over the paged cache) runs its layers through
-``torch.classes.specdec.DecoderStack`` (csrc/cpu/decoder_step.cpp) when the model and its cache
+``specdec_kernels._C.DecoderStack`` (csrc/cpu/decoder_step.cpp, a pybind11 class) when the model and its cache
 are on the CPU. The C++ stack is :class:`~specdec_kernels.models.block.DecoderBlock` plus
 :func:`~specdec_kernels.models.block.paged_attention` with the same ATen ops and the same
 specdec kernels in the same order, so it gives the same bits as the Python layers, which stay
@@ -38,11 +38,9 @@ def default_path() -> str:
 def available() -> bool:
     """Whether the C++ extension registered the stack class (an extension built before it
     existed has not)."""
-    try:
-        torch.classes.specdec.DecoderStack  # noqa: B018
-    except (AttributeError, RuntimeError):
-        return False
-    return True
+    from .. import _C
+
+    return hasattr(_C, "DecoderStack")
 
 
 def _parts(w, bias: torch.Tensor | None):
@@ -90,7 +88,9 @@ def build_stack(block, layers, norm: torch.Tensor | None = None, lm_head=None):
         add(lm_head)
     if any(t.device.type != "cpu" for t in norms + weights + biases):
         return None
-    return torch.classes.specdec.DecoderStack(block.num_heads, block.num_kv_heads, block.head_dim, float(block.eps),
+    from .. import _C
+
+    return _C.DecoderStack(block.num_heads, block.num_kv_heads, block.head_dim, float(block.eps),
                                               norms, weights, info, counts, biases)
 
 
