@@ -29,6 +29,8 @@ DRAFTERS = {
     "draft-chain": lambda m: ModelDrafter(Llama.random(tiny_config(num_layers=1), seed=5)),
     "draft-good": lambda m: ModelDrafter(m.truncated(2)),
     "draft-tree": lambda m: ModelDrafter(m.truncated(1), tree_width=3),
+    "draft+ngram": lambda m: ModelDrafter(m.truncated(2), sized=True, step_cost=STEP_COST,
+                                          lookup=NgramTreeDrafter(step_cost=STEP_COST)),
     "self-spec": lambda m: SelfSpecDrafter(m, 1),
     "medusa": lambda m: MedusaDrafter(m),
 }

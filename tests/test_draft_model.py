@@ -12,6 +12,7 @@ import torch
 from specdec_kernels.decoding import Generator, SamplingParams, SpecSchedule
 from specdec_kernels.decoding.cost_model import StepCost
 from specdec_kernels.drafting.draft_model.drafter import ModelDrafter, SelfSpecDrafter
+from specdec_kernels.drafting.ngram import NgramTreeDrafter
 from specdec_kernels.drafting.draft_model import model as draft_model
 from specdec_kernels.drafting.draft_model.model import (corpus_files, corpus_token_counts, exit_model, fold_exit_head,
                                                         frequency_ranked_vocab, load_draft_model, save_draft_model,
@@ -147,7 +148,7 @@ def test_exit_head_folds_into_one_product(model, tmp_path):
 
 
 @pytest.mark.parametrize("variant", ["draft", "draft-tree", "draft-unsized", "self-spec-exit", "draft-q8_0",
-                                     "whole-model-vocab"])
+                                     "whole-model-vocab", "draft+ngram"])
 def test_greedy_equals_autoregressive(model, prompts, tmp_path, variant):
     vocab = vocab_of(model, 40)
     if variant == "whole-model-vocab":  # another model of the vocabulary, restricted to 40 of its tokens
@@ -164,8 +165,9 @@ def test_greedy_equals_autoregressive(model, prompts, tmp_path, variant):
         save_draft_model(lm.layer_weights(), lm.norm, vocab, draft_config(model, 2), path,
                          block_type="Q8_0" if variant == "draft-q8_0" else None)
         d = load_draft_model(path, model)
+        lookup = NgramTreeDrafter(step_cost=FREE) if variant == "draft+ngram" else None
         drafter = ModelDrafter(d, tree_width=3 if variant == "draft-tree" else 1, step_cost=FREE, acceptance=0.9,
-                               sized=variant != "draft-unsized")
+                               sized=variant != "draft-unsized", lookup=lookup)
     reqs = Generator(model, drafter, SpecSchedule("max", 4, max_k=4)).generate(prompts, 20)
     for p, r in zip(prompts, reqs):
         assert r.output == greedy_reference(model, p, 20)
@@ -194,6 +196,49 @@ def test_sampling_distribution_equals_target(tmp_path, temperature, source):
     assert sum(r.stats.drafted for r in reqs) > 0
     pvalue = pair_chisquare_pvalue([tuple(r.output) for r in reqs], exact_pair_probs(m, temperature, prompt))
     assert pvalue > 1e-3, pvalue
+
+
+def test_draft_plus_ngram_weighs_the_lookup_against_the_chain(model):
+    """``draft+ngram``: a request's lookup tries are weighed against its draft chain (expected
+    tokens per unit time, the chain's drafting time included)."""
+    from specdec_kernels.drafting.ngram import Candidates
+
+    drafter = ModelDrafter(model.truncated(2), step_cost=StepCost({1: {1: 1.0, 64: 2.0}}), acceptance=0.5, sized=True,
+                           lookup=NgramTreeDrafter())
+    drafter._cost, drafter._token_s = drafter.step_cost, None
+    sure = Candidates([1, 2, 3, 4], [-1, 0, 1, 2], [0, 1, 2, 3], [(0.95, 1), (0.9, 2), (0.85, 3)])
+    weak = Candidates([1, 2], [-1, 0], [0, 1], [(0.05, 1)])
+    none = Candidates([1], [-1], [0], [])
+    drafter._seen["low"], drafter._seen["high"] = [0.5, 9.5], [9.5, 0.5]  # acceptance 0.05 / 0.95
+    assert drafter._lookup_wins("low", sure, 4)
+    assert not drafter._lookup_wins("high", weak, 4)
+    assert not drafter._lookup_wins("high", none, 4) and not drafter._lookup_wins("low", sure, 0)
+
+
+@pytest.mark.parametrize("lookup_wins", [True, False])
+def test_draft_plus_ngram_runs_no_draft_forward_where_the_lookup_wins(model, prompts, lookup_wins):
+    """Where the lookup wins the draft model runs no forward that step, and what is drafted
+    (the tries alone, or the chain merged with them) is verified exactly: greedy output is the
+    model's own either way."""
+    forwards = []
+
+    class Counting(ModelDrafter):
+        def _lookup_wins(self, rid, c, k):
+            return lookup_wins
+
+        def _draft_chains(self, reqs, lengths, drafts):
+            forwards.extend(k for k in lengths if k > 0)
+            return super()._draft_chains(reqs, lengths, drafts)
+
+    drafter = Counting(model.truncated(2), step_cost=FREE, acceptance=0.9, sized=True,
+                       lookup=NgramTreeDrafter(step_cost=FREE))
+    assert drafter.name == "draft+ngram"
+    copying = [p * 3 for p in prompts]  # something to look up
+    reqs = Generator(model, drafter, SpecSchedule("max", 4, max_k=4)).generate(copying, 16)
+    for p, r in zip(copying, reqs):
+        assert r.output == greedy_reference(model, p, 16)
+    assert bool(forwards) != lookup_wins
+    assert sum(r.stats.drafted for r in reqs) > 0
 
 
 def test_chain_length_follows_the_step_cost(model, prompts):

@@ -35,6 +35,8 @@ DRAFTER_INFO = {
                                 "or a model of the same vocabulary such as qwen2.5-coder-0.5b) drafts a chain sized "
                                 "by the measured step cost"),
     "draft-tree": DrafterInfo("max", "the draft model's chain plus its next-best first tokens (top 3 at the root)"),
+    "draft+ngram": DrafterInfo("max", "the draft model's chain plus the prompt-lookup tries; a request whose tries "
+                                      "promise more runs no draft forward that step"),
     "draft-untrained": DrafterInfo("max", "the distilled draft's architecture before distillation: the target's "
                                           "first layers, norm and LM head (for comparison)"),
     "eagle": DrafterInfo("max", "the EAGLE-style head shipped for the model (or --eagle-checkpoint) drafts a "
@@ -148,7 +150,7 @@ def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: st
         head = eagle_head_for(model, checkpoint, weights=draft_weights)
         return EagleDrafter(model, head, lookup=NgramTreeDrafter(max_k=max_k) if name == "eagle+ngram" else None,
                             name=name)
-    if name in ("draft", "draft-tree", "draft-untrained"):
+    if name in ("draft", "draft-tree", "draft+ngram", "draft-untrained"):
         from ..drafting.draft_model.model import (SHIPPED_DRAFTS, default_draft_checkpoint, draft_model_for,
                                                   load_draft_model, truncated_draft)
 
@@ -166,7 +168,8 @@ def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: st
                 dm = load_draft_model(draft_model, model, draft_weights)
             else:  # a model of the target's vocabulary, by name or path
                 dm = draft_by_name(model, draft_model, draft_weights, draft_vocab)
-        return ModelDrafter(dm, tree_width=3 if name == "draft-tree" else 1, max_k=max_k, name=name, sized=True)
+        return ModelDrafter(dm, tree_width=3 if name == "draft-tree" else 1, max_k=max_k, name=name, sized=True,
+                            lookup=NgramTreeDrafter(max_k=max_k) if name == "draft+ngram" else None)
     raise ValueError(f"unknown drafter {name!r}; choose from {DRAFTERS}")
 
 

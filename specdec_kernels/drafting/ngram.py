@@ -50,6 +50,19 @@ class NgramDrafter(Drafter):
 
 
 
+def accepted_on_tree(parents: list, tokens: list, accepted: list) -> int:
+    """How many of a step's ``accepted`` drafted tokens (in order) lie on the token tree
+    (``parents``, ``tokens``; node 0 the root) from its root: a lookup's own evidence when its
+    tree was merged with another drafter's."""
+    node, count = 0, 0
+    for t in accepted:
+        node = next((j for j in range(1, len(parents)) if parents[j] == node and tokens[j] == t), None)
+        if node is None:
+            break
+        count += 1
+    return count
+
+
 class Candidates(NamedTuple):
     """A request's trie of prompt-lookup continuations (node 0 = the root; every node's
     parent precedes it), as :meth:`NgramTreeDrafter.candidates` builds it."""

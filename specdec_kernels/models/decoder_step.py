@@ -38,9 +38,11 @@ def default_path() -> str:
 def available() -> bool:
     """Whether the C++ extension registered the stack class (an extension built before it
     existed has not)."""
-    from .. import _C
-
-    return hasattr(_C, "DecoderStack")
+    try:
+        from .._C import DecoderStack  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _parts(w, bias: torch.Tensor | None):
@@ -88,9 +90,9 @@ def build_stack(block, layers, norm: torch.Tensor | None = None, lm_head=None):
         add(lm_head)
     if any(t.device.type != "cpu" for t in norms + weights + biases):
         return None
-    from .. import _C
+    from .._C import DecoderStack
 
-    return _C.DecoderStack(block.num_heads, block.num_kv_heads, block.head_dim, float(block.eps),
+    return DecoderStack(block.num_heads, block.num_kv_heads, block.head_dim, float(block.eps),
                                               norms, weights, info, counts, biases)
 
 

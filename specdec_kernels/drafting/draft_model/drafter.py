@@ -2,7 +2,9 @@
 
 - :class:`ModelDrafter` — a separate draft model (any Llama of the package with the same
   vocabulary) with its own paged cache, as a chain or a "top-k tree" (the greedy chain plus
-  the next-best tokens at the first level as extra leaves);
+  the next-best tokens at the first level as extra leaves), optionally with prompt lookup
+  (``draft+ngram``: a request whose lookup tries promise more than the draft's chain runs no
+  draft forward that step; the tries are merged into every greedy request's draft);
 - :class:`SelfSpecDrafter` — self-speculation: the target's first L layers and its own LM
   head (or a trained exit head), writing into the target's cache (layers < L of the draft
   positions are rewritten by the verification forward, so no extra cache and no catch-up
@@ -16,9 +18,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ...decoding.cost_model import best_chain_length
+from ...decoding.cost_model import best_chain_length, best_node_count
 from ...decoding.drafter import Draft, SizedDrafter, draft_uniforms, draw_tokens
 from ...models.llama import Batch, Llama
+from ...tree import merge_token_trees
+from ..ngram import NgramTreeDrafter, accepted_on_tree
 
 
 @dataclass
@@ -57,7 +61,8 @@ class ModelDrafter(SizedDrafter):
     name = "draft"
 
     def __init__(self, model: Llama, *, tree_width: int = 1, max_k: int = 16, share_target_cache: bool = False,
-                 name: str | None = None, sized: bool = False, step_cost=None, acceptance: float | None = None):
+                 name: str | None = None, sized: bool = False, step_cost=None, acceptance: float | None = None,
+                 lookup: NgramTreeDrafter | None = None):
         """``sized``: the schedule's length is a cap and each step drafts the chain length
         that maximises expected tokens per unit time (:meth:`chain_length`), from the
         target's step-cost curve (``step_cost``, default the Generator's ``step_cost``:
@@ -67,11 +72,21 @@ class ModelDrafter(SizedDrafter):
         varies a lot — code and arithmetic accept several times more than open writing — so
         one request's rejections do not switch drafting off for the next); the drafters by
         name (``make_drafter``) run this way with the ``max`` schedule. ``sized=False``:
-        exactly the schedule's length."""
+        exactly the schedule's length.
+
+        ``lookup`` (``draft+ngram``, sized drafters): prompt-lookup tries for greedy requests.
+        Each step a request's tries (the lookup's trie, sized by its own tables and the cost
+        curve) are weighed against its draft chain, both as expected tokens per unit time at
+        batch 1 (the chain's drafting time included); where the tries promise at least as
+        much, the request drafts no chain that step, so the draft's forwards are paid only
+        where lookup has little to copy. The kept tries are merged into the request's draft
+        (paths shared where they agree)."""
         self.model, self.tree_width, self.share = model, tree_width, share_target_cache
+        self.lookup = lookup
+        self._lookup_trees: dict = {}  # rid -> the lookup tree merged into its draft this step
         self.vocab_size = model.config.vocab_size
-        self.max_nodes = max_k + tree_width
-        self.name = name or ("draft-tree" if tree_width > 1 else "draft")
+        self.max_nodes = max_k + tree_width + (lookup.max_nodes - 1 if lookup is not None else 0)
+        self.name = name or ("draft-tree" if tree_width > 1 else "draft") + ("+ngram" if lookup is not None else "")
         self.sized = sized
         self._own_step_cost(step_cost)
         measured = acceptance if acceptance is not None else getattr(model, "metadata", {}).get("held_out_top1")
@@ -116,6 +131,8 @@ class ModelDrafter(SizedDrafter):
         return k
 
     def start(self, gen, reqs):
+        if self.lookup is not None:
+            self.lookup.start(gen, [])  # its tables and step cost; requests are admitted below
         if self.sized:
             self._take_step_cost(gen)
             if self._token_s is None:
@@ -130,6 +147,8 @@ class ModelDrafter(SizedDrafter):
         self.admit(gen, reqs)
 
     def admit(self, gen, reqs):
+        if self.lookup is not None:
+            self.lookup.admit(gen, reqs)
         for r in reqs:
             self._seen[r.rid] = [self.prior_tokens * self.prior, self.prior_tokens * (1 - self.prior)]
         if self.share:
@@ -144,10 +163,19 @@ class ModelDrafter(SizedDrafter):
 
     @torch.inference_mode()
     def propose(self, gen, reqs, lengths):
-        model, cache = self.model, self.cache
         drafts = [Draft.root_only(r.tokens[-1]) for r in reqs]
+        caps = list(lengths)
         if self.sized and self._token_s is not None:
             lengths = [self._sized_length(r.rid, n, len(reqs)) for r, n in zip(reqs, lengths)]
+        lookups = self._lookup_candidates(reqs, caps)
+        lengths = [0 if c is not None and self._lookup_wins(r.rid, c, k) else k
+                   for r, c, k in zip(reqs, lookups, lengths)]
+        drafts = self._draft_chains(reqs, lengths, drafts)
+        return self._merge_lookup(reqs, drafts, lookups)
+
+    def _draft_chains(self, reqs, lengths, drafts) -> list:
+        """The draft model's chains (or top-k trees) of ``lengths[b]`` tokens into ``drafts``."""
+        model, cache = self.model, self.cache
         runs = []
         for b, (r, k) in enumerate(zip(reqs, lengths)):
             if k <= 0:
@@ -196,7 +224,7 @@ class ModelDrafter(SizedDrafter):
                 self._token_s = 0.8 * self._token_s + 0.2 * (time.perf_counter() - t_step)
         for run in runs:
             r = run.request
-            self._drafted[r.rid] = len(run.chain)
+            self._drafted[r.rid] = run.chain
             if self.tree_width > 1:
                 k = len(run.chain)
                 drafts[run.index] = Draft(list(range(-1, k)) + [0] * len(run.alts), [r.tokens[-1]] + run.chain + run.alts)
@@ -210,11 +238,58 @@ class ModelDrafter(SizedDrafter):
                 self.fed[r.rid] = r.tokens[:run.committed] + run.pending + run.chain[:-1]
         return drafts
 
+    # ---- prompt lookup (draft+ngram) ---------------------------------------------------------
+    def _lookup_candidates(self, reqs, caps) -> list:
+        """Each greedy request's lookup trie (at most its cap deep), or None (no lookup, a
+        sampled request: its chain is verified with the draft's q)."""
+        if self.lookup is None:
+            return [None] * len(reqs)
+        return [self.lookup.request_candidates(r, k) if k > 0 and r.sampling.temperature <= 0 else None
+                for r, k in zip(reqs, caps)]
+
+    def _lookup_wins(self, rid, c, k: int) -> bool:
+        """Whether request ``rid``'s lookup tries alone promise at least what its ``k``-token
+        draft chain would (expected tokens per unit time at batch 1, drafting time included)."""
+        if k <= 0 or not c.ranked:
+            return False
+        _, tries = best_node_count([p for p, _ in c.ranked], self.cost)
+        a = self.acceptance(rid)
+        _, chain = best_chain_length(a, k, self._cost, width=self.tree_width,
+                                     draft_cost=self.relative_cost(self._token_s, 1) if self._token_s else 0.0)
+        return tries >= chain
+
+    def _merge_lookup(self, reqs, drafts, lookups) -> list:
+        """The lookup's kept tries (``NgramTreeDrafter.select`` over the batch) merged into
+        each request's draft; the lookup is told what they promise."""
+        if all(c is None for c in lookups):
+            return drafts
+        keep = self.lookup.select([c.ranked if c is not None else [] for c in lookups])
+        for b, (r, c, n) in enumerate(zip(reqs, lookups, keep)):
+            if c is None or n == 0:
+                continue
+            self.lookup.promise(r, c, n)
+            parents, tokens = c.tree(n)
+            self._lookup_trees[r.rid] = (parents, tokens)
+            drafts[b] = Draft(*merge_token_trees(drafts[b].parents, drafts[b].tokens, parents, tokens))
+        return drafts
+
     def verified(self, gen, reqs, num_accepted):
+        if self.lookup is not None:  # its evidence: the accepted tokens on its own tries
+            on_tries = []
+            for r, n in zip(reqs, num_accepted):
+                tree, n = self._lookup_trees.pop(r.rid, None), int(n)
+                on_tries.append(n if tree is None or n <= 0 else
+                                accepted_on_tree(*tree, r.tokens[len(r.tokens) - (n + 1): len(r.tokens) - 1]))
+            self.lookup.verified(gen, reqs, on_tries)
         for r, n in zip(reqs, num_accepted):  # the running acceptance rate (chain_length)
-            k = self._drafted.pop(r.rid, 0)
+            chain = self._drafted.pop(r.rid, [])
+            k = len(chain)
             if k > 0 and r.rid in self._seen:
-                n = max(0, min(int(n), k))  # -1: the step failed (NaN logits)
+                total = int(n)
+                n = max(0, min(total, k))  # -1: the step failed (NaN logits)
+                if self.lookup is not None and total > 0:  # the accepted tokens may be the lookup's
+                    n = accepted_on_tree(list(range(-1, k)), [r.tokens[-1]] + chain,
+                                         r.tokens[len(r.tokens) - (total + 1): len(r.tokens) - 1])
                 self._seen[r.rid][0] += n
                 self._seen[r.rid][1] += n < k
         if self.share:
@@ -230,6 +305,9 @@ class ModelDrafter(SizedDrafter):
             self.cache.commit([slot], [n - cache_len])
 
     def finish(self, gen, req):
+        if self.lookup is not None:
+            self.lookup.finish(gen, req)
+            self._lookup_trees.pop(req.rid, None)
         self._seen.pop(req.rid, None)
         if not self.share:
             self.cache.free(self.slot[req.rid])

@@ -68,6 +68,7 @@ from ...decoding.cost_model import best_node_count, payoff, row_price
 from .head import EagleHead, eagle_head_for
 from ...kv_cache import PagedKVCache
 from ...tree import eagle_tree_from_expansions, merge_token_trees
+from ..ngram import accepted_on_tree
 from ...decoding.drafter import Draft, SizedDrafter, draft_uniforms, sample_rows
 
 
@@ -568,12 +569,4 @@ class EagleDrafter(SizedDrafter):
         tree = self._lookup_trees.pop(r.rid, None)
         if tree is None or n <= 0:
             return n
-        parents, tokens = tree
-        accepted = r.tokens[len(r.tokens) - (n + 1): len(r.tokens) - 1]
-        node, count = 0, 0
-        for t in accepted:
-            node = next((j for j in range(1, len(parents)) if parents[j] == node and tokens[j] == t), None)
-            if node is None:
-                break
-            count += 1
-        return count
+        return accepted_on_tree(*tree, r.tokens[len(r.tokens) - (n + 1): len(r.tokens) - 1])
