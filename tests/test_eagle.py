@@ -315,15 +315,14 @@ def test_lookup_nodes_are_chosen_with_the_head_candidates(model):
     class Req:
         rid, tokens = 7, [1, 2]
 
-    drafter._lookup_trees = {}
     drafter.lookup._promised = {}
     head_tree = Draft([-1, 0, 0], [2, 3, 9])  # the head drafted 3 and 9 after the root 2
-    (merged,) = drafter._merge_lookup([Req], [head_tree], [trie], [2])
+    (merged,) = drafter.lookup.merge_into([Req], [head_tree], [trie], [2])
     assert (merged.parents, merged.tokens) == ([-1, 0, 0, 1], [2, 3, 9, 4])  # 3 shared, 4 added under it
     Req.tokens = [1, 2, 3, 4, 5]  # 3 and 4 accepted (the lookup's path), 5 the target's own
-    assert drafter._lookup_accepted(Req, 2) == 2
-    drafter._lookup_trees[7] = ([-1, 0], [2, 8])  # a lookup branch the target did not follow
-    assert drafter._lookup_accepted(Req, 2) == 0
+    assert drafter.lookup.merged_accepted(Req, 2) == 2
+    drafter.lookup._merged[7] = ([-1, 0], [2, 8])  # a lookup branch the target did not follow
+    assert drafter.lookup.merged_accepted(Req, 2) == 0
 
 
 def test_beam_keeps_only_nodes_whose_children_can_pay(model):

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..decoding.cost_model import best_node_count
 from ..decoding.drafter import Draft, Drafter, SizedDrafter
+from ..tree import merge_token_trees
 
 
 class NgramDrafter(Drafter):
@@ -216,6 +217,7 @@ class NgramTreeDrafter(SizedDrafter):
         self._seen: dict = {}  # rid -> [hits, expected hits] of first-level tokens, decayed
         self._guess: dict = {}  # rid -> (root's position + 1, {most probable token: its raw probability})
         self._promised: dict = {}  # rid -> the raw probabilities of this step's drafted nodes, summed
+        self._merged: dict = {}  # rid -> (parents, tokens) merged into another drafter's draft (merge_into)
         self._paid: dict = {}  # rid -> [accepted drafted tokens, their promised count], decayed
 
     def use_tables(self, tables: NgramTables | None) -> None:
@@ -267,6 +269,7 @@ class NgramTreeDrafter(SizedDrafter):
 
     def finish(self, gen, req):
         self._seen.pop(req.rid, None)
+        self._merged.pop(req.rid, None)
         self._guess.pop(req.rid, None)
         self._promised.pop(req.rid, None)
         self._paid.pop(req.rid, None)
@@ -350,6 +353,40 @@ class NgramTreeDrafter(SizedDrafter):
         c = self.candidates(r.tokens, min(k, self.max_k), scale)
         self._guess[r.rid] = (len(r.tokens), {c.tokens[i]: p / scale for p, i in c.ranked[:1]})
         return c
+
+    def greedy_candidates(self, reqs, caps) -> list:
+        """Each greedy request's trie (:meth:`request_candidates`, at most its cap deep), or
+        None: a cap of 0, or a sampled request (another drafter's tree for it carries q rows a
+        looked-up node does not have). For a drafter that merges the tries into its own drafts."""
+        return [self.request_candidates(r, k) if k > 0 and r.sampling.temperature <= 0 else None
+                for r, k in zip(reqs, caps)]
+
+    def merge_into(self, reqs, drafts: list, cands: list, keep: list) -> list:
+        """Each request's ``keep[b]`` best nodes of ``cands[b]`` merged into ``drafts[b]`` (another
+        drafter's; paths shared where they agree). They are promised (:meth:`promise`) and
+        remembered, so that :meth:`verified_merged` counts only the accepted tokens on them."""
+        for b, (r, c, n) in enumerate(zip(reqs, cands, keep)):
+            if c is None or n == 0:
+                continue
+            self.promise(r, c, n)
+            parents, tokens = c.tree(n)
+            self._merged[r.rid] = (parents, tokens)
+            drafts[b] = Draft(*merge_token_trees(drafts[b].parents, drafts[b].tokens, parents, tokens))
+        return drafts
+
+    def verified_merged(self, gen, reqs, num_accepted) -> None:
+        """:meth:`verified` for tries merged by :meth:`merge_into`: the evidence of each request
+        is the accepted tokens on its own merged nodes (the other drafter's are not the
+        tables' evidence)."""
+        self.verified(gen, reqs, [self.merged_accepted(r, n) for r, n in zip(reqs, num_accepted)])
+
+    def merged_accepted(self, r, n: int) -> int:
+        """How many of the ``n`` accepted tokens of ``r``'s step lie on its merged nodes (all
+        ``n`` when nothing was merged); forgets them."""
+        tree, n = self._merged.pop(r.rid, None), int(n)
+        if tree is None or n <= 0:
+            return n
+        return accepted_on_tree(*tree, r.tokens[len(r.tokens) - (n + 1): len(r.tokens) - 1])
 
     def promise(self, r, c: Candidates, n: int) -> None:
         """The ``n`` best nodes of ``c`` are drafted for ``r``: what they promise (their

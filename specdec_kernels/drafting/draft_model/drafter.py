@@ -21,7 +21,6 @@ import torch
 from ...decoding.cost_model import best_chain_length, best_node_count
 from ...decoding.drafter import Draft, SizedDrafter, draft_uniforms, draw_tokens
 from ...models.llama import Batch, Llama
-from ...tree import merge_token_trees
 from ..ngram import NgramTreeDrafter, accepted_on_tree
 
 
@@ -83,7 +82,6 @@ class ModelDrafter(SizedDrafter):
         (paths shared where they agree)."""
         self.model, self.tree_width, self.share = model, tree_width, share_target_cache
         self.lookup = lookup
-        self._lookup_trees: dict = {}  # rid -> the lookup tree merged into its draft this step
         self.vocab_size = model.config.vocab_size
         self.max_nodes = max_k + tree_width + (lookup.max_nodes - 1 if lookup is not None else 0)
         self.name = name or ("draft-tree" if tree_width > 1 else "draft") + ("+ngram" if lookup is not None else "")
@@ -167,11 +165,14 @@ class ModelDrafter(SizedDrafter):
         caps = list(lengths)
         if self.sized and self._token_s is not None:
             lengths = [self._sized_length(r.rid, n, len(reqs)) for r, n in zip(reqs, lengths)]
-        lookups = self._lookup_candidates(reqs, caps)
+        if self.lookup is None:
+            return self._draft_chains(reqs, lengths, drafts)
+        lookups = self.lookup.greedy_candidates(reqs, caps)
         lengths = [0 if c is not None and self._lookup_wins(r.rid, c, k) else k
                    for r, c, k in zip(reqs, lookups, lengths)]
         drafts = self._draft_chains(reqs, lengths, drafts)
-        return self._merge_lookup(reqs, drafts, lookups)
+        keep = self.lookup.select([c.ranked if c is not None else [] for c in lookups])  # the batch's tries that pay
+        return self.lookup.merge_into(reqs, drafts, lookups, keep)
 
     def _draft_chains(self, reqs, lengths, drafts) -> list:
         """The draft model's chains (or top-k trees) of ``lengths[b]`` tokens into ``drafts``."""
@@ -239,14 +240,6 @@ class ModelDrafter(SizedDrafter):
         return drafts
 
     # ---- prompt lookup (draft+ngram) ---------------------------------------------------------
-    def _lookup_candidates(self, reqs, caps) -> list:
-        """Each greedy request's lookup trie (at most its cap deep), or None (no lookup, a
-        sampled request: its chain is verified with the draft's q)."""
-        if self.lookup is None:
-            return [None] * len(reqs)
-        return [self.lookup.request_candidates(r, k) if k > 0 and r.sampling.temperature <= 0 else None
-                for r, k in zip(reqs, caps)]
-
     def _lookup_wins(self, rid, c, k: int) -> bool:
         """Whether request ``rid``'s lookup tries alone promise at least what its ``k``-token
         draft chain would (expected tokens per unit time at batch 1, drafting time included)."""
@@ -258,29 +251,9 @@ class ModelDrafter(SizedDrafter):
                                      draft_cost=self.relative_cost(self._token_s, 1) if self._token_s else 0.0)
         return tries >= chain
 
-    def _merge_lookup(self, reqs, drafts, lookups) -> list:
-        """The lookup's kept tries (``NgramTreeDrafter.select`` over the batch) merged into
-        each request's draft; the lookup is told what they promise."""
-        if all(c is None for c in lookups):
-            return drafts
-        keep = self.lookup.select([c.ranked if c is not None else [] for c in lookups])
-        for b, (r, c, n) in enumerate(zip(reqs, lookups, keep)):
-            if c is None or n == 0:
-                continue
-            self.lookup.promise(r, c, n)
-            parents, tokens = c.tree(n)
-            self._lookup_trees[r.rid] = (parents, tokens)
-            drafts[b] = Draft(*merge_token_trees(drafts[b].parents, drafts[b].tokens, parents, tokens))
-        return drafts
-
     def verified(self, gen, reqs, num_accepted):
-        if self.lookup is not None:  # its evidence: the accepted tokens on its own tries
-            on_tries = []
-            for r, n in zip(reqs, num_accepted):
-                tree, n = self._lookup_trees.pop(r.rid, None), int(n)
-                on_tries.append(n if tree is None or n <= 0 else
-                                accepted_on_tree(*tree, r.tokens[len(r.tokens) - (n + 1): len(r.tokens) - 1]))
-            self.lookup.verified(gen, reqs, on_tries)
+        if self.lookup is not None:
+            self.lookup.verified_merged(gen, reqs, num_accepted)
         for r, n in zip(reqs, num_accepted):  # the running acceptance rate (chain_length)
             chain = self._drafted.pop(r.rid, [])
             k = len(chain)
@@ -307,7 +280,6 @@ class ModelDrafter(SizedDrafter):
     def finish(self, gen, req):
         if self.lookup is not None:
             self.lookup.finish(gen, req)
-            self._lookup_trees.pop(req.rid, None)
         self._seen.pop(req.rid, None)
         if not self.share:
             self.cache.free(self.slot[req.rid])

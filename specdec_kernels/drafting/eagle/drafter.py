@@ -54,9 +54,9 @@ of several earlier occurrences of the request's last tokens, each node with an a
 probability from tables measured for the model) chosen *together* with the head's
 candidates: the most probable nodes of both kinds, while they pay for their rows
 (``_select``), the lookup's merged into the tree where the paths agree
-(``tree.merge_token_trees``). The lookup's probabilities follow the request's evidence
-(``NgramTreeDrafter.verified``), fed only the accepted tokens on its own nodes. Where the
-head has no tree (a backed-off step) the tries alone are drafted, sized the same way.
+(``NgramTreeDrafter.merge_into``). The lookup's probabilities follow the request's evidence
+(``NgramTreeDrafter.verified_merged``), fed only the accepted tokens on its own nodes. Where
+the head has no tree (a backed-off step) the tries alone are drafted, sized the same way.
 """
 from __future__ import annotations
 
@@ -67,8 +67,7 @@ import torch
 from ...decoding.cost_model import best_node_count, payoff, row_price
 from .head import EagleHead, eagle_head_for
 from ...kv_cache import PagedKVCache
-from ...tree import eagle_tree_from_expansions, merge_token_trees
-from ..ngram import accepted_on_tree
+from ...tree import eagle_tree_from_expansions
 from ...decoding.drafter import Draft, SizedDrafter, draft_uniforms, sample_rows
 
 
@@ -137,7 +136,6 @@ class EagleDrafter(SizedDrafter):
         self._scratch = self.cache.take_blocks(scratch).view(2, slots * width, path_blocks)
         self.slot, self.pending = {}, {}
         self._empty_run, self._skip = 0, 0
-        self._lookup_trees = {}  # rid -> the lookup's drafted trie this step (_merge_lookup)
         if self.lookup is not None:
             self.lookup.start(gen, [])  # its tables for the target; the requests come through admit
         self.admit(gen, reqs)
@@ -164,12 +162,11 @@ class EagleDrafter(SizedDrafter):
         for r, n in zip(reqs, num_accepted):
             self.stats["accepted_hist"][n] = self.stats["accepted_hist"].get(n, 0) + 1
         if self.lookup is not None:
-            self.lookup.verified(gen, reqs, [self._lookup_accepted(r, n) for r, n in zip(reqs, num_accepted)])
+            self.lookup.verified_merged(gen, reqs, num_accepted)
 
     def finish(self, gen, req):
         self.cache.free(self.slot.pop(req.rid))
         self.pending.pop(req.rid, None)
-        self._lookup_trees.pop(req.rid, None)
         if self.lookup is not None:
             self.lookup.finish(gen, req)
 
@@ -295,7 +292,7 @@ class EagleDrafter(SizedDrafter):
             self.stats["nodes"] += len(dd.tokens) - 1
             depth = max(dd.depths())
             self.stats["depth_hist"][depth] = self.stats["depth_hist"].get(depth, 0) + 1
-        return self._merge_lookup(reqs, drafts, lookups, keep_lookup)
+        return drafts if self.lookup is None else self.lookup.merge_into(reqs, drafts, lookups, keep_lookup)
 
     def _expand(self, sub: list, active: list, roots_g: dict, caught: dict, depth_cap: torch.Tensor,
                 sampled: torch.Tensor):
@@ -538,8 +535,7 @@ class EagleDrafter(SizedDrafter):
         drawn child, with the q rows a looked-up node does not have)."""
         if self.lookup is None:
             return [None] * len(reqs)
-        return [self.lookup.request_candidates(r, k) if k > 0 and r.sampling.temperature <= 0 else None
-                for r, k in zip(reqs, lengths)]
+        return self.lookup.greedy_candidates(reqs, lengths)
 
     def _lookup_only(self, reqs, lengths, drafts) -> list:
         """A step without head trees (backed off, or no request with a draft state): the
@@ -548,25 +544,5 @@ class EagleDrafter(SizedDrafter):
         if all(c is None for c in lookups):
             return drafts
         _, keep, _ = self._select([[] for _ in reqs], lookups, len(reqs), 0.0)
-        return self._merge_lookup(reqs, drafts, lookups, keep)
+        return self.lookup.merge_into(reqs, drafts, lookups, keep)
 
-    def _merge_lookup(self, reqs, drafts, lookups, keep) -> list:
-        """Each request's ``keep[b]`` best lookup nodes merged into its draft (shared where
-        the paths agree); the lookup is told what they promise, and the trie is kept to count
-        its accepted tokens (``_lookup_accepted``)."""
-        for b, (r, c, n) in enumerate(zip(reqs, lookups, keep)):
-            if c is None or n == 0:
-                continue
-            self.lookup.promise(r, c, n)
-            parents, tokens = c.tree(n)
-            self._lookup_trees[r.rid] = (parents, tokens)
-            drafts[b] = Draft(*merge_token_trees(drafts[b].parents, drafts[b].tokens, parents, tokens))
-        return drafts
-
-    def _lookup_accepted(self, r, n: int) -> int:
-        """How many of the ``n`` accepted tokens of ``r``'s step lie on the lookup's own
-        drafted trie (the accepted head nodes are not the tables' evidence)."""
-        tree = self._lookup_trees.pop(r.rid, None)
-        if tree is None or n <= 0:
-            return n
-        return accepted_on_tree(*tree, r.tokens[len(r.tokens) - (n + 1): len(r.tokens) - 1])
