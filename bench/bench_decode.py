@@ -16,7 +16,9 @@ The per-step breakdown (``step_ms``, per path): one decode step (one row, forwar
 its attention (``attention_ms``: ``tree_attention``), measured within each fused step by the
 C++ stack's timers; ``rest_ms`` = step - products - attention is the fixed cost (the Python
 path runs the same kernels: its rest is its step minus the same products and attention).
-Results: bench/results/decode_<model>.json.
+Where the CPU has AMX, each round also runs ours with the AMX path off (AVX-512 VNNI, the same
+bits: ``no_amx_*``, ``amx_prefill_speedup``).
+Results: bench/results/decode_<model>.json (decode_<model>_p<P>.json for another --prompt-tokens).
 """
 from __future__ import annotations
 
@@ -177,6 +179,9 @@ def main() -> int:
     from specdec_kernels.models import load_model
     from specdec_kernels.models.registry import resolve
 
+    from specdec_kernels._C import cpu_paths, set_amx_enabled
+
+    amx = cpu_paths()["amx_int8"]  # where the CPU has AMX, our runs are timed with it on and off
     path = resolve(args.model)
     print(f"loading {args.model} ({args.weights}) ...", file=sys.stderr)
     model, _ = load_model(path, weights=args.weights)
@@ -185,9 +190,13 @@ def main() -> int:
         for threads in args.threads:
             torch.set_num_threads(threads)
             ours(model, 8, 2, "fused")  # warm-up: first-call allocations and the rope tables
-            mine, reference, theirs = [], [], []
+            mine, reference, theirs, no_amx = [], [], [], []
             for _ in range(args.rounds):
                 mine.append(ours(model, args.prompt_tokens, args.new_tokens, "fused"))
+                if amx:  # the same on AVX-512 VNNI (the same bits), alternating with the AMX run
+                    set_amx_enabled(False)
+                    no_amx.append(ours(model, args.prompt_tokens, args.new_tokens, "fused"))
+                    set_amx_enabled(True)
                 reference.append(ours(model, args.prompt_tokens, args.new_tokens, "python"))
                 if args.llama_bench:
                     theirs.append(llama_bench(args.llama_bench, path, args.prompt_tokens, args.new_tokens, threads))
@@ -195,6 +204,10 @@ def main() -> int:
             row = {"threads": threads, "ours_prefill_tok_s": statistics.median(m[0] for m in mine),
                    "ours_decode_tok_s": statistics.median(m[1] for m in mine),
                    "python_step_decode_tok_s": statistics.median(m[1] for m in reference)}
+            if no_amx:
+                row.update({"no_amx_prefill_tok_s": statistics.median(m[0] for m in no_amx),
+                            "no_amx_decode_tok_s": statistics.median(m[1] for m in no_amx)})
+                row["amx_prefill_speedup"] = row["ours_prefill_tok_s"] / row["no_amx_prefill_tok_s"]
             row.update(step_breakdown(model, args.prompt_tokens))
             if theirs:
                 row.update({"llama_cpp_pp_tok_s": statistics.median(t[0] for t in theirs),
@@ -205,9 +218,12 @@ def main() -> int:
                 row.update({f"eagle_{k}": v for k, v in eagle_step_breakdown(model, args.prompt_tokens).items()})
             rows.append(row)
     print_table(rows, list(rows[0]))
-    out = write_results(f"decode_{Path(str(args.model)).name.removesuffix('.gguf')}", {
+    name = f"decode_{Path(str(args.model)).name.removesuffix('.gguf')}"
+    if args.prompt_tokens != 64:
+        name += f"_p{args.prompt_tokens}"
+    out = write_results(name, {
         "command": " ".join(["python", "bench/bench_decode.py"] + sys.argv[1:]), "model": args.model,
-        "weights": args.weights, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+        "weights": args.weights, "cpu_paths": cpu_paths(), "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
         "rounds": args.rounds, "rows": rows})
     print(f"wrote {out}")
     return 0

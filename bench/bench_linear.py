@@ -18,7 +18,8 @@ fraction of the copy bandwidth and its vs_M1.
 int8_activation_linear on the formats of the Qwen2.5-Coder GGUF files (``--qwen``: Q4_K, Q5_K,
 Q6_K, Q5_0, Q5_1 on the 1.5B's shapes qkv 2048 x 1536, o 1536 x 1536, gate|up 17920 x 1536,
 down 1536 x 8960, and Q6_K on the LM head 151936 x 1536), cold packed weights, at M = 1..64:
-time, vs_M1 and GB/s of packed bytes against the copy bandwidth, for the --threads given (with
+time, vs_M1 and GB/s of packed bytes against the copy bandwidth (where the CPU has AMX and the
+kernel takes it, the same call with AMX off: no_amx_us, amx_speedup), for the --threads given (with
 one thread also in CPU time, cpu_*: on a shared machine the wall time includes waiting for a core);
 written to bench/results/linear_int8_qwen_t<threads>.json.
 
@@ -208,6 +209,9 @@ def bench_int8_qwen(formats, ms, copy_bw, reps, pbar, cold_bytes=128 * 2**20):
     of a pool of packed copies (> 4x this machine's 32 MB L3)."""
     from specdec_kernels.gguf_blocks import pack_int8_activation
 
+    from specdec_kernels._C import amx_pays, cpu_paths, set_amx_enabled
+
+    amx = cpu_paths()["amx_int8"]
     rows = []
     for (name, (N, H)), block_type in formats:
         packed = pack_int8_activation(random_gguf_blocks(N, H, block_type), block_type)
@@ -224,6 +228,11 @@ def bench_int8_qwen(formats, ms, copy_bw, reps, pbar, cold_bytes=128 * 2**20):
 
             t = time_fn(call, warmup=2, reps=r)
             cpu = cpu_time_us(call, r) if torch.get_num_threads() == 1 else None
+            no_amx = None
+            if amx and amx_pays(block_type, M):  # the same call on AVX-512 VNNI (the same bits)
+                set_amx_enabled(False)
+                no_amx = time_fn(call, warmup=2, reps=r)["median_us"]
+                set_amx_enabled(True)
             base = base or (t["median_us"], cpu)
             gbs = pbytes / (t["median_us"] * 1e-6) / 1e9
             rows.append({"layer": name, "N": N, "H": H, "block_type": {6: "Q5_0", 7: "Q5_1", 12: "Q4_K", 13: "Q5_K",
@@ -231,6 +240,8 @@ def bench_int8_qwen(formats, ms, copy_bw, reps, pbar, cold_bytes=128 * 2**20):
                          "M": M, "packed_MB": pbytes / 1e6, "bits_per_weight": pbytes * 8 / (N * H),
                          "us": t["median_us"], "vs_M1": t["median_us"] / base[0], "GB/s": gbs,
                          "frac_copy": gbs / copy_bw[0], "timing": t})
+            if no_amx is not None:
+                rows[-1].update({"no_amx_us": no_amx, "amx_speedup": no_amx / t["median_us"]})
             if cpu is not None:
                 cpu_gbs = pbytes / (cpu * 1e-6) / 1e9
                 rows[-1].update({"cpu_us": cpu, "cpu_vs_M1": cpu / base[1], "cpu_GB/s": cpu_gbs,
@@ -241,6 +252,8 @@ def bench_int8_qwen(formats, ms, copy_bw, reps, pbar, cold_bytes=128 * 2**20):
 
 
 def main_qwen(args):
+    from specdec_kernels._C import cpu_paths
+
     threads = torch.get_num_threads()
     copy_bw = (copy_bandwidth_gbs(), copy_bandwidth_cpu_gbs() if threads == 1 else None)
     print(f"copy bandwidth: {copy_bw[0]:.1f} GB/s (wall time), {copy_bw[1] or float('nan'):.1f} GB/s (CPU time), "
@@ -256,10 +269,10 @@ def main_qwen(args):
     print("\nint8_activation_linear, cold packed weights (median us; vs_M1 = time / time at M=1; frac_copy = packed "
           "bytes per second / copy bandwidth)")
     print_table(rows, ["layer", "N", "H", "block_type", "M", "packed_MB", "bits_per_weight", "us", "vs_M1", "GB/s",
-                       "frac_copy", "cpu_us", "cpu_vs_M1", "cpu_GB/s", "cpu_frac_copy"])
+                       "frac_copy", "cpu_us", "cpu_vs_M1", "cpu_GB/s", "cpu_frac_copy", "no_amx_us", "amx_speedup"])
     path = write_results(f"linear_int8_qwen_t{threads}", {
         "command": " ".join(["python", "bench/bench_linear.py"] + sys.argv[1:]), "copy_bandwidth_gbs": copy_bw[0],
-        "copy_bandwidth_cpu_time_gbs": copy_bw[1], "int8_activation_linear": rows,
+        "copy_bandwidth_cpu_time_gbs": copy_bw[1], "cpu_paths": cpu_paths(), "int8_activation_linear": rows,
         "M1_frac_copy": {f"{r['layer']}:{r['block_type']}": round(r["frac_copy"], 3) for r in rows if r["M"] == 1},
     })
     print(f"wrote {path}")

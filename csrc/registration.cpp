@@ -9,13 +9,38 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
+#include "cpu/int8_activation_linear.h"
+#include "cpu_features.h"
+
 namespace specdec {
 void bind_decoder_stack(pybind11::module_& m);  // decoder_step.cpp
 }
 
 // Importing specdec_kernels._C loads this shared object, which runs the static initialisers
 // below and registers the ops; the module itself holds the fused decode step's class.
-PYBIND11_MODULE(_C, m) { specdec::bind_decoder_stack(m); }
+PYBIND11_MODULE(_C, m) {
+  specdec::bind_decoder_stack(m);
+  m.def(
+      "cpu_paths",
+      [] {
+        pybind11::dict d;
+        d["avx512"] = specdec::cpu_has_avx512();
+        d["avx512_vnni"] = specdec::cpu_has_avx512_vnni();
+        d["amx_int8"] = specdec::use_amx_int8();
+        return d;
+      },
+      "The wider CPU paths the kernels take in this process (after SPECDEC_DISABLE_AVX512 / "
+      "SPECDEC_DISABLE_AMX and set_amx_enabled): {'avx512', 'avx512_vnni', 'amx_int8'} -> bool.");
+  m.def(
+      "amx_pays", [](int64_t block_type, int64_t rows) { return specdec::i8act::amx_pays(block_type, rows); },
+      pybind11::arg("block_type"), pybind11::arg("rows"),
+      "Whether int8_activation_linear takes the AMX path for this GGML block type and number of "
+      "rows where the CPU has AMX (the measured rule; the bits are the same either way).");
+  m.def(
+      "set_amx_enabled", [](bool on) { specdec::amx_enabled() = on; }, pybind11::arg("on"),
+      "Turns the AMX path of int8_activation_linear on (the default, where the CPU has it) or off "
+      "(AVX-512 VNNI instead; the same bits): for benchmarks that time both paths in one process.");
+}
 
 TORCH_LIBRARY(specdec, m) {
   // Rejection sampling (rejection_sampling.cpp).

@@ -276,22 +276,24 @@ def cpu_flags() -> set | None:
 
 def assert_cpu_paths_agree(script: str, tmp_path) -> None:
     """Runs ``script`` (Python source: ``{root}`` is replaced by the repository root; it saves a
-    dict of tensors to sys.argv[1]) in three processes — the default path, AVX2 forced
+    dict of tensors to sys.argv[1]) in four processes — the default path (AMX tiles where the
+    CPU has them), AMX off (SPECDEC_DISABLE_AMX=1: AVX-512 VNNI), AVX2 forced
     (SPECDEC_DISABLE_AVX512=1) and the portable loops (SPECDEC_QUANTIZED_LINEAR_PORTABLE=1) —
     and asserts that every tensor is bit-identical across them."""
     root = str(Path(__file__).resolve().parent.parent)
     path = tmp_path / "paths.py"
     path.write_text(script.format(root=root))
     results = {}
-    for label, env in [("default", {}), ("avx2", {"SPECDEC_DISABLE_AVX512": "1"}),
-                       ("portable", {"SPECDEC_QUANTIZED_LINEAR_PORTABLE": "1"})]:
+    switches = ("SPECDEC_DISABLE_AMX", "SPECDEC_DISABLE_AVX512", "SPECDEC_QUANTIZED_LINEAR_PORTABLE")
+    paths = [("default", {}), ("no-amx", {"SPECDEC_DISABLE_AMX": "1"}), ("avx2", {"SPECDEC_DISABLE_AVX512": "1"}),
+             ("portable", {"SPECDEC_QUANTIZED_LINEAR_PORTABLE": "1"})]
+    for label, env in paths:
         out = tmp_path / f"{label}.pt"
-        full_env = {k: v for k, v in os.environ.items()
-                    if k not in ("SPECDEC_DISABLE_AVX512", "SPECDEC_QUANTIZED_LINEAR_PORTABLE")}
+        full_env = {k: v for k, v in os.environ.items() if k not in switches}
         proc = subprocess.run([sys.executable, str(path), str(out)], env={**full_env, **env}, capture_output=True,
                               text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr
         results[label] = torch.load(out)
-    for label in ("avx2", "portable"):
+    for label in ("no-amx", "avx2", "portable"):
         for key, want in results["default"].items():
             assert torch.equal(results[label][key], want), (label, key)

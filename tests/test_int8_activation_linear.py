@@ -3,8 +3,11 @@ Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K blocks repacked 16 rows at a time) on every b
 python_ref, which computes from the plain GGUF blocks (so the packing is checked too), and
 against gguf's own dequantisation within the activation rounding; the CPU paths' bits; batch
 invariance; the int8 model format."""
+import os
+
 import gguf
 import numpy as np
+
 import pytest
 import torch
 from hypothesis import given
@@ -365,8 +368,19 @@ def test_quantized_weight_of_the_newer_formats_carries_the_packing(block_type):
 
 
 # ---------------------------------------------------------------------------------------
-# The CPU paths (AVX-512 VNNI, AVX2, portable) give the same bits.
+# The CPU paths (AMX, AVX-512 VNNI, AVX2, portable) give the same bits.
 # ---------------------------------------------------------------------------------------
+
+def _os_grants_amx() -> bool:
+    """Whether Linux grants this process the AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM),
+    asked independently of the extension."""
+    import ctypes
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl on x86-64
+    except (OSError, AttributeError):
+        return False
+
 
 _PATHS_SCRIPT = r"""
 import sys
@@ -378,7 +392,7 @@ outs = {{}}
 g = torch.Generator().manual_seed(0)
 for block_type in TYPES:
     size = checks.INT8_ACTIVATION_FORMATS[block_type][1]
-    for M, N, blocks in [(1, 7, 2), (2, 20, 1), (3, 33, 3), (4, 16, 2), (5, 16, 5), (8, 70, 4), (17, 13, 18)]:
+    for M, N, blocks in [(1, 7, 2), (2, 20, 1), (3, 33, 3), (4, 16, 2), (5, 16, 5), (8, 70, 4), (17, 13, 18), (32, 33, 3), (70, 40, 2), (150, 9, 1)]:
         H = size * (blocks if size == 32 else 1 + blocks % 3)
         w, packed = packed_weight(N, H, block_type, g)
         x, b = torch.randn(M, H, generator=g) * 10, torch.randn(N, generator=g)
@@ -397,14 +411,44 @@ torch.save(outs, sys.argv[1])
 
 
 def test_cpu_paths_give_identical_bits(tmp_path):
-    """The same cases in three processes: the default path (AVX-512 VNNI where the CPU has
-    it), AVX2 forced (SPECDEC_DISABLE_AVX512=1) and the portable loops
-    (SPECDEC_QUANTIZED_LINEAR_PORTABLE=1)."""
+    """The same cases in four processes: the default path (AMX tiles from 32 rows where the CPU
+    has them, else AVX-512 VNNI where it has that), AMX off (SPECDEC_DISABLE_AMX=1), AVX2
+    forced (SPECDEC_DISABLE_AVX512=1) and the portable loops (SPECDEC_QUANTIZED_LINEAR_PORTABLE=1)."""
     assert_cpu_paths_agree(_PATHS_SCRIPT, tmp_path)
     flags = cpu_flags()
+    if flags and {"amx_tile", "amx_int8", "avx512_vnni"} <= flags:
+        # The CPU has AMX: the default path must have used it, unless the OS refused the tiles.
+        from specdec_kernels._C import cpu_paths
+        assert cpu_paths()["amx_int8"] or os.environ.get("SPECDEC_DISABLE_AMX") == "1" or not _os_grants_amx(), \
+            "the CPU and OS have AMX but the kernels did not take the AMX path"
     if not flags or not {"avx512f", "avx512vl", "avx512dq", "avx512bw", "avx512_vnni"} <= flags:
         pytest.skip("this CPU has no AVX-512 VNNI (or it cannot be told): the AVX2 and portable paths were "
                     "compared, the VNNI one did not run")
+
+
+@pytest.mark.parametrize("block_type", TYPES)
+def test_amx_switch_gives_identical_bits(block_type):
+    """In one process, ``set_amx_enabled`` off and on: the same bits at row counts below and
+    above the AMX path's threshold and past a row chunk (on a CPU without AMX both runs take
+    the VNNI / AVX2 path, and ``cpu_paths`` says AMX is off either way)."""
+    from specdec_kernels._C import amx_pays, cpu_paths, set_amx_enabled
+
+    g = torch.Generator().manual_seed(100 + block_type)
+    size = checks.INT8_ACTIVATION_FORMATS[block_type][1]
+    H = size * (4 if size == 32 else 1)
+    w, packed = packed_weight(40, H, block_type, g)
+    had = cpu_paths()["amx_int8"]
+    for M in (8, 32, 64, 130):
+        x = torch.randn(M, H, generator=g)
+        set_amx_enabled(False)
+        try:
+            assert not cpu_paths()["amx_int8"]
+            off = ops.int8_activation_linear(x, packed, block_type, 40)
+        finally:
+            set_amx_enabled(True)
+        assert cpu_paths()["amx_int8"] == had
+        on = ops.int8_activation_linear(x, packed, block_type, 40)
+        assert torch.equal(on, off), (M, amx_pays(block_type, M), had)
 
 
 # ---------------------------------------------------------------------------------------

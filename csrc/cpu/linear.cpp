@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -212,31 +213,56 @@ void int8_activation_linear_cpu(const at::Tensor& x, const at::Tensor& packed_we
   const at::Tensor bias_f = checked_float_bias(bias, N, "int8_activation_linear", "");
   if (M == 0 || N == 0) return;
   const at::Tensor x_f = x.to(at::kFloat).contiguous();
-  std::vector<int8_t> q(M * H);
-  std::vector<float> d(M * nb), s(M * nb);
-  std::vector<int32_t> sq(M * nb), sqh(2 * M * nb);
-  // Paths as in quantized_linear: AVX-512 VNNI where the CPU has it, else AVX2, portable on request
-  // (the vector paths quantise with AVX2, the portable one with the scalar reference: same bits).
+  // Paths as in quantized_linear: AMX tiles where the CPU has them and they pay (amx_pays), else
+  // AVX-512 VNNI where it has that, else AVX2, portable on request (the vector paths quantise
+  // with AVX2, the portable one with the scalar reference: same bits).
   const bool portable = portable_requested();
   auto quantize = &i8act::quantize_activations;
   auto run = &i8act::run_generic;
+  bool has_amx = false;
 #if defined(SPECDEC_GGUF_X86)
   if (!portable) {
     quantize = &i8act::quantize_activations_avx2;
     run = cpu_has_avx512_vnni() ? &i8act::run_vnni : &i8act::run_avx2;
+    has_amx = use_amx_int8();
   }
 #endif
-  quantize(x_f.data_ptr<float>(), M, nb, q.data(), d.data(), s.data(), sq.data(), sqh.data());
-  const i8act::Problem p{q.data(), d.data(), s.data(), sq.data(), sqh.data(), M, nb,
-                         packed_weight.data_ptr<uint8_t>(), bb, N,
-                         bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<float>()};
+  std::vector<int8_t> q(M * H);
+  std::vector<float> d(M * nb), s(M * nb);
+  std::vector<int32_t> sq(M * nb), sqh(2 * M * nb);
+  // Rows quantised in parallel (each row on its own; a 256-row prefill chunk of the 1.5B's
+  // down projection is 2.3M values).
+  at::parallel_for(0, M, std::max<int64_t>(1, (int64_t(1) << 16) / H), [&](int64_t r0, int64_t r1) {
+    quantize(x_f.data_ptr<float>() + r0 * H, r1 - r0, nb, q.data() + r0 * H, d.data() + r0 * nb, s.data() + r0 * nb,
+             sq.data() + r0 * nb, sqh.data() + 2 * r0 * nb);
+  });
   // Threads split the groups, at least ~64 KiB of weight bytes per task.
   const int64_t group_bytes = H / rw * bb;
   const int64_t grain = std::max<int64_t>(1, (int64_t(64) << 10) / std::max<int64_t>(1, group_bytes));
-  at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
-    std::vector<float> scratch(M * i8act::kGroupRows);  // the accumulators of M rows beyond a register tile
-    run(p, block_type, g0, g1, scratch.data());
-  });
+  std::vector<int8_t> qa;  // the AMX path's block-major copy of a chunk: each block's 16-row A tiles contiguous
+  // Rows a chunk at a time (row_chunk), every row's result independent of the others.
+  const int64_t chunk = i8act::row_chunk(H);
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t rows = std::min(chunk, M - m0);
+    i8act::Problem p{q.data() + m0 * H, d.data() + m0 * nb, s.data() + m0 * nb, sq.data() + m0 * nb,
+                     sqh.data() + 2 * m0 * nb, rows, nb, packed_weight.data_ptr<uint8_t>(), bb, N,
+                     bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<float>() + m0 * N};
+    auto run_chunk = run;
+    if (has_amx && i8act::amx_pays(block_type, rows)) {
+      const int64_t padded = i8act::amx_padded_rows(rows);
+      qa.assign(nb * padded * i8act::kBlock, 0);
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t b = 0; b < nb; ++b)
+          std::memcpy(&qa[(b * padded + m) * i8act::kBlock], p.q + (m * nb + b) * i8act::kBlock, i8act::kBlock);
+      p.qa = qa.data();
+      run_chunk = &i8act::run_amx;
+    }
+    const int64_t scratch_floats = p.qa ? i8act::amx_scratch_floats(rows) : rows * i8act::kGroupRows;
+    at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
+      std::vector<float> scratch(scratch_floats);  // the accumulators of rows beyond a register tile (+ AMX products)
+      run_chunk(p, block_type, g0, g1, scratch.data());
+    });
+  }
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {

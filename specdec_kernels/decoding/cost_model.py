@@ -334,8 +334,13 @@ def weight_format(model) -> str:
 
 
 def cost_key(model) -> str:
-    """File-name-safe key: model name, weight format, torch threads, device, a hash of the CPU model."""
-    cpu = hashlib.sha1(cpu_model().encode()).hexdigest()[:10]
+    """File-name-safe key: model name, weight format, torch threads, device, a hash of the CPU
+    model and of the kernel paths this process takes (a curve measured with AMX on is not the
+    curve with it off)."""
+    from .._C import cpu_paths
+
+    paths = ",".join(k for k, on in sorted(cpu_paths().items()) if on)
+    cpu = hashlib.sha1(f"{cpu_model()}|{paths}".encode()).hexdigest()[:10]
     name = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(model.name))
     return f"{name}-{weight_format(model)}-t{torch.get_num_threads()}-{model.device.type}-{cpu}"
 
