@@ -1,17 +1,28 @@
-"""Test setup: Triton kernels run on CPU tensors through the interpreter.
+"""Test setup: Triton kernels run on CPU tensors through the interpreter (or, with
+SPECDEC_TRITON_DEVICE=cuda, compiled on a GPU: tests/triton_device.py).
 
 TRITON_INTERPRET must be set before triton is first imported, so it is set here, before
 any test module imports specdec_kernels. Helpers shared by the tests are in tests/helpers.py.
 """
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# SPECDEC_TRITON_DEVICE=cuda: the tests' Triton launchers run compiled on that device
+# (tests/triton_device.py, .ci/gpu_check.sh; set TRITON_INTERPRET=0 there). =cpu: the same
+# wrapping, on CPU copies, under the interpreter (a check of the wrapping itself).
+TRITON_DEVICE = os.environ.get("SPECDEC_TRITON_DEVICE") or None
+if TRITON_DEVICE is None or TRITON_DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import specdec_kernels  # noqa: E402,F401
 from tests.helpers import REAL_MODEL_SKIP  # noqa: E402
+
+if TRITON_DEVICE:  # before pytest imports any test module (they import the launchers)
+    from tests import triton_device
+
+    triton_device.install(TRITON_DEVICE)
 
 
 def pytest_configure(config):

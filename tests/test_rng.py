@@ -68,8 +68,10 @@ if specdec_kernels.HAS_TRITON:
 @requires_triton
 @pytest.mark.parametrize("position,purpose", [(0, 0), (5, 1), (2**32 + 3, 1)])
 def test_triton_matches_definition(position, purpose):
-    num = 37
-    out = torch.empty(len(SEEDS), num)
-    _uniform_kernel[(len(SEEDS),)](SEEDS, OFFSETS, out, position, num, PURPOSE=purpose, BLOCK=64)
+    from tests import triton_device
+
+    num, dev = 37, triton_device.device()
+    out = torch.empty(len(SEEDS), num, device=dev)
+    _uniform_kernel[(len(SEEDS),)](SEEDS.to(dev), OFFSETS.to(dev), out, position, num, PURPOSE=purpose, BLOCK=64)
     expected = rng.philox_uniform_torch(SEEDS, OFFSETS, position, purpose, num)
-    assert torch.equal(out, expected)
+    assert torch.equal(out.cpu(), expected)

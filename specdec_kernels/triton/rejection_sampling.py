@@ -359,9 +359,13 @@ def _sample_tree(parents, tokens, num_nodes, logits, draft_probs, temperature, s
     parg = torch.empty(rows, tiles, dtype=torch.int32, device=device)
     pbad = torch.empty_like(parg)
     num_rows = num_nodes.clamp(0, n_max).to(torch.int32)
+    # enable_fp_fusion=False on every launch here: the C++ kernels and python_ref round each
+    # product before it is added (no contraction). Fused, x * (1 / T) - m keeps the rounding
+    # residue of x * (1 / T), ~1e30 for logits near 1e38, and exp of it overflows: on an H200 a
+    # row at T = 2.5 sampled no token at all (its interpreter run, unfused, was right).
     if rows > 0:
         _row_stats_kernel[(rows, tiles)](logits, row0, temperature, num_rows, pmax, psum, parg, pbad, n_max, vocab,
-                                         tiles, BLOCK=BLOCK_V)
+                                         tiles, BLOCK=BLOCK_V, enable_fp_fusion=False)
     path = torch.empty(batch, n_max, dtype=torch.int32, device=device)
     num_acc = torch.empty(batch, dtype=torch.int32, device=device)
     final = torch.empty(batch, dtype=torch.int32, device=device)
@@ -377,15 +381,16 @@ def _sample_tree(parents, tokens, num_nodes, logits, draft_probs, temperature, s
         _walk_kernel[(batch,)](parents.contiguous(), tokens.contiguous(), num_nodes.contiguous(), logits, q, row0,
                                q_row0, temperature, seed, offset, pmax, psum, parg, pbad, path, num_acc, final,
                                spec_node, spec_max, spec_coef, excl, n_max, vocab, tiles, HAS_Q=has_q,
-                               BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_V=BLOCK_V)
+                               BLOCK_N=block_n, BLOCK_T=block_t, BLOCK_V=BLOCK_V, enable_fp_fusion=False)
         pscore = torch.empty(batch, tiles, dtype=torch.float32, device=device)
         pidx = torch.empty(batch, tiles, dtype=torch.int32, device=device)
         fscore = torch.empty_like(pscore)
         fidx = torch.empty_like(pidx)
         _race_kernel[(batch, tiles)](logits, q, row0, q_row0, temperature, seed, offset, spec_node, spec_max, spec_coef,
                                      excl, pscore, pidx, fscore, fidx, n_max, vocab, tiles, HAS_Q=has_q,
-                                     BLOCK=BLOCK_V)
-        _race_reduce_kernel[(batch,)](spec_node, pscore, pidx, fscore, fidx, final, tiles, BLOCK_T=block_t)
+                                     BLOCK=BLOCK_V, enable_fp_fusion=False)
+        _race_reduce_kernel[(batch,)](spec_node, pscore, pidx, fscore, fidx, final, tiles, BLOCK_T=block_t,
+                                      enable_fp_fusion=False)
     return path, num_acc, final
 
 
@@ -590,7 +595,7 @@ def apply_top_k_top_p(logits, top_k, top_p, min_p):
     if min_p is None:
         min_p = torch.zeros(rows, dtype=torch.float32, device=device)
     _top_k_top_p_kernel[(rows,)](logits, top_k.contiguous(), top_p.contiguous(), min_p.contiguous(), vocab,
-                                 BLOCK=BLOCK_V)
+                                 BLOCK=BLOCK_V, enable_fp_fusion=False)
 
 
 torch.library.register_kernel("specdec::chain_rejection_sample", "cuda", chain_rejection_sample)
