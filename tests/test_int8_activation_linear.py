@@ -7,7 +7,6 @@ import os
 
 import gguf
 import numpy as np
-
 import pytest
 import torch
 from hypothesis import given

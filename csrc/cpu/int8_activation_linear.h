@@ -363,6 +363,18 @@ SPECDEC_I8_VNNI inline void unpack_vnni(const Problem& p, int64_t g, int64_t b, 
   }
 }
 
+// acc plus one block's contribution from its exact integer sums isum (the header's "Result":
+// fma(float(i), d_w * d_x, acc), then the min's term), for activation scale d and d * sum(q)
+// s. One copy for the VNNI and AMX paths, whose bits must agree.
+template <int64_t Type>
+SPECDEC_I8_VNNI inline __m512 scale_block_vnni(const UnpackedVnni& u, __m512i isum, float d, float s, __m512 acc) {
+  const __m512 scale = _mm512_mul_ps(u.dw, _mm512_set1_ps(d));
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc);
+  if constexpr (has_min(Type)) acc = _mm512_fmadd_ps(u.mw, _mm512_set1_ps(s), acc);
+  if constexpr (has_k_min(Type)) acc = _mm512_fnmadd_ps(u.mw, _mm512_set1_ps(s), acc);
+  return acc;
+}
+
 template <int64_t Type, int MR>
 SPECDEC_I8_VNNI inline void rows_vnni(const Problem& p, const UnpackedVnni& u, int64_t b, int64_t m0, __m512* acc) {
   for (int i = 0; i < MR; ++i) {
@@ -386,10 +398,7 @@ SPECDEC_I8_VNNI inline void rows_vnni(const Problem& p, const UnpackedVnni& u, i
       isum = _mm512_add_epi32(s0, s1);
       if constexpr (offset(Type) != 0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(offset(Type) * p.sq[mb]));
     }
-    const __m512 scale = _mm512_mul_ps(u.dw, _mm512_set1_ps(p.d[mb]));
-    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc[i]);
-    if constexpr (has_min(Type)) acc[i] = _mm512_fmadd_ps(u.mw, _mm512_set1_ps(p.s[mb]), acc[i]);
-    if constexpr (has_k_min(Type)) acc[i] = _mm512_fnmadd_ps(u.mw, _mm512_set1_ps(p.s[mb]), acc[i]);
+    acc[i] = scale_block_vnni<Type>(u, isum, p.d[mb], p.s[mb], acc[i]);
   }
 }
 
@@ -469,12 +478,12 @@ SPECDEC_I8_VNNI __attribute__((noinline)) inline void run_vnni(const Problem& p,
 // weight rows in one tile instruction (tdpbsud: signed activation bytes times unsigned weight
 // bytes, 4 products per int32 lane), in place of 8 vpdpbusd per row. The unpacked words of a
 // block are the tile's B operand as they are (word j of row l at bytes 64 j + 4 l .. + 3: B's row
-// j), and 16 activation rows of block b are A, read from q with a stride of one row. The int32
-// results leave the tile through memory and meet the scales exactly as on the VNNI path
-// (rows_vnni's operations, in the same order), so the bits are the same. Q6_K's two halves of
-// 16 weights have scales of their own: two products of K = 16 (A and B halves), as rows_vnni's
-// h0 and h1. Rows past M in the last tile are read from q's padding (Problem::q holds
-// amx_padded_rows(M) rows) and their results dropped.
+// j), and 16 activation rows of block b are A, read from Problem::qa (q block-major: a block's
+// 16-row tiles one after the other). The int32 results leave the tile through memory and meet
+// the scales exactly as on the VNNI path (scale_block_vnni, in the same order), so the bits are
+// the same. Q6_K's two halves of 16 weights have scales of their own: two products of K = 16 (A
+// and B halves), as rows_vnni's h0 and h1. Rows past M in the last tile are qa's zero padding
+// (amx_padded_rows(M) rows) and their results dropped.
 // ---------------------------------------------------------------------------------------
 #define SPECDEC_I8_AMX \
   __attribute__((target("amx-tile,amx-int8,avx512f,avx512vl,avx512dq,avx512bw,avx512vnni,f16c,fma,avx2")))
@@ -580,21 +589,19 @@ SPECDEC_I8_AMX inline void products_amx(const int8_t* a, int64_t stride, int64_t
   }
 }
 
-// Applies the int32 products c of rows m0 .. m0 + rows - 1 ([rows, 16]; Q6_K: c1 the second
-// half's) of block b to those rows' accumulators in scratch [M, 16]: rows_vnni's arithmetic.
+// Applies the int32 products c of block b ([M, 16]; Q6_K: c1 the second half's) to the rows'
+// accumulators in scratch [M, 16]: rows_vnni's integer corrections, then scale_block_vnni.
 template <int64_t Type>
-SPECDEC_I8_AMX inline void apply_rows_amx(const Problem& p, const UnpackedVnni& u, int64_t b, int64_t m0, int64_t rows,
-                                          const int32_t* c, const int32_t* c1, float* scratch) {
+SPECDEC_I8_AMX inline void apply_rows_amx(const Problem& p, const UnpackedVnni& u, int64_t b, const int32_t* c,
+                                          const int32_t* c1, float* scratch) {
   // The rows' per-block values, a row apart (p's fields read once: the stores to scratch
   // would otherwise make the compiler reload them every row).
-  const int64_t nb = p.nb, first = m0 * nb + b;
-  const float* d = p.d + first;
-  const float* sx = p.s + first;
-  const int32_t* sq = p.sq + first;
-  const int32_t* sqh = p.sqh + 2 * first;
-  float* acc_row = scratch + m0 * kGroupRows;
-  const __m512 dw = u.dw, mw = u.mw;
-  for (int64_t i = 0; i < rows; ++i) {
+  const int64_t nb = p.nb;
+  const float* d = p.d + b;
+  const float* sx = p.s + b;
+  const int32_t* sq = p.sq + b;
+  const int32_t* sqh = p.sqh + 2 * b;
+  for (int64_t i = 0; i < p.M; ++i) {
     __m512i isum = _mm512_loadu_si512(c + kGroupRows * i);
     if constexpr (Type == kQ6_K) {
       const __m512i h0 = _mm512_sub_epi32(isum, _mm512_set1_epi32(32 * sqh[2 * nb * i]));
@@ -603,12 +610,8 @@ SPECDEC_I8_AMX inline void apply_rows_amx(const Problem& p, const UnpackedVnni& 
     } else if constexpr (offset(Type) != 0) {
       isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(offset(Type) * sq[nb * i]));
     }
-    float* a = acc_row + kGroupRows * i;
-    const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(d[nb * i]));
-    __m512 acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, _mm512_loadu_ps(a));
-    if constexpr (has_min(Type)) acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[nb * i]), acc);
-    if constexpr (has_k_min(Type)) acc = _mm512_fnmadd_ps(mw, _mm512_set1_ps(sx[nb * i]), acc);
-    _mm512_storeu_ps(a, acc);
+    float* a = scratch + kGroupRows * i;
+    _mm512_storeu_ps(a, scale_block_vnni<Type>(u, isum, d[nb * i], sx[nb * i], _mm512_loadu_ps(a)));
   }
 }
 
@@ -641,7 +644,7 @@ SPECDEC_I8_AMX inline void group_amx(const Problem& p, int64_t g, float* scratch
       products_amx<Type>(a + m0 * kBlock, kBlock, std::min(kPass, rows - m0) / kAmxRows, c + m0 * kGroupRows,
                          c1 + m0 * kGroupRows);
     }
-    apply_rows_amx<Type>(p, u, b, 0, p.M, c, c1, scratch);
+    apply_rows_amx<Type>(p, u, b, c, c1, scratch);
   }
   for (int64_t m = 0; m < p.M; ++m) store_lanes(p, m, g * kGroupRows, scratch + m * kGroupRows);
 }
