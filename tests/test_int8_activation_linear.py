@@ -168,6 +168,25 @@ def test_batch_invariant(backend, block_type):
         assert torch.equal(run(backend, others, packed, block_type, N)[where], full[pick]), M
 
 
+@pytest.mark.parametrize("block_type", [Q4_0, Q4_K, Q6_K])
+def test_thread_count_invariant(block_type):
+    """The same bits on 1, 2 and 3 threads, with rows below and above the count from which
+    threads share the groups out dynamically (16), and in several row chunks (130 rows)."""
+    g = torch.Generator().manual_seed(31 + block_type)
+    N, H = 16 * 37, 2 * block_size(block_type)
+    _, packed = packed_weight(N, H, block_type, g)
+    x = torch.randn(130, H, generator=g)
+    saved = torch.get_num_threads()
+    try:
+        results = {}
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results[threads] = [run("cpu", x[:M].clone(), packed, block_type, N) for M in (3, 16, 40, 130)]
+    finally:
+        torch.set_num_threads(saved)
+    for threads in (2, 3):
+        for want, got in zip(results[1], results[threads]):
+            assert torch.equal(got, want), (threads, want.shape[0])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("block_type", [Q4_1, Q5_0, Q4_K, Q6_K])
 def test_special_activation_blocks(backend, block_type):

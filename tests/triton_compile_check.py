@@ -4,8 +4,9 @@ The tests run the kernels under TRITON_INTERPRET=1, and the interpreter accepts 
 compiler rejects (a loop-carried variable that changes type, a scalar where a block is needed,
 an API one Triton version lacks, too much shared memory, ...). This script compiles, with
 ``triton.compile(ASTSource(...))`` for ``GPUTarget("cuda", 90, 32)`` (ptxas ships with Triton),
-each kernel in every constexpr variant and pointer dtype its launcher uses on a GPU, with the
-launch defaults (num_warps=4, num_stages=3) and 16-byte aligned pointers (what torch
+each kernel in every constexpr variant and pointer dtype its launcher uses on a GPU, with its
+launch options (Triton's defaults, num_warps=4 and num_stages=3, unless the launcher sets them,
+as tree_attention's _GPU_CONFIGS do) and 16-byte aligned pointers (what torch
 allocations give). Each distinct (kernel, signature, constexprs) is compiled once; Triton's
 on-disk cache makes re-runs of unchanged kernels fast.
 
@@ -62,8 +63,9 @@ FULL = "--full" in sys.argv[1:]  # also the slow-to-compile variants (fp32 atten
 
 
 class Case:
-    def __init__(self, fn, types, constexprs, label):
+    def __init__(self, fn, types, constexprs, label, options=None):
         self.fn, self.constexprs, self.label = fn, dict(constexprs), label
+        self.options = dict(options or {})  # num_warps / num_stages where the launcher sets them
         names = fn.arg_names
         const_names = {p.name for p in fn.params if p.is_constexpr}
         unknown = (set(types) | set(constexprs)) - set(names)
@@ -78,11 +80,12 @@ class Case:
 
     @property
     def key(self):
-        return (self.fn, tuple(self.signature.items()), tuple(sorted(self.constexprs.items())))
+        return (self.fn, tuple(self.signature.items()), tuple(sorted(self.constexprs.items())),
+                tuple(sorted(self.options.items())))
 
     def compile(self):
         return triton.compile(ASTSource(fn=self.fn, signature=self.signature, constexprs=self.constexprs,
-                                        attrs=self.attrs), target=TARGET)
+                                        attrs=self.attrs), target=TARGET, options=self.options or None)
 
 
 def i32(*names):
@@ -134,11 +137,11 @@ def rejection_sampling_cases():
 # other dtypes get the tree pass with a mask (the most code) or the prefix pass; --full adds
 # the rest.
 ATTEND_VARIANTS = (
-    # Llama-style GQA, 16-node trees (BLOCK_M 64, BLOCK_N 64): every pass.
+    # Llama-style GQA, 16-node trees (BLOCK_M 64; BLOCK_N 32 in bf16 / fp16, 16 x 16 in fp32): every pass.
     *(("bf16", 32, 8, 128, 16, is_tree, has_mask) for is_tree in (False, True) for has_mask in (False, True)),
     ("fp16", 32, 8, 128, 16, True, True),
     ("fp32", 32, 8, 128, 16, True, True),
-    # MQA, head_dim 256, 8-node trees: BLOCK_M 64, BLOCK_N 32.
+    # MQA, head_dim 256, 8-node trees: BLOCK_M 64, BLOCK_N 32, 8 warps.
     ("bf16", 8, 1, 256, 8, True, True),
     # SmolLM2-135M decode (Hq 9, Hkv 3, one token per request): BLOCK_M 16, BLOCK_H 16 > Hq.
     ("fp16", 9, 3, 64, 1, False, False),
@@ -156,16 +159,18 @@ MERGE_VARIANTS = (
 )
 
 
-def _attention_constexprs(hq, hkv, head_dim, tokens_per_request, dtype):
-    """The constexprs tree_attention() derives on a CUDA device (the token count and the number of
-    query tiles are runtime arguments)."""
+def _attention_launch(hq, hkv, head_dim, tokens_per_request, dtype):
+    """(constexprs, options) as tree_attention() derives them on a CUDA device (_plan with its
+    _GPU_CONFIGS; the token count and the number of query tiles are runtime arguments)."""
     group = hq // hkv
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_m = min(64, max(16, triton.next_power_of_2(tokens_per_request * group)))
-    block_n = 64 if block_d <= 128 else 32
     dot_fp32 = dtype == "fp32"
-    return dict(HQ=hq, HKV=hkv, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-                DOT_PRECISION="ieee" if dot_fp32 else "tf32", DOT_FP32=dot_fp32)
+    max_m, block_n, num_warps, num_stages = tree_attention._GPU_CONFIGS[("ieee" if dot_fp32 else "tc",
+                                                                         min(max(block_d, 64), 256))]
+    block_m = min(max_m, max(16, triton.next_power_of_2(tokens_per_request * group)))
+    constexprs = dict(HQ=hq, HKV=hkv, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+                      BLOCK_D=block_d, DOT_PRECISION="ieee" if dot_fp32 else "tf32", DOT_FP32=dot_fp32)
+    return constexprs, dict(num_warps=num_warps, num_stages=num_stages)
 
 
 def tree_attention_cases():
@@ -178,10 +183,12 @@ def tree_attention_cases():
                      **i32("T", "num_blocks", "max_blocks", "block_size", "mask_words", "split_len", "part_index0",
                            "num_q_tiles", "stride_qt", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_vb", "stride_vs",
                            "stride_vh", "stride_bt"))
-        constexprs = dict(_attention_constexprs(hq, hkv, head_dim, tokens, dt), IS_TREE=is_tree, HAS_MASK=has_mask)
+        constexprs, options = _attention_launch(hq, hkv, head_dim, tokens, dt)
+        constexprs.update(IS_TREE=is_tree, HAS_MASK=has_mask)
         yield Case(m._attend_kernel, types, constexprs,
-                   f"{dt}, Hq={hq} Hkv={hkv} D={head_dim}, BLOCK_M={constexprs['BLOCK_M']}, "
-                   f"IS_TREE={is_tree} HAS_MASK={has_mask}")
+                   f"{dt}, Hq={hq} Hkv={hkv} D={head_dim}, BLOCK_M={constexprs['BLOCK_M']} "
+                   f"BLOCK_N={constexprs['BLOCK_N']} warps={options['num_warps']}, IS_TREE={is_tree} HAS_MASK={has_mask}",
+                   options)
     for dt, hq, head_dim, has_lse in MERGE_VARIANTS:
         yield Case(m._merge_kernel, dict(part_out_ptr="*fp32", part_lse_ptr="*fp32", out_ptr=f"*{dt}",
                                          lse_ptr="*fp32", **i32("T", "num_parts", "stride_ot", "stride_oh")),

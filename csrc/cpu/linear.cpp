@@ -8,8 +8,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -187,6 +189,37 @@ void quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int64_t
 // int8_activation_linear: x [M, H] quantised to int8 per block of 32, times a weight of GGUF
 // blocks repacked 16 rows at a time (see int8_activation_linear.h).
 // =======================================================================================
+// Chunks of at least this many rows share their groups out dynamically (kTasksPerThread tasks
+// per thread on average); fewer rows split them statically.
+constexpr int64_t kDynamicRows = 16;
+constexpr int64_t kTasksPerThread = 8;
+
+// Buffers of one thread, reused by its later calls (grown, never shrunk or zeroed again).
+template <typename T>
+struct Buffer {
+  std::unique_ptr<T[]> data;
+  int64_t size = 0;
+  T* at_least(int64_t n) {
+    if (n > size) {
+      data.reset(new T[n]);  // uninitialised: every element read is written first
+      size = n;
+    }
+    return data.get();
+  }
+};
+
+struct Workspace {
+  Buffer<int8_t> q, qa;
+  Buffer<float> d, s;
+  Buffer<int32_t> sq, sqh;
+};
+
+// Per calling thread: concurrent calls from several threads each get their own.
+Workspace& workspace() {
+  static thread_local Workspace ws;
+  return ws;
+}
+
 void int8_activation_linear_cpu(const at::Tensor& x, const at::Tensor& packed_weight, int64_t block_type,
                                 const std::optional<at::Tensor>& bias, at::Tensor& out) {
   namespace g = gguf;
@@ -227,40 +260,65 @@ void int8_activation_linear_cpu(const at::Tensor& x, const at::Tensor& packed_we
     has_amx = use_amx_int8();
   }
 #endif
-  std::vector<int8_t> q(M * H);
-  std::vector<float> d(M * nb), s(M * nb);
-  std::vector<int32_t> sq(M * nb), sqh(2 * M * nb);
+  // The activations' quantised form, in buffers of the calling thread kept from call to call:
+  // freshly allocated, a prefill's few MB per product were zero-filled page by page (first-touch
+  // faults), ~7% of a 256-token prefill of the 1.5B, all of it serial.
+  Workspace& ws = workspace();
+  int8_t* q = ws.q.at_least(M * H);
+  float* d = ws.d.at_least(M * nb);
+  float* s = ws.s.at_least(M * nb);
+  int32_t* sq = ws.sq.at_least(M * nb);
+  int32_t* sqh = ws.sqh.at_least(2 * M * nb);
   // Rows quantised in parallel (each row on its own; a 256-row prefill chunk of the 1.5B's
   // down projection is 2.3M values).
   at::parallel_for(0, M, std::max<int64_t>(1, (int64_t(1) << 16) / H), [&](int64_t r0, int64_t r1) {
-    quantize(x_f.data_ptr<float>() + r0 * H, r1 - r0, nb, q.data() + r0 * H, d.data() + r0 * nb, s.data() + r0 * nb,
-             sq.data() + r0 * nb, sqh.data() + 2 * r0 * nb);
+    quantize(x_f.data_ptr<float>() + r0 * H, r1 - r0, nb, q + r0 * H, d + r0 * nb, s + r0 * nb, sq + r0 * nb,
+             sqh + 2 * r0 * nb);
   });
   // Threads split the groups, at least ~64 KiB of weight bytes per task.
   const int64_t group_bytes = H / rw * bb;
   const int64_t grain = std::max<int64_t>(1, (int64_t(64) << 10) / std::max<int64_t>(1, group_bytes));
-  std::vector<int8_t> qa;  // the AMX path's block-major copy of a chunk: each block's 16-row A tiles contiguous
   // Rows a chunk at a time (row_chunk), every row's result independent of the others.
   const int64_t chunk = i8act::row_chunk(H);
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
-    i8act::Problem p{q.data() + m0 * H, d.data() + m0 * nb, s.data() + m0 * nb, sq.data() + m0 * nb,
-                     sqh.data() + 2 * m0 * nb, rows, nb, packed_weight.data_ptr<uint8_t>(), bb, N,
-                     bias_f.defined() ? bias_f.data_ptr<float>() : nullptr, out.data_ptr<float>() + m0 * N};
+    i8act::Problem p{q + m0 * H, d + m0 * nb, s + m0 * nb, sq + m0 * nb, sqh + 2 * m0 * nb, rows, nb,
+                     packed_weight.data_ptr<uint8_t>(), bb, N, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
+                     out.data_ptr<float>() + m0 * N};
     auto run_chunk = run;
     if (has_amx && i8act::amx_pays(block_type, rows)) {
-      const int64_t padded = i8act::amx_padded_rows(rows);
-      qa.assign(nb * padded * i8act::kBlock, 0);
-      for (int64_t m = 0; m < rows; ++m)
-        for (int64_t b = 0; b < nb; ++b)
-          std::memcpy(&qa[(b * padded + m) * i8act::kBlock], p.q + (m * nb + b) * i8act::kBlock, i8act::kBlock);
-      p.qa = qa.data();
+      // The AMX path's block-major copy of the chunk (each block's 16-row A tiles contiguous,
+      // rows past `rows` zero), made in parallel over the blocks.
+      const int64_t padded = i8act::amx_padded_rows(rows), K = i8act::kBlock;
+      int8_t* qa = ws.qa.at_least(nb * padded * K);
+      at::parallel_for(0, nb, std::max<int64_t>(1, 4096 / (padded * K)), [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) {
+          int8_t* dst = qa + b * padded * K;
+          for (int64_t m = 0; m < rows; ++m) std::memcpy(dst + m * K, p.q + (m * nb + b) * K, K);
+          std::memset(dst + rows * K, 0, (padded - rows) * K);
+        }
+      });
+      p.qa = qa;
       run_chunk = &i8act::run_amx;
     }
     const int64_t scratch_floats = p.qa ? i8act::amx_scratch_floats(rows) : rows * i8act::kGroupRows;
-    at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
-      std::vector<float> scratch(scratch_floats);  // the accumulators of rows beyond a register tile (+ AMX products)
-      run_chunk(p, block_type, g0, g1, scratch.data());
+    if (rows < kDynamicRows) {
+      // Few rows: bound by streaming the weight, best as one contiguous stream per thread.
+      at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
+        std::vector<float> scratch(scratch_floats);  // the accumulators of rows beyond a register tile (+ AMX products)
+        run_chunk(p, block_type, g0, g1, scratch.data());
+      });
+      continue;
+    }
+    // Many rows: compute-bound. Threads take tasks of groups from a shared counter until none
+    // are left, so a thread that was preempted (a shared machine) or runs slower does not hold
+    // the others at the end; each group's result is the same whichever thread computes it.
+    const int64_t threads = at::get_num_threads();
+    const int64_t task = std::max(grain, G / std::max<int64_t>(1, kTasksPerThread * threads));
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      std::vector<float> scratch(scratch_floats);
+      for (int64_t g0; (g0 = next.fetch_add(task)) < G;) run_chunk(p, block_type, g0, std::min(G, g0 + task), scratch.data());
     });
   }
 }
