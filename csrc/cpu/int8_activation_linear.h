@@ -305,6 +305,18 @@ struct UnpackedVnni {
   __m512i sc0, sc1;   // Q6_K: the int8 scales of the two halves
 };
 
+// Zeroes n floats (n a multiple of 16) with vector stores. (A fill compiles to memset, whose
+// `rep stosb` took ~6% of a 256-token prefill of the 1.5B on the AMX Xeon for these 8 KB a
+// group, though a few hundred cycles of stores would do; the empty asm keeps GCC from turning
+// this loop back into memset.)
+SPECDEC_I8_VNNI inline void zero_floats_vnni(float* x, int64_t n) {
+  const __m512 z = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    _mm512_storeu_ps(x + i, z);
+    asm volatile("" ::: "memory");
+  }
+}
+
 // Bit 4 (Q5) or bits 4, 5 (Q6_K) of word j, placed from the high-bit vector h: a 16-bit shift
 // moves bit (4 - shift) of every byte to bit 4 without crossing a byte for |shift| <= 4.
 template <int S>
@@ -436,7 +448,7 @@ SPECDEC_I8_VNNI inline void tile_from_scratch_vnni(const Problem& p, const Unpac
 template <int64_t Type>
 SPECDEC_I8_VNNI inline void group_scratch_vnni(const Problem& p, int64_t g, float* scratch, gguf::Prefetcher& pf,
                                                int64_t g0) {
-  std::fill(scratch, scratch + p.M * kGroupRows, 0.f);
+  zero_floats_vnni(scratch, p.M * kGroupRows);
   UnpackedVnni u;
   for (int64_t b = 0; b < p.nb; ++b) {
     pf.advance(stream_pos<Type>(p, g, g0, b));
@@ -632,7 +644,7 @@ SPECDEC_I8_AMX inline void group_amx(const Problem& p, int64_t g, float* scratch
   alignas(64) uint8_t bbuf[8 * 64];
   int32_t* c = reinterpret_cast<int32_t*>(scratch + p.M * kGroupRows);
   int32_t* c1 = c + rows * kGroupRows;
-  std::fill(scratch, scratch + p.M * kGroupRows, 0.f);
+  zero_floats_vnni(scratch, p.M * kGroupRows);
   UnpackedVnni u;
   for (int64_t b = 0; b < p.nb; ++b) {
     pf.advance(stream_pos<Type>(p, g, g0, b));
