@@ -66,6 +66,12 @@ def save_hf_dir(model: Llama, path: str, tokenizer=None) -> None:
     os.makedirs(path, exist_ok=True)
     config = model.config.to_hf()
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:  # without it transformers takes the folder for an old one and warns about its tokenizer's regex
+        config["transformers_version"] = version("transformers")
+    except PackageNotFoundError:  # the key is optional
+        pass
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     save_file(sd, os.path.join(path, "model.safetensors"))
