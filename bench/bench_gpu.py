@@ -114,11 +114,11 @@ def launcher_call(pb: dict, **config):
 
 def launch_plan(pb: dict, **config) -> dict:
     """The launch the launcher makes for this problem (its defaults where config is silent)."""
-    from specdec_kernels.triton.tree_attention import _plan
+    from specdec_kernels.triton.tree_attention import plan_launch
 
     T = pb["q"].shape[0]
     capacity = pb["block_table"].shape[1] * pb["k_cache"].shape[1]
-    return _plan(T, pb["B"], pb["Hq"], pb["Hkv"], pb["D"], capacity, pb["q"].dtype, pb["q"].device, **config)
+    return plan_launch(T, pb["B"], pb["Hq"], pb["Hkv"], pb["D"], capacity, pb["q"].dtype, pb["q"].device, **config)
 
 
 def max_diff(pb: dict, out: torch.Tensor, base: torch.Tensor) -> float:
@@ -143,7 +143,7 @@ def bench_tree_attention(dev, small: bool, dtype: torch.dtype) -> dict:
 
 
 # The tree_attention sweep: launch overrides (see specdec_kernels/triton/tree_attention.py,
-# _plan), most telling first, since configurations past the time budget are skipped. {} is the
+# plan_launch), most telling first, since configurations past the time budget are skipped. {} is the
 # launcher's defaults; "splits/2" and "splits*2" halve and double its num_splits.
 TREE_SWEEP = (
     ("fp32", {}),

@@ -6,7 +6,7 @@ an API one Triton version lacks, too much shared memory, ...). This script compi
 ``triton.compile(ASTSource(...))`` for ``GPUTarget("cuda", 90, 32)`` (ptxas ships with Triton),
 each kernel in every constexpr variant and pointer dtype its launcher uses on a GPU, with its
 launch options (Triton's defaults, num_warps=4 and num_stages=3, unless the launcher sets them,
-as tree_attention's _GPU_CONFIGS do) and 16-byte aligned pointers (what torch
+as tree_attention's GPU_CONFIGS do) and 16-byte aligned pointers (what torch
 allocations give). Each distinct (kernel, signature, constexprs) is compiled once; Triton's
 on-disk cache makes re-runs of unchanged kernels fast.
 
@@ -160,12 +160,12 @@ MERGE_VARIANTS = (
 
 
 def _attention_launch(hq, hkv, head_dim, tokens_per_request, dtype):
-    """(constexprs, options) as tree_attention() derives them on a CUDA device (_plan with its
-    _GPU_CONFIGS; the token count and the number of query tiles are runtime arguments)."""
+    """(constexprs, options) as tree_attention() derives them on a CUDA device (plan_launch with its
+    GPU_CONFIGS; the token count and the number of query tiles are runtime arguments)."""
     group = hq // hkv
     block_d = max(16, triton.next_power_of_2(head_dim))
     dot_fp32 = dtype == "fp32"
-    max_m, block_n, num_warps, num_stages = tree_attention._GPU_CONFIGS[("ieee" if dot_fp32 else "tc",
+    max_m, block_n, num_warps, num_stages = tree_attention.GPU_CONFIGS[("ieee" if dot_fp32 else "tc",
                                                                          min(max(block_d, 64), 256))]
     block_m = min(max_m, max(16, triton.next_power_of_2(tokens_per_request * group)))
     constexprs = dict(HQ=hq, HKV=hkv, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,

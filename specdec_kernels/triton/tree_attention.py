@@ -27,7 +27,7 @@ rows that see no key, get out = 0 and lse = -inf.
 
 fp32 inputs use IEEE fp32 dots (not TF32) so that all backends agree to fp32 accuracy
 (``fp32_precision="tf32x3"`` is an opt-in for benchmarks). Launch configurations per dtype
-and head dim: ``_GPU_CONFIGS``; the launcher's keywords override them.
+and head dim: ``GPU_CONFIGS``; the launcher's keywords override them.
 """
 from __future__ import annotations
 
@@ -230,7 +230,7 @@ def _target_programs(device: torch.device) -> int:
 # tree pass; BLOCK_N 32 on 4 warps ran 0.157 ms against 0.236 on 8 and 0.262 for BLOCK_N 64.
 # "tf32x3": fp32 inputs with fp32_precision="tf32x3" (opt-in), tensor cores, twice the operand
 # registers of bf16.
-_GPU_CONFIGS = {
+GPU_CONFIGS = {
     ("ieee", 64): (32, 32, 8, 2),
     ("ieee", 128): (16, 16, 4, 2),
     ("ieee", 256): (16, 16, 8, 2),
@@ -247,7 +247,7 @@ MIN_SPLIT_KEYS = 256
 FP32_PRECISIONS = ("ieee", "tf32x3")
 
 
-def _plan(T, B, Hq, Hkv, D, capacity, dtype, device, *, num_splits=None, block_m=None, block_n=None,
+def plan_launch(T, B, Hq, Hkv, D, capacity, dtype, device, *, num_splits=None, block_m=None, block_n=None,
           num_warps=None, num_stages=None, tile_programs=None, fp32_precision="ieee") -> dict:
     """The launch of tree_attention for these sizes (host values only), each override taken as
     given: block_m (a power of two >= 16), block_n (16, 32 or 64), num_warps, num_stages, tile_programs
@@ -265,7 +265,7 @@ def _plan(T, B, Hq, Hkv, D, capacity, dtype, device, *, num_splits=None, block_m
     precision = fp32_precision if (dot_fp32 and on_gpu) else ("ieee" if dot_fp32 else "tf32")
     if on_gpu:
         kind = precision if dot_fp32 else "tc"
-        max_m, cfg_n, cfg_warps, cfg_stages = _GPU_CONFIGS[(kind, min(max(block_d, 64), 256))]
+        max_m, cfg_n, cfg_warps, cfg_stages = GPU_CONFIGS[(kind, min(max(block_d, 64), 256))]
     else:  # the interpreter: small tiles run faster in numpy
         max_m, cfg_n, cfg_warps, cfg_stages = 64, 32, 4, 2
     # Rows of a request: its tree nodes times the GQA group, packed into BLOCK_M-row tiles. The
@@ -293,7 +293,7 @@ def tree_attention(q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tre
                    fp32_precision: str = "ieee") -> None:
     """Launcher with the op's signature (see ``specdec_kernels.ops.tree_attention``).
 
-    The keywords override the heuristics (see ``_plan``): tests use them to exercise the
+    The keywords override the heuristics (see ``plan_launch``): tests use them to exercise the
     merge and the tile loop, bench/bench_gpu.py to sweep launch configurations.
     """
     # The op's check (specdec_kernels.checks): through torch.ops on a CUDA tensor this
@@ -308,7 +308,7 @@ def tree_attention(q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tre
     block_table = block_table.contiguous()
     prefix_lens = prefix_lens.contiguous()
     qo_indptr = qo_indptr.contiguous()
-    plan = _plan(T, B, Hq, Hkv, D, max_blocks * block_size, q.dtype, q.device, num_splits=num_splits,
+    plan = plan_launch(T, B, Hq, Hkv, D, max_blocks * block_size, q.dtype, q.device, num_splits=num_splits,
                  block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                  tile_programs=tile_programs, fp32_precision=fp32_precision)
     num_splits = plan["num_splits"]
