@@ -143,8 +143,8 @@ def bench_tree_attention(dev, small: bool, dtype: torch.dtype) -> dict:
 
 
 # The tree_attention sweep: launch overrides (see specdec_kernels/triton/tree_attention.py,
-# plan_launch), most telling first, since configurations past the time budget are skipped. {} is the
-# launcher's defaults; "splits/2" and "splits*2" halve and double its num_splits.
+# plan_launch), most telling first, since configurations past the time budget are skipped. {}
+# is the launcher's defaults; "splits/2" and "splits*2" halve and double its num_splits.
 TREE_SWEEP = (
     ("fp32", {}),
     ("bf16", {}),

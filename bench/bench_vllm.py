@@ -66,7 +66,9 @@ DEFAULT_MODEL = "smollm2-135m"
 
 def default_model_dir(model: str = DEFAULT_MODEL, weights: str = "fp32") -> str:
     """The cached Hugging Face folder of registered model ``model`` exported with dense ``weights``."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "specdec_kernels"
+    from specdec_kernels._platform import user_cache_dir
+
+    cache = user_cache_dir()
     if model == DEFAULT_MODEL and weights == "fp32":
         return str(cache / "smollm2-135m-hf")  # the folder earlier runs made
     return str(cache / f"{model}-{weights}-hf")

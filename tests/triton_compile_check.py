@@ -32,7 +32,7 @@ if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     print("unset TRITON_INTERPRET: under the interpreter triton.jit gives no compilable kernels")
     sys.exit(2)
 
-import torch  # noqa: E402,F401  (loads libtorch before specdec_kernels._C)
+import torch  # noqa: E402  (loads libtorch before specdec_kernels._C)
 
 try:
     import triton
@@ -160,17 +160,16 @@ MERGE_VARIANTS = (
 
 
 def _attention_launch(hq, hkv, head_dim, tokens_per_request, dtype):
-    """(constexprs, options) as tree_attention() derives them on a CUDA device (plan_launch with its
-    GPU_CONFIGS; the token count and the number of query tiles are runtime arguments)."""
-    group = hq // hkv
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    dot_fp32 = dtype == "fp32"
-    max_m, block_n, num_warps, num_stages = tree_attention.GPU_CONFIGS[("ieee" if dot_fp32 else "tc",
-                                                                         min(max(block_d, 64), 256))]
-    block_m = min(max_m, max(16, triton.next_power_of_2(tokens_per_request * group)))
-    constexprs = dict(HQ=hq, HKV=hkv, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-                      BLOCK_D=block_d, DOT_PRECISION="ieee" if dot_fp32 else "tf32", DOT_FP32=dot_fp32)
-    return constexprs, dict(num_warps=num_warps, num_stages=num_stages)
+    """(constexprs, options) as tree_attention() derives them on a CUDA device (its plan_launch,
+    for one request; the token count and the number of query tiles are runtime arguments)."""
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    # num_splits given: the planner then asks the (absent) GPU nothing.
+    plan = tree_attention.plan_launch(tokens_per_request, 1, hq, hkv, head_dim, 4096, torch_dtype,
+                                      torch.device("cuda"), num_splits=1)
+    constexprs = dict(HQ=hq, HKV=hkv, GROUP=hq // hkv, HEAD_DIM=head_dim, BLOCK_M=plan["block_m"],
+                      BLOCK_N=plan["block_n"], BLOCK_D=plan["block_d"], DOT_PRECISION=plan["precision"],
+                      DOT_FP32=plan["dot_fp32"])
+    return constexprs, dict(num_warps=plan["num_warps"], num_stages=plan["num_stages"])
 
 
 def tree_attention_cases():

@@ -49,9 +49,9 @@
 // Blocking: each record is unpacked once for all M rows. Up to kTileM rows (4 with AVX-512, 2
 // with AVX2) the rows' accumulators stay in registers over the whole row of blocks (AVX2: both
 // 8-row halves of a group in one pass); beyond, the accumulators of all rows live in a small
-// scratch (L1) and every unpacked block is applied to the rows in tiles of kTileM. Below 16
-// rows a thread's groups are one contiguous stream, prefetched kPrefetchAhead bytes ahead; from
-// 16 rows (compute-bound) threads take tasks of groups from a shared counter (linear.cpp). The vector paths
+// scratch (L1) and every unpacked block is applied to the rows in tiles of kTileM. Threads take
+// contiguous runs of groups (linear.cpp: about one per thread below 16 rows, several from 16),
+// each one stream, prefetched kPrefetchAhead bytes ahead. The vector paths
 // quantise the activations with AVX2 (quantize_activations_avx2), the portable path with the
 // scalar reference; the bits are the same.
 #pragma once

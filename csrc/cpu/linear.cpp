@@ -189,8 +189,8 @@ void quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int64_t
 // int8_activation_linear: x [M, H] quantised to int8 per block of 32, times a weight of GGUF
 // blocks repacked 16 rows at a time (see int8_activation_linear.h).
 // =======================================================================================
-// Chunks of at least this many rows share their groups out dynamically (kTasksPerThread tasks
-// per thread on average); fewer rows split them statically.
+// Groups are shared out in about one task per thread below this many rows, kTasksPerThread
+// tasks per thread from it (int8_activation_linear_cpu).
 constexpr int64_t kDynamicRows = 16;
 constexpr int64_t kTasksPerThread = 8;
 
@@ -302,22 +302,18 @@ void int8_activation_linear_cpu(const at::Tensor& x, const at::Tensor& packed_we
       run_chunk = &i8act::run_amx;
     }
     const int64_t scratch_floats = p.qa ? i8act::amx_scratch_floats(rows) : rows * i8act::kGroupRows;
-    if (rows < kDynamicRows) {
-      // Few rows: bound by streaming the weight, best as one contiguous stream per thread.
-      at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) {
-        std::vector<float> scratch(scratch_floats);  // the accumulators of rows beyond a register tile (+ AMX products)
-        run_chunk(p, block_type, g0, g1, scratch.data());
-      });
-      continue;
-    }
-    // Many rows: compute-bound. Threads take tasks of groups from a shared counter until none
-    // are left, so a thread that was preempted (a shared machine) or runs slower does not hold
-    // the others at the end; each group's result is the same whichever thread computes it.
+    // Threads take tasks of groups from a shared counter until none are left, each task one
+    // contiguous run of groups. Below kDynamicRows rows (bound by streaming the weight) a thread
+    // gets about one task, one contiguous stream; from kDynamicRows (compute-bound) about
+    // kTasksPerThread, so that a thread that was preempted (a shared machine) or runs slower does
+    // not hold the others at the end. A group's result is the same whichever thread computes it.
     const int64_t threads = at::get_num_threads();
-    const int64_t task = std::max(grain, G / std::max<int64_t>(1, kTasksPerThread * threads));
+    const int64_t tasks_wanted = threads * (rows < kDynamicRows ? 1 : kTasksPerThread);
+    const int64_t task = std::max(grain, (G + tasks_wanted - 1) / tasks_wanted);
+    const int64_t workers = std::min(threads, (G + task - 1) / task);  // 1: runs on this thread, no wake-ups
     std::atomic<int64_t> next{0};
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      std::vector<float> scratch(scratch_floats);
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+      std::vector<float> scratch(scratch_floats);  // the accumulators of rows beyond a register tile (+ AMX products)
       for (int64_t g0; (g0 = next.fetch_add(task)) < G;) run_chunk(p, block_type, g0, std::min(G, g0 + task), scratch.data());
     });
   }

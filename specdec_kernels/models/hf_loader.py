@@ -4,6 +4,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
@@ -66,8 +67,6 @@ def save_hf_dir(model: Llama, path: str, tokenizer=None) -> None:
     os.makedirs(path, exist_ok=True)
     config = model.config.to_hf()
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    from importlib.metadata import PackageNotFoundError, version
-
     try:  # without it transformers takes the folder for an old one and warns about its tokenizer's regex
         config["transformers_version"] = version("transformers")
     except PackageNotFoundError:  # the key is optional

@@ -248,7 +248,7 @@ FP32_PRECISIONS = ("ieee", "tf32x3")
 
 
 def plan_launch(T, B, Hq, Hkv, D, capacity, dtype, device, *, num_splits=None, block_m=None, block_n=None,
-          num_warps=None, num_stages=None, tile_programs=None, fp32_precision="ieee") -> dict:
+                num_warps=None, num_stages=None, tile_programs=None, fp32_precision="ieee") -> dict:
     """The launch of tree_attention for these sizes (host values only), each override taken as
     given: block_m (a power of two >= 16), block_n (16, 32 or 64), num_warps, num_stages, tile_programs
     (programs per request and KV head, each looping over the request's query tiles),
@@ -309,8 +309,8 @@ def tree_attention(q, k_cache, v_cache, block_table, prefix_lens, qo_indptr, tre
     prefix_lens = prefix_lens.contiguous()
     qo_indptr = qo_indptr.contiguous()
     plan = plan_launch(T, B, Hq, Hkv, D, max_blocks * block_size, q.dtype, q.device, num_splits=num_splits,
-                 block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                 tile_programs=tile_programs, fp32_precision=fp32_precision)
+                       block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                       tile_programs=tile_programs, fp32_precision=fp32_precision)
     num_splits = plan["num_splits"]
 
     num_parts = num_splits + 1  # the prefix splits, then the tree part
