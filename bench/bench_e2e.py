@@ -44,7 +44,7 @@ import torch  # noqa: E402  (loads libtorch before the extension)
 
 from bench.common import RESULTS_DIR, code_prompts, print_table, write_results  # noqa: E402
 from specdec_kernels.cli import Parser  # noqa: E402
-from specdec_kernels.decoding import Generator, SpecSchedule, make_drafter  # noqa: E402
+from specdec_kernels.decoding import Generator, SamplingParams, SpecSchedule, make_drafter  # noqa: E402
 from specdec_kernels.decoding.registry import DRAFTER_INFO, default_schedule  # noqa: E402
 from specdec_kernels.drafting.draft_model.model import DRAFT_VOCAB_SIZE, DRAFT_WEIGHTS  # noqa: E402
 from specdec_kernels.models import load_model  # noqa: E402
@@ -235,6 +235,10 @@ def build_parser(prog: str, default_out_dir: Path) -> Parser:
     p.add_argument("--warmup-tokens", type=int, default=None,
                    help="tokens each warm-up generation makes (default: --max-new-tokens); a few suffice to "
                         "load caches and the step-cost curve on a slow machine")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every method (0 = greedy); T > 0: no top-k / top-p on either side, "
+                        "our requests seeded per prompt, llama.cpp's sampler at --temp T --top-k 0 --top-p 1 "
+                        "--min-p 0; needs --no-hf and --no-llama-cpp (those baselines decode greedily)")
     p.add_argument("--k", type=int, default=4, help="speculation length (initial, for the adaptive schedules)")
     p.add_argument("--self-spec-layers", type=int, default=8, help="layers of the target that self-spec / draft run")
     p.add_argument("--draft-model", default=None,
@@ -296,7 +300,8 @@ class Session:
                             draft_vocab=self.args.draft_vocab, eagle_checkpoint=self.args.eagle_checkpoint)
         gen = Generator(target, made, SpecSchedule(schedule or default_schedule(name), self.args.k))
         t = time.perf_counter()
-        reqs = gen.generate(batch_ids, new_tokens, max_batch=max_batch)
+        sampling = [SamplingParams(temperature=self.args.temperature, seed=1000 + i) for i in range(len(batch_ids))]
+        reqs = gen.generate(batch_ids, new_tokens, sampling, max_batch=max_batch)
         return reqs, time.perf_counter() - t
 
     def groups_of(self, bs: int) -> list:
@@ -365,7 +370,7 @@ def _run_hf(s: Session, method: str, ids: list, row: dict):
 def _run_llama_spec(s: Session, method: str, group: list, ids: list, row: dict):
     text = s.tok.apply_chat_template([{"role": "user", "content": group[0]["text"]}])
     res = s.llama_spec.run(s.spec_binary, s.gguf, text, s.args.max_new_tokens, method, threads=s.args.threads,
-                           draft_path=s.draft_gguf)
+                           draft_path=s.draft_gguf, temperature=s.args.temperature)
     outs, dt = [s.tok.encode(res["text"])], res["prefill_seconds"] + res["decode_seconds"]
     steps = max(res["tokens"] - res["accepted"], 1)  # each step emits its accepted drafts + 1
     row.update(prefill_tokens=res["prompt_tokens"], prefill_seconds=res["prefill_seconds"],
@@ -562,13 +567,24 @@ def report_targets(s: Session, summary: list, runs: list) -> dict:
     # fp32 and llama.cpp may differ from ours in a last bit of a near-tie; reported, not counted.
     mismatches = [(r["batch"], r["method"], i) for r in runs for i, ok in zip(r["ids"], r["identical"])
                   if not ok and not r["method"].startswith(("fp32-ar", "llama-"))]
+    if s.args.temperature > 0:  # sampled: each method's draws differ; exactness is the sampling tests' (chi-square)
+        same = sum(ok for r in runs for ok in r["identical"])
+        print(f"sampled at T = {s.args.temperature:g}: {same}/{sum(len(r['identical']) for r in runs)} outputs equal "
+              "to ours-ar's (not expected: the methods draw differently)")
+        return targets
     targets["all_greedy_identical"] = not mismatches
     print(f"greedy outputs identical to ours-ar: {'all' if not mismatches else f'{len(mismatches)} mismatches: {mismatches[:10]}'}")
     return targets
 
 
 def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESULTS_DIR) -> int:
-    args = build_parser(prog, default_out_dir).parse_args(argv)
+    parser = build_parser(prog, default_out_dir)
+    args = parser.parse_args(argv)
+    if args.temperature < 0:
+        parser.error(f"--temperature must be >= 0, got {args.temperature}")
+    if args.temperature > 0 and not (args.no_hf and args.no_llama_cpp):
+        parser.error("--temperature > 0 needs --no-hf and --no-llama-cpp: those baselines decode greedily "
+                     "(llama.cpp's sampled runs come from --llama-bin)")
     if args.out_name is None:
         args.out_name = default_out_name(args.prompts)
     chart_path = Path(args.out_dir) / f"{args.out_name}_speedup.png"
@@ -595,7 +611,8 @@ def main(argv=None, *, prog: str = "bench_e2e.py", default_out_dir: Path = RESUL
                         out_dir=args.out_dir)
     print(f"wrote {out}")
     if 1 in args.batch_sizes:  # the chart shows batch-1 speedups
-        write_chart(summary, cat_rows, s.methods, f"{model.name}: greedy, batch 1, {args.max_new_tokens} new tokens",
+        mode = "greedy" if args.temperature == 0 else f"T = {args.temperature:g}"
+        write_chart(summary, cat_rows, s.methods, f"{model.name}: {mode}, batch 1, {args.max_new_tokens} new tokens",
                     str(chart_path))
     return 0
 

@@ -1,6 +1,7 @@
 """llama.cpp's own speculative decoding (``llama-speculative-simple``) as a baseline.
 
-One subprocess per prompt: greedy (``--temp 0 --top-k 1``), the same GGUF file, the
+One subprocess per prompt: greedy (``--temp 0 --top-k 1``), or sampled at a temperature T with
+nothing else in its sampler chain (``--temp T --top-k 0 --top-p 1 --min-p 0``), the same GGUF file, the
 prompt's text with the chat template already applied (llama.cpp tokenizes it with special
 tokens parsed, so it sees the same ids; the prompt tokens it reports are recorded to check),
 the same thread count. The numbers are the tool's own: "encoded N tokens in S seconds"
@@ -56,16 +57,26 @@ def binary_path(bin_dir: str) -> str:
     return path
 
 
+def sampler_args(temperature: float) -> list:
+    """llama.cpp's sampler flags: greedy at 0, else softmax at ``temperature`` alone."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if temperature == 0:
+        return ["--temp", "0", "--top-k", "1"]
+    return ["--temp", f"{temperature:g}", "--top-k", "0", "--top-p", "1", "--min-p", "0"]
+
+
 def run(binary: str, model_path: str, prompt_text: str, max_new_tokens: int, method: str, *, threads: int,
-        timeout: float = 1800, draft_path: str | None = None) -> dict:
-    """One greedy generation of ``prompt_text`` (chat template applied) with ``methods(draft_path)[method]``:
+        timeout: float = 1800, draft_path: str | None = None, temperature: float = 0.0) -> dict:
+    """One generation of ``prompt_text`` (chat template applied) with ``methods(draft_path)[method]``,
+    greedy or at ``temperature`` (:func:`sampler_args`):
     {prompt_tokens, prefill_seconds, tokens, decode_seconds, drafted, accepted, text}.
     RuntimeError with the tool's last lines when it fails or prints none of its timings."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(prompt_text)
         prompt_file = f.name
     try:
-        cmd = [binary, "-m", model_path, "-f", prompt_file, "-n", str(max_new_tokens), "--temp", "0", "--top-k", "1",
+        cmd = [binary, "-m", model_path, "-f", prompt_file, "-n", str(max_new_tokens), *sampler_args(temperature),
                "--seed", "1", "-t", str(threads), "-tb", str(threads), "-c", "4096", "-b", "2048",
                *methods(draft_path)[method]]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)

@@ -212,6 +212,28 @@ def test_bench_writes_to_user_cache_not_tracked_files(tiny_dir, env, tmp_path):
     assert tracked_outputs() == before
 
 
+def test_bench_samples_at_a_temperature(tiny_dir, env):
+    r = specdec(["bench", "--model", str(tiny_dir), "--no-hf", "--no-llama-cpp", "--no-fp32-ar", "--max-prompts", "1",
+                 "--max-new-tokens", "4", "--batch-sizes", "1", "--drafters", "ngram", "--temperature", "0.7"], env)
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    result = json.loads((Path(env["XDG_CACHE_HOME"]) / "specdec_kernels" / "bench" / "e2e.json").read_text())
+    assert result["config"]["temperature"] == 0.7 and "all_greedy_identical" not in result["targets"]
+    assert {row["method"] for row in result["runs"]} == {"ours-ar", "ngram"}
+    assert "sampled at T = 0.7" in r.stdout.decode()
+    # The transformers and llama-cpp-python baselines decode greedily: not mixed into a sampled run.
+    one_error_line(specdec(["bench", "--model", str(tiny_dir), "--temperature", "0.7"], env), "--no-hf and --no-llama-cpp")
+    one_error_line(specdec(["bench", "--model", str(tiny_dir), "--temperature", "-1"], env), "--temperature must be >= 0")
+
+
+def test_llama_cpp_sampler_flags():
+    from bench.llama_cpp_speculative import sampler_args
+
+    assert sampler_args(0) == ["--temp", "0", "--top-k", "1"]
+    assert sampler_args(0.7) == ["--temp", "0.7", "--top-k", "0", "--top-p", "1", "--min-p", "0"]
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        sampler_args(-0.5)
+
+
 def test_bench_help_lists_every_drafter(env):
     from specdec_kernels.decoding.registry import DRAFTERS
 
