@@ -237,8 +237,9 @@ def build_parser(prog: str, default_out_dir: Path) -> Parser:
                         "load caches and the step-cost curve on a slow machine")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature of every method (0 = greedy); T > 0: no top-k / top-p on either side, "
-                        "our requests seeded per prompt, llama.cpp's sampler at --temp T --top-k 0 --top-p 1 "
-                        "--min-p 0; needs --no-hf and --no-llama-cpp (those baselines decode greedily)")
+                        "our requests with fixed seeds (1000 + their index in the batch), llama.cpp's sampler at "
+                        "--temp T --top-k 0 --top-p 1 --min-p 0; needs --no-hf and --no-llama-cpp (those baselines "
+                        "decode greedily)")
     p.add_argument("--k", type=int, default=4, help="speculation length (initial, for the adaptive schedules)")
     p.add_argument("--self-spec-layers", type=int, default=8, help="layers of the target that self-spec / draft run")
     p.add_argument("--draft-model", default=None,
