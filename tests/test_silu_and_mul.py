@@ -2,6 +2,8 @@
 ``torch.ops``, the Triton kernel on CPU tensors under TRITON_INTERPRET=1, the fake) against the
 float64 reference; one value's result depends on that value only (position in the row, the
 row, the thread count), bit for bit; extreme values and NaN; bad arguments."""
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +11,7 @@ import torch.nn.functional as F
 import specdec_kernels
 from python_ref.silu_and_mul import silu_and_mul as ref
 from specdec_kernels import ops
-from tests.helpers import requires_triton
+from tests.helpers import assert_cpu_paths_agree, cpu_flags, requires_triton
 
 if specdec_kernels.HAS_TRITON:
     from specdec_kernels.triton.silu_and_mul import silu_and_mul as silu_and_mul_triton
@@ -114,3 +116,30 @@ def test_out_over_gate_up_is_refused():
         ops.silu_and_mul(x, out=x.view(-1)[:8].view(2, 4))
     with pytest.raises(RuntimeError, match="share memory"):
         torch.ops.specdec.silu_and_mul(x, x.view(-1)[:8].view(2, 4))
+
+
+_PATHS_SCRIPT = r"""
+import sys
+sys.path.insert(0, {root!r})
+import torch
+from specdec_kernels import ops
+g = torch.Generator().manual_seed(0)
+outs = {{}}
+for rows, I in [(1, 8960), (3, 37), (2, 15), (4, 16), (1, 1)]:
+    x = torch.randn(rows, 2 * I, generator=g) * 8
+    edges = torch.tensor([100.0, -100.0, 88.9, -87.3, 1e-30, -6e4])  # past exp's range, at its clamps, tiny, large (finite in fp16)
+    x.view(-1)[: min(6, x.numel())] = edges[: x.numel()]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        outs[(rows, I, str(dtype))] = ops.silu_and_mul(x.to(dtype))
+torch.save(outs, sys.argv[1])
+"""
+
+
+def test_cpu_paths_give_identical_bits(tmp_path):
+    """The AVX-512 loop (16 values), the AVX2 loop (SPECDEC_DISABLE_AVX512=1) and the scalar
+    tail run the same operations: the same bits, in separate processes (the switch is read once)."""
+    assert_cpu_paths_agree(_PATHS_SCRIPT, tmp_path)
+    flags = cpu_flags() if platform.machine() == "x86_64" else None
+    if not flags or not {"avx512f", "avx512vl", "avx512dq", "avx512bw"} <= flags:
+        pytest.skip("this CPU has no AVX-512 (or it cannot be told): the AVX2 and scalar loops were compared, "
+                    "the AVX-512 one did not run")

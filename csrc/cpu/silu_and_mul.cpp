@@ -11,9 +11,10 @@
 // The arithmetic is fixed (fp32, no contraction): e = exp(-g) by range reduction to
 // r in [-ln2/2, ln2/2] (n = floor(-g log2e + 1/2), two-part ln2) and a degree-5 polynomial,
 // scaled by 2^n, with -g clamped to [-87.3, 88.9] so that 2^n is a normal number or, past
-// exp's range, infinity (then s = -0, as silu's limit); then s = g / (1 + e) and out = s * u, rounded once to out's dtype. The AVX2 loop and the scalar
-// tail run the same operations in the same order, so a value's result depends on nothing but
-// the value: batch-invariant, the same at every thread count and on every CPU. NaN propagates.
+// exp's range, infinity (then s = -0, as silu's limit); then s = g / (1 + e) and out = s * u, rounded once to out's dtype. The AVX-512
+// loop (16 values, where the CPU has it), the AVX2 loop and the scalar tail run the same
+// operations in the same order, so a value's result depends on nothing but the value:
+// batch-invariant, the same at every thread count and on every CPU. NaN propagates.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -29,6 +30,7 @@
 #endif
 
 #include "check.h"
+#include "cpu_features.h"
 #include "dispatch.h"
 #include "ops.h"
 #include "silu_and_mul.h"
@@ -89,10 +91,52 @@ inline __m256 silu_mul_8(__m256 g, __m256 u) {
 }
 #endif
 
+#if defined(__AVX2__)
+// silu_mul_8's operations on 16 lanes (each an IEEE operation of the same inputs: the same bits).
+// A 1.5B prefill spends ~3% of its time here (256 rows x 8,960 per layer).
+#define SPECDEC_SILU_AVX512 __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw")))
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wpsabi"
+SPECDEC_SILU_AVX512 inline __m512 silu_mul_16(__m512 g, __m512 u) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  __m512 x = _mm512_sub_ps(_mm512_setzero_ps(), g);
+  x = _mm512_max_ps(x, _mm512_set1_ps(kClampLo));
+  x = _mm512_min_ps(x, _mm512_set1_ps(kClampHi));
+  const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(kLn2Hi)));
+  r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(kLn2Lo)));
+  __m512 p = _mm512_set1_ps(kP0);
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(kP1));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(kP2));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(kP3));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(kP4));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(kP5));
+  p = _mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r);
+  p = _mm512_add_ps(p, one);
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, e));
+  return _mm512_mul_ps(s, u);
+}
+
+// The first multiple of 16 values of the run; returns how many.
+SPECDEC_SILU_AVX512 int64_t silu_mul_run_avx512(const float* g, const float* u, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    _mm512_storeu_ps(out + i, silu_mul_16(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
+  }
+  return i;
+}
+#pragma GCC diagnostic pop
+#endif
+
 // a fp32 run of n values.
 void silu_mul_run(const float* g, const float* u, float* out, int64_t n) {
   int64_t i = 0;
 #if defined(__AVX2__)
+  if (cpu_has_avx512()) i = silu_mul_run_avx512(g, u, out, n);
   for (; i + 8 <= n; i += 8) {
     _mm256_storeu_ps(out + i, silu_mul_8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
   }
