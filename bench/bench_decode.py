@@ -33,7 +33,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import print_table, time_fn, write_results  # noqa: E402
+from bench.common import add_out_name, print_table, time_fn, write_results  # noqa: E402
 
 
 def ours(model, prompt_tokens: int, new_tokens: int, path: str) -> tuple[float, float]:
@@ -174,6 +174,7 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--eagle", action="store_true", help="also time one EAGLE draft depth (models with a shipped head)")
+    add_out_name(p, "decode_<model>[_p<prompt tokens>]")
     args = p.parse_args()
 
     from specdec_kernels.models import load_model
@@ -218,8 +219,8 @@ def main() -> int:
                 row.update({f"eagle_{k}": v for k, v in eagle_step_breakdown(model, args.prompt_tokens).items()})
             rows.append(row)
     print_table(rows, list(rows[0]))
-    name = f"decode_{Path(str(args.model)).name.removesuffix('.gguf')}"
-    if args.prompt_tokens != 64:
+    name = args.out_name or f"decode_{Path(str(args.model)).name.removesuffix('.gguf')}"
+    if args.out_name is None and args.prompt_tokens != 64:
         name += f"_p{args.prompt_tokens}"
     out = write_results(name, {
         "command": " ".join(["python", "bench/bench_decode.py"] + sys.argv[1:]), "model": args.model,

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from bench.bench_e2e import load_prompts  # noqa: E402
-from bench.common import print_table, write_results  # noqa: E402
+from bench.common import add_out_name, print_table, write_results  # noqa: E402
 from specdec_kernels.decoding import Generator  # noqa: E402
 from specdec_kernels.decoding.cost_model import best_chain_length, draft_token_seconds, step_cost_for  # noqa: E402
 from specdec_kernels.decoding.registry import draft_by_name  # noqa: E402
@@ -55,6 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5, help="rounds of timing every cut in turn")
     p.add_argument("--max-chain", type=int, default=16)
     p.add_argument("--threads", type=int, required=True, help="torch threads")
+    add_out_name(p, "draft_vocab_<prompts>_<draft>_<format>_t<threads>")
     return p.parse_args(argv)
 
 
@@ -124,7 +125,7 @@ def main(argv=None) -> None:
     print(f"\ntarget step {t_step * 1e3:.1f} ms ({threads.describe()}); draft {args.draft} ({draft.weight_format})")
     print_table(rows, ["cut", "draft_ms", "draft_over_target_step", "agreement", "coverage", "chain", "speedup"])
     stem = Path(args.prompts).stem if args.prompts else "prompts"
-    path = write_results(f"draft_vocab_{stem}_{args.draft}_{draft.weight_format}_t{threads.threads}", {
+    path = write_results(args.out_name or f"draft_vocab_{stem}_{args.draft}_{draft.weight_format}_t{threads.threads}", {
         "command": " ".join(["python", "bench/bench_draft_vocab.py"] + (argv or sys.argv[1:])),
         "target": args.target, "draft": args.draft, "weights": args.weights, "draft_weights": draft.weight_format,
         "prompts": [p["id"] for p in prompts],

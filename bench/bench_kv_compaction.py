@@ -33,7 +33,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import specdec_kernels  # noqa: E402,F401
-from bench.common import copy_bandwidth_gbs, print_table, time_fn, write_results  # noqa: E402
+from bench.common import add_out_name, copy_bandwidth_gbs, print_table, time_fn, write_results  # noqa: E402
 
 MODELS = {
     "smollm2-135m": dict(num_layers=30, num_kv_heads=3, head_dim=64),
@@ -171,6 +171,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="30-second smoke run")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "uint8"])
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = the cores not busy with other work (specdec_kernels.threads)")
+    add_out_name(parser, "kv_compaction")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     from specdec_kernels.threads import apply_threads
@@ -201,7 +202,7 @@ def main() -> None:
         f"{summary['min_chain_speedup']:.0f}x (target 50x)"
     )
     path = write_results(
-        "kv_compaction",
+        args.out_name or "kv_compaction",
         {
             "quick": args.quick,
             "dtype": args.dtype,

@@ -43,7 +43,7 @@ import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import specdec_kernels  # noqa: E402,F401
-from bench.common import copy_bandwidth_gbs, print_table, time_fn, write_results  # noqa: E402
+from bench.common import add_out_name, copy_bandwidth_gbs, print_table, time_fn, write_results  # noqa: E402
 
 
 def bench_skinny(shapes, ms, copy_bw, reps, pbar, dtype=torch.float32, cold_bytes=384 * 2**20):
@@ -270,7 +270,7 @@ def main_qwen(args):
           "bytes per second / copy bandwidth)")
     print_table(rows, ["layer", "N", "H", "block_type", "M", "packed_MB", "bits_per_weight", "us", "vs_M1", "GB/s",
                        "frac_copy", "cpu_us", "cpu_vs_M1", "cpu_GB/s", "cpu_frac_copy", "no_amx_us", "amx_speedup"])
-    path = write_results(f"linear_int8_qwen_t{threads}", {
+    path = write_results(args.out_name or f"linear_int8_qwen_t{threads}", {
         "command": " ".join(["python", "bench/bench_linear.py"] + sys.argv[1:]), "copy_bandwidth_gbs": copy_bw[0],
         "copy_bandwidth_cpu_time_gbs": copy_bw[1], "cpu_paths": cpu_paths(), "int8_activation_linear": rows,
         "M1_frac_copy": {f"{r['layer']}:{r['block_type']}": round(r["frac_copy"], 3) for r in rows if r["M"] == 1},
@@ -283,7 +283,7 @@ def main_qwen(args):
 QWEN_1_5B_SHAPES = [(2048, 1536), (1536, 1536), (17920, 1536), (1536, 8960), (151936, 1536)]
 
 
-def bench_qwen(block_types, ms, threads):
+def bench_qwen(block_types, ms, threads, out_name=None):
     """quantized_linear on the 1.5B's shapes (cold blocks, no fp32 baselines): its M = 1
     bandwidth against the copy bandwidth; results in bench/results/linear_qwen_threads<T>.json."""
     copy_bw = copy_bandwidth_gbs()
@@ -300,7 +300,7 @@ def bench_qwen(block_types, ms, threads):
         total[(r["block_type"], r["M"])][1] += r["ours_us"] * 1e-6
     targets = {f"{bt}:M{M}_frac_copy_all_shapes": round(b / t / 1e9 / copy_bw, 3) for (bt, M), (b, t) in total.items()}
     print("\ntargets:", targets)
-    path = write_results(f"linear_qwen_threads{threads}", {
+    path = write_results(out_name or f"linear_qwen_threads{threads}", {
         "command": " ".join(["python", "bench/bench_linear.py"] + sys.argv[1:]),
         "copy_bandwidth_gbs": copy_bw, "quantized_linear": rows, "targets": targets})
     print(f"wrote {path}")
@@ -318,6 +318,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--types", default="Q4_K,Q6_K", help="block types of --qwen-quantized (comma-separated)")
     parser.add_argument("--ms", default=None,
                         help="row counts M of --qwen-quantized (default 1,2,4,8) or --qwen (default 1..64), comma-separated")
+    add_out_name(parser, "linear; --qwen: linear_int8_qwen_t<threads>; --qwen-quantized: linear_qwen_threads<threads>")
     return parser.parse_args(argv)
 
 
@@ -400,7 +401,7 @@ def run_default(args) -> None:
                              "int8act_vs_M1", "int8act_frac_copy"])
     targets = linear_targets(skinny_rows, quant_rows, ms)
     print("\ntargets:", targets)
-    path = write_results("linear", {
+    path = write_results(args.out_name or "linear", {
         "command": " ".join(["python", "bench/bench_linear.py"] + sys.argv[1:]),
         "copy_bandwidth_gbs": copy_bw, "skinny_linear": skinny_rows, "quantized_linear": quant_rows,
         "targets": targets,
@@ -417,7 +418,7 @@ def main():
         return main_qwen(args)
     if args.qwen_quantized:
         return bench_qwen(args.types.split(","), [int(m) for m in (args.ms or "1,2,4,8").split(",")],
-                          torch.get_num_threads())
+                          torch.get_num_threads(), args.out_name)
     return run_default(args)
 
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import specdec_kernels  # noqa: E402,F401
-from bench.common import copy_bandwidth_gbs, print_table, time_fn, write_results  # noqa: E402
+from bench.common import add_out_name, copy_bandwidth_gbs, print_table, time_fn, write_results  # noqa: E402
 
 TOP_K = 10
 
@@ -114,6 +114,7 @@ def main():
     parser.add_argument("--no-vicuna", action="store_true", help="skip the Vicuna-7B shapes (0.9 GB of weights)")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads; 0 = the cores not busy with other work (specdec_kernels.threads); 1 gives stable numbers on a busy machine")
+    add_out_name(parser, "medusa")
     args = parser.parse_args()
     from specdec_kernels.threads import apply_threads
 
@@ -146,7 +147,7 @@ def main():
                                      if r["M"] == 1 and r["dtype"] == "float32"],
     }
     print("\ntargets:", targets)
-    path = write_results("medusa", {
+    path = write_results(args.out_name or "medusa", {
         "command": " ".join(["python", "bench/bench_medusa.py"] + sys.argv[1:]),
         "copy_bandwidth_gbs": copy_bw, "top_k": TOP_K, "medusa_topk": medusa_rows, "targets": targets,
     })

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import specdec_kernels  # noqa: E402,F401
-from bench.common import copy_bandwidth_gbs, print_table, time_fn, write_results  # noqa: E402
+from bench.common import add_out_name, copy_bandwidth_gbs, print_table, time_fn, write_results  # noqa: E402
 from specdec_kernels import ops  # noqa: E402
 
 
@@ -82,6 +82,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few cases, few repetitions")
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = the cores not busy with other work (specdec_kernels.threads)")
+    add_out_name(parser, "rejection_sampling")
     args = parser.parse_args()
     from specdec_kernels.threads import apply_threads
 
@@ -117,7 +118,7 @@ def main():
     print(f"copy bandwidth: {copy_gbs:.1f} GB/s, torch threads: {torch.get_num_threads()}")
     print_table(rows, ["B", "K", "V", "ours_us", "plain_torch_us", "hf_us", "speedup_vs_plain", "speedup_vs_hf",
                        "GB/s", "frac_copy_bw"])
-    path = write_results("rejection_sampling", {
+    path = write_results(args.out_name or "rejection_sampling", {
         "command": "python bench/bench_rejection_sampling.py" + (" --quick" if args.quick else "")
         + (f" --threads {args.threads}" if args.threads else ""),
         "copy_bandwidth_gbs": copy_gbs, "dtype": "float32", "draft_probs": "full q", "rows": rows,

@@ -29,7 +29,7 @@ import torch.nn.functional as F  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import specdec_kernels  # noqa: E402
-from bench.common import copy_bandwidth_gbs, matmul_gflops, print_table, time_fn, write_results  # noqa: E402
+from bench.common import add_out_name, copy_bandwidth_gbs, matmul_gflops, print_table, time_fn, write_results  # noqa: E402
 from python_ref.tree_attention import ancestors, batch_mask  # noqa: E402
 
 MODELS = {"smollm2-135m": (9, 3, 64), "llama3-8b": (32, 8, 128)}
@@ -115,6 +115,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="30-second smoke run")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0 = the cores not busy with other work (specdec_kernels.threads)")
+    add_out_name(parser, "tree_attention[_quick]")
     args = parser.parse_args()
     from specdec_kernels.threads import apply_threads
 
@@ -176,7 +177,7 @@ def main() -> None:
           "| N = 1 fraction of copy bandwidth >= 0.5 (median, max):", summary["frac_copy_bw_N1_median"],
           summary["frac_copy_bw_N1_max"])
     path = write_results(
-        "tree_attention" + ("_quick" if args.quick else ""),
+        args.out_name or "tree_attention" + ("_quick" if args.quick else ""),
         dict(dtype=args.dtype, block_size=BLOCK_SIZE, copy_bandwidth_gbs=copy_gbs, matmul_gflops=mm_gflops,
              baseline="torch SDPA, dense bool mask [B,1,N,L] over a contiguous (pre-gathered) cache, enable_gqa=True; "
                       "sdpa_repeat_kv: the same after a materialised repeat_kv, as the Medusa/EAGLE Llama code",

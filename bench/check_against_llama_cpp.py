@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import RESULTS_DIR, print_table, write_results  # noqa: E402
+from bench.common import add_out_name, RESULTS_DIR, print_table, write_results  # noqa: E402
 
 
 def corpus_text() -> str:
@@ -196,6 +196,7 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=64, help="greedy: tokens generated per prompt (default 64)")
     p.add_argument("--threads", type=int, required=True)
     p.add_argument("--close", type=float, default=0.05, help="logit gap counted as a tie (default 0.05)")
+    add_out_name(p, "llama_cpp_agreement_<model>_<weights>")
     return p.parse_args(argv)
 
 
@@ -260,7 +261,7 @@ def main() -> int:
     if prompts:
         result["greedy"] = greedy_against_llama_cpp(path, prompts, ours_greedy, eos, args)
         print_greedy(result["greedy"])
-    print(f"wrote {write_results(name, result)}")
+    print(f"wrote {write_results(args.out_name or name, result)}")
     return 0
 
 if __name__ == "__main__":

@@ -81,6 +81,13 @@ def machine_info() -> dict:
     }
 
 
+def add_out_name(parser, default: str) -> None:
+    """``--out-name``: the results file's name, so a run on another machine or with other
+    settings does not write over the committed results of the default run."""
+    parser.add_argument("--out-name", default=None,
+                        help=f"results file name under bench/results/, without .json (default: {default})")
+
+
 def write_results(name: str, payload: dict, out_dir: str | Path = RESULTS_DIR) -> Path:
     """Write ``payload`` (plus machine info) to <out_dir>/<name>.json (default
     bench/results/); return the path."""

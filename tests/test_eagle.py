@@ -286,12 +286,10 @@ def test_head_backs_off_where_the_lookup_drafts_alone(model):
     assert r.stats.emitted / r.stats.steps > 1.5
     # The criterion: a step whose value (drafting included) does not beat the tries alone
     # backs off, even when it beats a step that drafts nothing (value 1 here).
-    from specdec_kernels.decoding.drafter import Draft
-
     drafter._empty_run = drafter._skip = 0
-    drafter._back_off([0], [Draft.root_only(1)], 2.0, 2.5, False)
+    drafter._back_off(2.0, 2.5, sampled_pays=False)
     assert (drafter._empty_run, drafter._skip) == (1, 1)
-    drafter._back_off([0], [Draft.root_only(1)], 3.0, 2.5, False)
+    drafter._back_off(3.0, 2.5, sampled_pays=False)
     assert drafter._empty_run == 0
 
 
@@ -337,6 +335,62 @@ def test_beam_keeps_only_nodes_whose_children_can_pay(model):
     free = EagleDrafter(model, make_head(model), top_k=4, step_cost=FREE, step_seconds=SLOW_STEP)
     free._depth_seconds = 1e-6
     assert free._expansion_threshold(scores, 1) == 0.0
+
+
+def test_sampled_depth_follows_realised_acceptance(model):
+    """A sampled tree's depth is chosen before drawing, from the acceptance sampled trees
+    realised: deep while depths are accepted, none once they are not (rows cost 0.1 of a
+    step each, drafting is free), and back when they are again."""
+    rows = {r: 1.0 + 0.1 * (r - 1) for r in range(1, 129)}
+    drafter = EagleDrafter(model, make_head(model), sample_width=2, max_depth=4, step_cost=rows, step_seconds=SLOW_STEP)
+    drafter._depth_seconds = 1e-9
+    assert drafter._sampled_rates() == [0.5] * 4  # the prior
+    for _ in range(60):
+        drafter._observe_sampled(4, 4)  # every depth accepted
+    assert drafter._sampled_plan(1, 4)[0] == 4
+    for _ in range(60):
+        drafter._observe_sampled(4, 0)  # nothing accepted
+    assert drafter._sampled_rates()[0] < 0.1 and drafter._sampled_plan(1, 4) == (0, 1.0)
+    # A tree drawn 2 deep with 1 accepted: depths 1 and 2 tried, only depth 1 accepted.
+    before = [list(c) for c in drafter._sampled_counts]
+    drafter._observe_sampled(2, 1)
+    after = drafter._sampled_counts
+    assert after[0][0] > before[0][0] * drafter.SAMPLED_DECAY and after[1][0] == before[1][0] * drafter.SAMPLED_DECAY
+    assert after[1][1] > before[1][1] * drafter.SAMPLED_DECAY and after[2] == before[2]
+    for _ in range(60):
+        drafter._observe_sampled(1, 1)
+    assert drafter._sampled_plan(1, 4)[0] >= 1
+
+
+def test_sampled_head_backs_off_when_it_is_not_accepted(prompts):
+    """A head whose draft vocabulary holds none of the tokens the target samples (its draws
+    are never accepted) and rows that cost: sampled requests stop drafting after a few steps
+    (skipped steps, probing again after each back-off) instead of drawing a full tree every
+    step; with free rows and free drafting the same head keeps drafting every step."""
+    m = Llama.random(tiny_config(num_layers=2), seed=4)
+    V = m.config.vocab_size
+    head = EagleHead.for_target(m, torch.arange(V - 4, V)).eval().requires_grad_(False)
+    bias = torch.zeros(V)
+    bias[V - 4:] = -1e4  # the target never samples the head's four tokens
+    original = m.forward_logits
+
+    def never_the_heads_tokens(*args, **kw):
+        hidden, logits = original(*args, **kw)
+        return hidden, logits + bias
+
+    m.forward_logits = never_the_heads_tokens
+    rows = {r: 1.0 + 0.1 * (r - 1) for r in range(1, 129)}
+    sampling = [SamplingParams(temperature=1.0, seed=s) for s in range(2)]
+    costly = EagleDrafter(m, head, sample_width=2, max_depth=3, step_cost=rows, step_seconds=1.0)
+    reqs = Generator(m, costly, SpecSchedule("max", 3, max_k=3)).generate(prompts[:2], 40, sampling, stop_at_eos=False)
+    assert all(r.stats.emitted == 40 for r in reqs)
+    # Back-offs of 1, 3, 7, ... steps, each followed by a one-depth probe: a probe that is
+    # not accepted is no evidence that drafting pays, so the back-offs keep growing.
+    assert costly.stats["skipped_steps"] >= 4 * costly.stats["steps"], costly.stats
+    assert costly.stats["accepted_hist"] == {0: sum(costly.stats["accepted_hist"].values())}
+    free = EagleDrafter(m, head, sample_width=2, max_depth=3, step_cost=FREE, step_seconds=SLOW_STEP)
+    Generator(m, free, SpecSchedule("max", 3, max_k=3)).generate(prompts[:2], 40, sampling, stop_at_eos=False)
+    assert free.stats["skipped_steps"] == 0 and free.stats["nodes"] > 0
 
 
 def _sampled_pairs(model, drafter, n, params, prompt):

@@ -64,7 +64,7 @@ import time
 
 import torch
 
-from ...decoding.cost_model import best_node_count, payoff, row_price
+from ...decoding.cost_model import best_node_count, best_size, chain_tokens, payoff, row_price
 from .head import EagleHead, eagle_head_for
 from ...kv_cache import PagedKVCache
 from ...tree import eagle_tree_from_expansions
@@ -82,7 +82,18 @@ class EagleDrafter(SizedDrafter):
     come from the Generator's step cost (``Generator.drafter_step_cost``: the target's curve,
     measured once per machine, batch-aware).
     ``sample_width``: children drawn per expanded node (and beam width) for sampled requests.
+
+    A sampled request keeps every child it draws (choosing among draws by their values would
+    bias them), so its tree cannot be pruned after drawing: its depth is chosen before, from
+    the acceptance sampled requests have realised so far (``_sampled_plan``), and where no
+    depth pays the head backs off as it does for greedy requests, probing again after each
+    back-off. The choice depends only on past steps, so sampling stays exact.
     """
+
+    # Sampled acceptance per depth: a prior of SAMPLED_PRIOR over SAMPLED_PRIOR_WEIGHT
+    # pseudo-trials, then each observation weighs 1 and older ones fade by SAMPLED_DECAY
+    # (about the last 20 steps count), so a request that stops paying is noticed quickly.
+    SAMPLED_PRIOR, SAMPLED_PRIOR_WEIGHT, SAMPLED_DECAY = 0.5, 2.0, 0.95
 
     name = "eagle"
     uses_hidden = True  # the head's entries are built from the target's features
@@ -105,6 +116,11 @@ class EagleDrafter(SizedDrafter):
         # Drafting statistics: tree sizes and depths, accepted lengths (see ``summary``).
         self.stats = {"steps": 0, "nodes": 0, "depth_hist": {}, "accepted_hist": {}, "skipped_steps": 0}
         self._empty_run, self._skip = 0, 0  # back-off after empty trees (propose)
+        self._probe = False  # the next drafting step after a sampled back-off draws at least one depth
+        # Sampled requests: realised acceptance per depth (decayed counts: accepted, trials)
+        # and the depth each request's last tree was drawn to (``verified`` scores it).
+        self._sampled_counts = [[0.0, 0.0] for _ in range(max_depth)]
+        self._sampled_depth = {}
         # Prepare the head's decode weights now too (its GGUF blocks are quantised from the
         # stored bf16 on first use, ~30 ms for SmolLM2's head): a drafter is built once and
         # serves many requests, so that cost belongs to construction, not to the first step.
@@ -161,12 +177,14 @@ class EagleDrafter(SizedDrafter):
     def verified(self, gen, reqs, num_accepted):
         for r, n in zip(reqs, num_accepted):
             self.stats["accepted_hist"][n] = self.stats["accepted_hist"].get(n, 0) + 1
+            self._observe_sampled(self._sampled_depth.pop(r.rid, 0), n)
         if self.lookup is not None:
             self.lookup.verified_merged(gen, reqs, num_accepted)
 
     def finish(self, gen, req):
         self.cache.free(self.slot.pop(req.rid))
         self.pending.pop(req.rid, None)
+        self._sampled_depth.pop(req.rid, None)
         if self.lookup is not None:
             self.lookup.finish(gen, req)
 
@@ -174,6 +192,7 @@ class EagleDrafter(SizedDrafter):
         s = self.stats
         return {"steps": s["steps"], "skipped_steps": s["skipped_steps"], "mean_tree_nodes": s["nodes"] / max(1, s["steps"]),
                 "tree_depth_hist": dict(sorted(s["depth_hist"].items())),
+                "sampled_acceptance_per_depth": [round(a, 3) for a in self._sampled_rates()],
                 "accepted_length_hist": dict(sorted(s["accepted_hist"].items()))}
 
     # ---- drafting -----------------------------------------------------------------------
@@ -249,6 +268,13 @@ class EagleDrafter(SizedDrafter):
             self._skip -= 1
             self.stats["skipped_steps"] += 1
             return self._lookup_only(reqs, lengths, drafts)
+        drafting = [r for r, k in zip(reqs, lengths) if k > 0]
+        if drafting and all(r.sampling.temperature > 0 for r in drafting) and not self._probe:
+            if self._sampled_plan(len(reqs), max(lengths))[0] == 0:  # no depth pays: no head forward
+                self._back_off_one()
+                self._probe = True
+                self.stats["skipped_steps"] += 1
+                return self._lookup_only(reqs, lengths, drafts)
         roots_g, caught = self.catch_up(reqs)
         drafts = self._trees(reqs, lengths, drafts, roots_g, caught, t_start)
         self.commit_caught_up(reqs, caught)  # only now: nothing after this can fail
@@ -265,6 +291,13 @@ class EagleDrafter(SizedDrafter):
         depth_cap = torch.tensor([min(lengths[b], self.max_depth) for b in active])
         sampled = torch.tensor([r.sampling.temperature > 0 for r in sub])
         any_sampled = bool(sampled.any())
+        sampled_pays = False
+        if any_sampled:  # their depth is chosen now, before anything is drawn
+            planned = self._sampled_plan(B, int(depth_cap[sampled].max()))[0]
+            sampled_pays = planned > 0  # (a probe's forced depth is not evidence that drafting pays)
+            if self._probe:
+                planned, self._probe = max(planned, 1), False
+            depth_cap = torch.where(sampled, depth_cap.clamp(max=planned), depth_cap)
         expansions = self._expand(sub, active, roots_g, caught, depth_cap, sampled)
         scores = expansions[0]
         # Beyond a request's own cap the candidates are not eligible.
@@ -284,11 +317,15 @@ class EagleDrafter(SizedDrafter):
             keep = [keep_all[b] for b in active]
             without_head = self._select([[] for _ in reqs], lookups, len(reqs), 0.0)[2]  # the tries alone
         for i, b in enumerate(active):
+            if bool(sampled[i]) and int(depth_cap[i]) == 0:
+                continue  # no depth pays for it: the root alone
             drafts[b] = self._request_draft(sub[i], i, bool(sampled[i]), keep[i], *expansions)
         self.stats["steps"] += 1
-        self._back_off(active, drafts, value, without_head, any_sampled)
-        for b in active:
+        self._back_off(value, without_head, sampled_pays, all_sampled=bool(sampled.all()))
+        for i, b in enumerate(active):
             dd = drafts[b]
+            if bool(sampled[i]):
+                self._sampled_depth[reqs[b].rid] = max(dd.depths())
             self.stats["nodes"] += len(dd.tokens) - 1
             depth = max(dd.depths())
             self.stats["depth_hist"][depth] = self.stats["depth_hist"].get(depth, 0) + 1
@@ -334,7 +371,8 @@ class EagleDrafter(SizedDrafter):
         d = 1
         while d < int(depth_cap.max()):
             s_prev = scores[-1].masked_fill((depth_cap < d)[:, None], float("-inf"))
-            threshold = self._expansion_threshold(scores, d)
+            # (sampled requests alone: their depth was chosen before drawing, _sampled_plan)
+            threshold = 0.0 if bool(sampled.all()) else self._expansion_threshold(scores, d)
             if threshold is None:
                 break
             top = s_prev.topk(min(width, s_prev.shape[1]), dim=-1)
@@ -414,7 +452,7 @@ class EagleDrafter(SizedDrafter):
                                           torch.tensor([r.tokens[-1]]))
         return Draft(tree.parents[0].tolist(), tree.token_ids[0].tolist())
 
-    def _back_off(self, active: list, drafts: list, value: float, without_head: float, any_sampled: bool) -> None:
+    def _back_off(self, value: float, without_head: float, sampled_pays: bool, all_sampled: bool = False) -> None:
         """Back-off: a step whose drafting is not expected to have paid — its expected tokens
         per unit time (``_select``'s ``value``, drafting time included) no better than
         ``without_head``'s, a step without the head's forwards (one that drafts nothing, or
@@ -423,17 +461,54 @@ class EagleDrafter(SizedDrafter):
         and extra rows rarely pay, and on code, where the lookup already drafts what the head
         would). After m such steps in a row the next 2^m - 1 steps run no head forward (m <=
         5) and their entries wait for the next catch-up pass, one batched forward. A step
-        that paid resets it. (Sampled requests keep every drawn child: there, any node
-        counts as paying.)"""
-        if any_sampled:
-            paid = any(len(drafts[b].tokens) > 1 for b in active)
-        else:
-            paid = value > without_head
+        that paid resets it. Sampled requests pay when ``_sampled_plan`` chose a depth for
+        them: from the acceptance they realised, so a head that stops being accepted backs
+        off (``propose`` backs off before the catch-up pass when no depth pays)."""
+        paid = sampled_pays or (not all_sampled and value > without_head)
         if paid:
             self._empty_run = 0
         else:
-            self._empty_run = min(self._empty_run + 1, 5)
-            self._skip = 2 ** self._empty_run - 1
+            self._back_off_one()
+
+    def _back_off_one(self) -> None:
+        """One more step in a row that did not pay: skip the next 2^m - 1 (``_back_off``)."""
+        self._empty_run = min(self._empty_run + 1, 5)
+        self._skip = 2 ** self._empty_run - 1
+
+    # ---- sampled requests: the depth chosen before drawing ------------------------------
+    def _sampled_rates(self) -> list:
+        """The probability that a sampled tree's depth d (1-based, list index d - 1) is
+        accepted given depth d - 1 was, as realised so far (``SAMPLED_PRIOR`` before any)."""
+        p, w = self.SAMPLED_PRIOR, self.SAMPLED_PRIOR_WEIGHT
+        return [(a + p * w) / (t + w) for a, t in self._sampled_counts]
+
+    def _observe_sampled(self, depth: int, accepted: int) -> None:
+        """A sampled tree drawn ``depth`` deep had ``accepted`` nodes accepted: depths 1 ..
+        min(accepted + 1, depth) were tried, the first ``accepted`` of them accepted."""
+        for d in range(min(accepted + 1, depth)):
+            counts = self._sampled_counts[d]
+            counts[0] = self.SAMPLED_DECAY * counts[0] + (1.0 if d < accepted else 0.0)
+            counts[1] = self.SAMPLED_DECAY * counts[1] + 1.0
+
+    def _sampled_nodes(self, depth: int) -> int:
+        """Draft nodes of a sampled tree ``depth`` deep: ``sample_width`` children of the root,
+        then ``sample_width`` beam nodes with ``sample_width`` children each per depth."""
+        w = self.sample_width
+        return 0 if depth == 0 else w + (depth - 1) * w * w
+
+    def _sampled_plan(self, batch: int, cap: int) -> tuple[int, float]:
+        """(depth 0..``cap``, its pay-off): the depth of a sampled tree with the best expected
+        tokens per unit time at batch ``batch`` (every request drafting alike), from the
+        realised acceptance per depth (``_sampled_rates``), the step-cost curve and the
+        measured drafting time of that many depths (the catch-up pass counted as one).
+        0: drafting does not pay."""
+        rates = self._sampled_rates()
+        values = [payoff(batch, batch, self.cost, batch=batch)]
+        for depth in range(1, min(cap, self.max_depth) + 1):
+            tokens = batch * chain_tokens(rates, depth)
+            rows = batch * (1 + self._sampled_nodes(depth))
+            values.append(payoff(tokens, rows, self.cost, batch=batch, draft_cost=self._draft_cost(depth, batch)))
+        return best_size(values)
 
     def _expansion_threshold(self, scores: list, d: int) -> float | None:
         """None when one more expansion depth is not expected to pay for its measured cost,
