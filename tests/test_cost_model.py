@@ -37,6 +37,29 @@ def test_step_cost_interpolates_rows_and_batches():
         StepCost({})
 
 
+def test_live_steps_refine_the_curve():
+    """Observed steps correct the table per row count once seen LIVE_MIN times: a three-row
+    step observed at 1.5x a one-row one gives cost(3) = 1.5 where the table says 1.1; row
+    counts not observed take the nearest observed ratio below them; the table and its JSON
+    are unchanged."""
+    c = StepCost({1: {1: 1.0, 4: 1.15}})
+    assert c(3) == pytest.approx(1.1)
+    for _ in range(StepCost.LIVE_MIN - 1):
+        c.observe(1, 1, 1.2)
+        c.observe(3, 1, 1.8)
+    assert c(3) == pytest.approx(1.1) and c.seconds(1) == pytest.approx(1.0)  # not enough yet
+    c.observe(1, 1, 1.2)
+    c.observe(3, 1, 1.8)
+    assert c.seconds(1) == pytest.approx(1.2) and c(3) == pytest.approx(1.5)
+    assert c(2) == pytest.approx(1.05)  # no 2-row steps seen: the one-row ratio, the table's shape
+    assert c(5) == pytest.approx(1.8 * (1.15 + 0.05) / 1.1 / 1.2)  # 3 rows' ratio carries up
+    assert c(3, 2) == pytest.approx(1.1 / 1.05)  # batch 2: nothing observed for it, the table alone
+    assert c.curve_seconds(3) == pytest.approx(1.1) and "live" not in json.dumps(c.to_json())
+    for _ in range(40):  # newer observations outweigh older ones
+        c.observe(3, 1, 1.32)
+    assert c(3) == pytest.approx(1.1, rel=0.02)
+
+
 def test_as_step_cost_accepts_tables_and_callables():
     table = as_step_cost([1.0, 1.1, 1.3])
     assert table(2) == 1.1 and table(5) == pytest.approx(1.7)  # + the last step per row
@@ -195,7 +218,7 @@ def test_a_poisoned_cache_is_refreshed_by_live_step_times(cache, monkeypatch):
     assert out.output == ar
     assert calls, "the poisoned curve was not measured again"
     cost = gen.step_cost
-    assert cost.seconds(1) == pytest.approx(2e-4) and "live steps took" in cost.meta["refreshed_because"]
+    assert cost.curve_seconds(1) == pytest.approx(2e-4) and "live steps took" in cost.meta["refreshed_because"]
     assert json.loads(path.read_text())["meta"]["refreshed_because"] == cost.meta["refreshed_because"]
     # At most one refresh per interval: the next disagreement (fake vs real times) measures nothing.
     n = len(calls)
