@@ -116,7 +116,7 @@ class EagleDrafter(SizedDrafter):
         # Drafting statistics: tree sizes and depths, accepted lengths (see ``summary``).
         self.stats = {"steps": 0, "nodes": 0, "depth_hist": {}, "accepted_hist": {}, "skipped_steps": 0}
         self._empty_run, self._skip = 0, 0  # back-off after empty trees (propose)
-        self._probe = False  # the next drafting step after a sampled back-off draws at least one depth
+        self._probe = False  # the next head step after a sampled back-off draws at least one depth
         # Sampled requests: realised acceptance per depth (decayed counts: accepted, trials)
         # and the depth each request's last tree was drawn to (``verified`` scores it).
         self._sampled_counts = [[0.0, 0.0] for _ in range(max_depth)]
@@ -271,8 +271,7 @@ class EagleDrafter(SizedDrafter):
         drafting = [r for r, k in zip(reqs, lengths) if k > 0]
         if drafting and all(r.sampling.temperature > 0 for r in drafting) and not self._probe:
             if self._sampled_plan(len(reqs), max(lengths))[0] == 0:  # no depth pays: no head forward
-                self._back_off_one()
-                self._probe = True
+                self._back_off_one(probe=True)
                 self.stats["skipped_steps"] += 1
                 return self._lookup_only(reqs, lengths, drafts)
         roots_g, caught = self.catch_up(reqs)
@@ -468,12 +467,15 @@ class EagleDrafter(SizedDrafter):
         if paid:
             self._empty_run = 0
         else:
-            self._back_off_one()
+            self._back_off_one(probe=all_sampled)
 
-    def _back_off_one(self) -> None:
-        """One more step in a row that did not pay: skip the next 2^m - 1 (``_back_off``)."""
+    def _back_off_one(self, probe: bool = False) -> None:
+        """One more step in a row that did not pay: skip the next 2^m - 1 (``_back_off``);
+        ``probe``: the first step after them draws at least one depth for sampled requests
+        (their realised acceptance only changes when something is drawn)."""
         self._empty_run = min(self._empty_run + 1, 5)
         self._skip = 2 ** self._empty_run - 1
+        self._probe = self._probe or probe
 
     # ---- sampled requests: the depth chosen before drawing ------------------------------
     def _sampled_rates(self) -> list:
