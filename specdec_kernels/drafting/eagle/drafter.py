@@ -106,8 +106,8 @@ class EagleDrafter(SizedDrafter):
         self.top_k, self.max_depth, self.max_tree_nodes = top_k, max_depth, max_tree_nodes
         self.sample_width = sample_width
         self.lookup = lookup  # an NgramTreeDrafter, or None
-        sampled_nodes = sample_width + sample_width * sample_width * (max_depth - 1)
-        self.max_nodes = max(max_tree_nodes, sampled_nodes) + 1 + (lookup.max_nodes - 1 if lookup is not None else 0)
+        self.max_nodes = (max(max_tree_nodes, self._sampled_nodes(max_depth)) + 1
+                          + (lookup.max_nodes - 1 if lookup is not None else 0))
         self.name = name or ("eagle+ngram" if lookup is not None else "eagle")
         # A StepCost holds seconds (measured or given); anything else holds relative costs
         # (a dict: a one-batch table), weighed against drafting time with ``step_seconds``.
