@@ -55,7 +55,8 @@ def step_breakdown(model, context: int, reps: int = 15) -> dict:
     """One decode step (one row: the cache's bookkeeping, then ``forward_logits``: the layers,
     the final norm and the LM head) on each path, medians over ``reps`` steps (ms). On the
     fused path each step is split by the stack's own timers (the wall time inside its products,
-    the LM head's included, and its attention kernel), so the rest is measured within the same
+    the LM head's included, and its attention kernel; the rest's own arithmetic — norms, RoPE
+    with the K/V write, SiLU, residuals — timed too), so the rest is measured within the same
     step; the Python path runs the same kernels, so its rest is its step minus the fused path's
     products and attention."""
     import time
@@ -76,18 +77,19 @@ def step_breakdown(model, context: int, reps: int = 15) -> dict:
         return time.perf_counter() - t0
 
     saved = model.step_path
+    parts = ("norms_ms", "rope_kv_ms", "silu_ms", "residuals_ms")  # the fused loop's own arithmetic
     columns: dict[str, list] = {"step_ms_fused": [], "products_ms": [], "attention_ms": [], "rest_ms_fused": [],
-                                "step_ms_python": []}
+                                **{k: [] for k in parts}, "step_ms_python": []}
     try:
         model.step_path = "fused"
         stack = model.decoder_stack()
         stack.set_timing(True)
         for i in range(reps + 2):
             total = step()
-            products, attention = stack.take_timings()
+            products, attention, *inside = stack.take_timings()
             if i >= 2:  # warm-up
                 for key, v in (("step_ms_fused", total), ("products_ms", products), ("attention_ms", attention),
-                               ("rest_ms_fused", total - products - attention)):
+                               ("rest_ms_fused", total - products - attention), *zip(parts, inside)):
                     columns[key].append(v * 1e3)
         stack.set_timing(False)
         model.step_path = "python"

@@ -123,6 +123,27 @@ def test_fused_step_at_each_thread_count(base, threads):
     assert all(torch.equal(o, r) for o, r in zip(got, ref))
 
 
+def test_step_timers_split_the_step_and_change_no_bits(base):
+    """The benchmark's timers (``set_timing``): six non-negative totals — products, attention,
+    norms, RoPE with the K/V write, SiLU, residuals — each part timed on the fp32 loop, reset by
+    ``take_timings``; timing on gives the same bits as off."""
+    model = FORMATS["Q4_0-int8act"](base)
+    ref, _ = run(model, "fused", STEPS["decode"])
+    stack = model.decoder_stack()
+    stack.set_timing(True)
+    try:
+        stack.take_timings()
+        got, _ = run(model, "fused", STEPS["decode"])
+        timings = stack.take_timings()
+        assert len(timings) == 6 and all(t > 0 for t in timings), timings
+        assert stack.take_timings() == [0.0] * 6
+    finally:
+        stack.set_timing(False)
+    assert all(torch.equal(o, r) for o, r in zip(got, ref))
+    run(model, "fused", STEPS["decode"])
+    assert stack.take_timings() == [0.0] * 6  # off: nothing accumulates
+
+
 def test_concurrent_forwards_give_the_sequential_bits(base):
     """The stack keeps its activation buffers between calls; a forward that runs while another
     holds them works on buffers of its own."""

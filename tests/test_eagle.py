@@ -2,6 +2,8 @@
 the dynamic tree against a brute-force reference, the head's file round trip, the trainer's
 unrolled forward against step-by-step drafting, and the shipped head's acceptance."""
 
+import json
+
 import pytest
 import torch
 
@@ -423,6 +425,56 @@ def test_save_load_round_trip(model, tmp_path):
     assert back.metadata["note"] == "x"
     for (n, a), (_, b) in zip(head.named_parameters(), back.named_parameters()):
         assert torch.allclose(a.to(torch.bfloat16).float(), b.float()), n
+
+
+def _continued_training_run(model, monkeypatch, tmp_path, *flags):
+    """``specdec train-eagle`` on the tiny model over seeded random sequences (the data
+    loading patched out: the trainer's own flow, no generation); -> the written head."""
+    from specdec_kernels.drafting.eagle import training
+    from specdec_kernels.training import distill_data
+
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, model.config.vocab_size, (20,), generator=g).tolist() for _ in range(12)]
+    data = distill_data.corpus_shard(model, seqs, layers=(model.config.num_layers,), topk=4)
+    monkeypatch.setattr(training, "_load_data", lambda args: (model, None, data))
+    out = tmp_path / f"head{len(list(tmp_path.iterdir()))}.safetensors"
+    training.main(["--model", "tiny", "--out", str(out), "--draft-vocab-size", "24", "--epochs", "1",
+                   "--batch-seqs", "4", "--held-out", "0.25", "--unroll", "2", "--eval-prompts", "0",
+                   "--precision", "fp32", *flags])
+    return out
+
+
+def test_training_continues_from_a_head_and_keeps_it_unless_beaten(model, monkeypatch, tmp_path):
+    """``--init-from``: the head's draft vocabulary and width are kept, it is scored before
+    training and an epoch replaces it only by beating it on the held-out data (with a zero
+    learning rate none can: the file's weights come back unchanged); its origin is recorded."""
+    first = _continued_training_run(model, monkeypatch, tmp_path, "--head-intermediate", "32")
+    start = load_eagle_head(first, model)
+    kept = _continued_training_run(model, monkeypatch, tmp_path, "--init-from", str(first), "--lr", "0",
+                                   "--draft-vocab-size", "8")
+    back = load_eagle_head(kept, model)
+    assert torch.equal(back.draft_vocab, start.draft_vocab) and back.intermediate_size == 32
+    assert back.metadata["draft_vocab_size"] == "24"  # the head's, not the flag's default
+    assert back.metadata["epoch"] == "-1"
+    for (n, a), (_, b) in zip(start.named_parameters(), back.named_parameters()):
+        assert torch.equal(a, b), n
+    assert json.loads(back.metadata["continued_from"])["file"] == first.name
+    moved = load_eagle_head(_continued_training_run(model, monkeypatch, tmp_path, "--init-from", str(first),
+                                                    "--lr", "3e-3", "--epochs", "2"), model)
+    before = json.loads(back.metadata["held_out_expected_chain_length"])  # the same split, scored untrained
+    assert float(moved.metadata["held_out_expected_chain_length"]) >= before
+    assert torch.equal(moved.draft_vocab, start.draft_vocab)
+
+
+@pytest.mark.parametrize("flags, message", [(("--model", "other"), "trained for 'tiny'"),
+                                            (("--head-intermediate", "16"), "MLP width 32"),
+                                            (("--features", "fused"), "--features fused"),
+                                            (("--init-from", "missing.safetensors"), "no such file")])
+def test_continued_training_refuses_a_head_that_does_not_fit(model, monkeypatch, tmp_path, flags, message):
+    """Checked before any data is made: the head's model, MLP width and features must fit the run."""
+    first = _continued_training_run(model, monkeypatch, tmp_path, "--head-intermediate", "32")
+    with pytest.raises(SystemExit, match=message):
+        _continued_training_run(model, monkeypatch, tmp_path, "--init-from", str(first), *flags)
 
 
 def test_a_narrow_head_slices_the_target_layer_and_round_trips(model, prompts, tmp_path):

@@ -220,12 +220,14 @@ class DecoderStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // Benchmarks: accumulate the seconds spent inside the products and the attention kernel;
-  // take_timings returns [products, attention] since the last take and resets them.
+  // Benchmarks: accumulate the seconds spent inside the products, the attention kernel and
+  // (the fp32 layer loop only) the norms, RoPE with the K/V write, SiLU and the residuals;
+  // take_timings returns [products, attention, norms, rope_kv, silu, residuals] since the last
+  // take and resets them.
   void set_timing(bool on) { timing_ = on; }
   std::vector<double> take_timings() {
-    std::vector<double> t{products_s_, attention_s_};
-    products_s_ = attention_s_ = 0;
+    std::vector<double> t{products_s_, attention_s_, norms_s_, rope_s_, silu_s_, residuals_s_};
+    products_s_ = attention_s_ = norms_s_ = rope_s_ = silu_s_ = residuals_s_ = 0;
     return t;
   }
 
@@ -307,8 +309,10 @@ class DecoderStack {
       int64_t V = 0;
       for (const Part& p : head_) V += p.rows;
       at::Tensor normed = at::empty({T, H}, hidden.options());
-      rms_norm_rows(hidden.data_ptr<float>(), final_norm_.data_ptr<float>(), normed.data_ptr<float>(), T, H,
-                    static_cast<float>(eps_));
+      timed(norms_s_, [&] {
+        rms_norm_rows(hidden.data_ptr<float>(), final_norm_.data_ptr<float>(), normed.data_ptr<float>(), T, H,
+                      static_cast<float>(eps_));
+      });
       at::Tensor logits = at::empty({T, V}, hidden.options());
       timed_product_into(normed, head_, skinny, logits, {});
       return {hidden, logits};
@@ -373,25 +377,30 @@ class DecoderStack {
     for (int64_t i = 0; i < num_layers; ++i) {
       const Layer& L = layers_[i];
       const std::vector<at::Tensor>* views = &b->part_views[4 * i];
-      rms_norm_rows(x, L.attn_norm.data_ptr<float>(), normed, T, H, eps);
+      timed(norms_s_, [&] { rms_norm_rows(x, L.attn_norm.data_ptr<float>(), normed, T, H, eps); });
       timed_product_into(b->normed, L.qkv, skinny, b->qkv, views[0]);
-      rope_and_write(b->qkv, rope, slot_mapping, k_caches[i], v_caches[i], b->q);
-      {
-        const Timer timer(timing_ ? &attention_s_ : nullptr);
+      timed(rope_s_, [&] { rope_and_write(b->qkv, rope, slot_mapping, k_caches[i], v_caches[i], b->q); });
+      timed(attention_s_, [&] {
         tree_attention_cpu(b->q, k_caches[i], v_caches[i], block_table, prefix_lens, qo_indptr, tree_mask, sm_scale,
                            b->attn, std::nullopt);
-      }
+      });
       timed_product_into(attn_flat, L.o, skinny, b->o, views[1]);
-      add_into(x, o, hb, T * H);
-      rms_norm_rows(hb, L.mlp_norm.data_ptr<float>(), normed, T, H, eps);
+      timed(residuals_s_, [&] { add_into(x, o, hb, T * H); });
+      timed(norms_s_, [&] { rms_norm_rows(hb, L.mlp_norm.data_ptr<float>(), normed, T, H, eps); });
       timed_product_into(b->normed, L.gate_up, skinny, b->gate_up, views[2]);
-      silu_and_mul_rows(b->gate_up.data_ptr<float>(), b->act.data_ptr<float>(), T, I);
+      timed(silu_s_, [&] { silu_and_mul_rows(b->gate_up.data_ptr<float>(), b->act.data_ptr<float>(), T, I); });
       timed_product_into(b->act, L.down, skinny, b->o, views[3]);
       float* next = i + 1 == num_layers ? out.data_ptr<float>() : b->x.data_ptr<float>();
-      add_into(hb, o, next, T * H);
+      timed(residuals_s_, [&] { add_into(hb, o, next, T * H); });
       x = next;
     }
     return out;
+  }
+
+  template <typename F>
+  void timed(double& acc, F&& fn) const {
+    const Timer timer(timing_ ? &acc : nullptr);
+    fn();
   }
 
   void timed_product_into(const at::Tensor& x, const Product& parts, RowRange skinny, at::Tensor& out,
@@ -538,7 +547,7 @@ class DecoderStack {
   double eps_;
   bool timing_ = false;
   bool fp32_ready_ = false;  // fp32 norms and dense weights: forward_fp32 can run
-  mutable double products_s_ = 0, attention_s_ = 0;
+  mutable double products_s_ = 0, attention_s_ = 0, norms_s_ = 0, rope_s_ = 0, silu_s_ = 0, residuals_s_ = 0;
   std::vector<Layer> layers_;
   at::Tensor final_norm_;  // [H], with head_ (the LM head's parts; empty: built without it)
   Product head_;

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ...decoding.cost_model import chain_tokens
-from .head import EagleHead, save_eagle_head
+from .head import EagleHead, load_eagle_head, save_eagle_head
 from ...models.registry import WEIGHT_FORMATS
 from ...training import distill_data
 from ...training.recipe import VALIDATION_PROMPTS, decode_acceptance, draft_vocabulary, fit
@@ -198,7 +198,7 @@ def evaluate(head, examples: Examples, steps: int, *, feat_scale: float, batch_s
 def train(head: EagleHead, train_ex: Examples, held_ex: Examples, *, steps: int, epochs: int, batch_seqs: int,
           lr: float, seed: int, feat_scale: float, fuse=None, log=print, progress: bool = True,
           max_updates: int = 0, max_seconds: float = 0, stop_after: int = 0, on_best=None,
-          precision: str = "fp32") -> dict:
+          precision: str = "fp32", score_before: bool = False) -> dict:
     """``recipe.fit`` over ``epochs`` (or ``max_updates``), scored by the held-out expected
     chain length after each epoch; the best epoch's weights are left in ``head``.
     ``on_best(head, scores)`` is called whenever an epoch improves the held-out score (the
@@ -206,9 +206,10 @@ def train(head: EagleHead, train_ex: Examples, held_ex: Examples, *, steps: int,
     ``max_seconds`` (0 = off): a wall-clock safety net, checked after every update — when
     it stops the run early the result says so (``stopped_early``). ``stop_after`` (0 = off):
     stop after that many updates without changing the learning-rate schedule (replays a run
-    that the time limit stopped)."""
+    that the time limit stopped). ``score_before``: score the head before training and keep
+    it unless an epoch beats it (continued training, ``--init-from``)."""
     params = [p for p in head.parameters() if p.requires_grad] + ([fuse] if fuse is not None else [])
-    epoch = [0]
+    epoch = [-1 if score_before else 0]  # the score before training is "epoch -1"
 
     def step(seqs):
         loss, hits, counts = losses(head, train_ex.batch(seqs), steps, feat_scale=feat_scale, fuse=fuse,
@@ -223,7 +224,8 @@ def train(head: EagleHead, train_ex: Examples, held_ex: Examples, *, steps: int,
                                                  f"expected chain length {ev['expected_chain_length']:.3f}")
 
     return fit(head, params, len(train_ex), batch_seqs, step, score, epochs=epochs, lr=lr, seed=seed,
-               max_updates=max_updates, max_seconds=max_seconds, stop_after=stop_after, desc="train eagle", log=log,
+               max_updates=max_updates, max_seconds=max_seconds, stop_after=stop_after, score_before=score_before,
+               desc="train eagle", log=log,
                progress=progress, on_best=None if on_best is None else lambda ev: on_best(head, ev))
 
 
@@ -238,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "with --overwrite")
     p.add_argument("--overwrite", action="store_true", help="allow --out to replace an existing file")
     distill_data.add_data_arguments(p, num_prompts=320)
+    p.add_argument("--init-from", default=None, metavar="HEAD.safetensors",
+                   help="continue training this head of the same model (its draft vocabulary and MLP width are "
+                        "kept; it is scored first and replaced only if an epoch beats it on the held-out data)")
     p.add_argument("--draft-vocab-size", type=int, default=8192,
                    help="tokens the head drafts from (8192 covered 0.93 of held-out greedy tokens, 4096 0.89)")
     p.add_argument("--features", choices=("top", "fused"), default="top",
@@ -281,14 +286,16 @@ def _load_data(args):
     return model, tok, data
 
 
-def _split_examples(args, model, data):
-    """The train / held-out split and draft vocabulary: (train sequence ids, train Examples,
-    held-out Examples, draft vocab [Vd], layer index of the features (the top one, or all
-    for ``--features fused``), feature scale (std of the top layer's train features))."""
+def _split_examples(args, model, data, vocab=None):
+    """The train / held-out split and draft vocabulary (``vocab``, or the most frequent
+    target predictions of the train split): (train sequence ids, train Examples, held-out
+    Examples, draft vocab [Vd], layer index of the features (the top one, or all for
+    ``--features fused``), feature scale (std of the top layer's train features))."""
     train_seqs, held_seqs = distill_data.split_sequences(data["seq_start"], args.held_out, args.seed)
     st = data["seq_start"]
     train_rows = distill_data.sequence_rows(st, train_seqs)
-    vocab = draft_vocabulary(data["topk_ids"][train_rows, 0], model.config.vocab_size, args.draft_vocab_size)
+    if vocab is None:
+        vocab = draft_vocabulary(data["topk_ids"][train_rows, 0], model.config.vocab_size, args.draft_vocab_size)
     held_rows = distill_data.sequence_rows(st, held_seqs)
     inv = torch.zeros(model.config.vocab_size, dtype=torch.bool)
     inv[vocab] = True
@@ -302,14 +309,51 @@ def _split_examples(args, model, data):
     return train_seqs, train_ex, held_ex, vocab, layer_index, feat_scale
 
 
-def _base_metadata(args, data, train_sequences: int) -> dict:
+def _check_init_from(args) -> None:
+    """Refuse an ``--init-from`` head that does not fit this run before any data is made: it
+    must exist, be trained for the same model, have the requested MLP width, and the run
+    must train last-layer features."""
+    from safetensors import safe_open
+
+    if args.features != "top":
+        raise SystemExit("--init-from continues a last-layer head: it cannot be used with --features fused")
+    if not os.path.isfile(args.init_from):
+        raise SystemExit(f"--init-from {args.init_from}: no such file")
+    with safe_open(args.init_from, framework="pt") as f:
+        meta, keys = dict(f.metadata() or {}), set(f.keys())
+        width = f.get_slice("w_down").get_shape()[1] if "w_down" in keys else None
+    if width is None:
+        raise SystemExit(f"--init-from {args.init_from}: not an EAGLE head file (no w_down)")
+    if meta.get("model") and meta["model"] != args.model:
+        raise SystemExit(f"--init-from {args.init_from} was trained for {meta['model']!r}, not {args.model!r}")
+    if args.head_intermediate and args.head_intermediate != width:
+        raise SystemExit(f"--head-intermediate {args.head_intermediate} differs from {args.init_from}'s MLP width "
+                         f"{width}; leave it out to keep the head's")
+
+
+def _initial_head(args, model) -> EagleHead | None:
+    """The head of ``--init-from`` (checked by :func:`_check_init_from`) as trainable fp32
+    parameters; None without the flag."""
+    if not args.init_from:
+        return None
+    return load_eagle_head(args.init_from, model).float().train().requires_grad_(True)
+
+
+def _continued_metadata(head: EagleHead, path: str) -> str:
+    """What ``--init-from``'s head was: its file name and the training that made it (JSON)."""
+    keep = ("updates", "train_seconds", "positions", "corpus_tokens", "num_prompts", "written_prompts", "epochs",
+            "held_out_top1_by_depth", "continued_from")
+    return json.dumps({"file": os.path.basename(path), **{k: head.metadata[k] for k in keep if k in head.metadata}})
+
+
+def _base_metadata(args, data, train_sequences: int, draft_vocab_size: int) -> dict:
     """The output file's metadata that the run's flags and data fix."""
     return {"model": args.model, "num_prompts": args.num_prompts, "sampled_prompts": args.sampled_prompts,
             "answer_temperature": args.answer_temperature, "written_prompts": args.written_prompts,
             "max_new_tokens": args.max_new_tokens,
             "positions": int(data["tokens"].shape[0]), "train_sequences": train_sequences,
             "epochs": args.epochs, "max_updates": args.max_updates, "unroll": args.unroll, "lr": args.lr,
-            "seed": args.seed, "draft_vocab_size": args.draft_vocab_size, "features": args.features,
+            "seed": args.seed, "draft_vocab_size": draft_vocab_size, "features": args.features,
             "corpus_tokens": args.corpus_tokens, "corpus_seq_len": args.corpus_seq_len,
             "corpus": distill_data.CORPUS_NAME if args.corpus_tokens else "none",
             "corpus_licence": distill_data.CORPUS_LICENCE if args.corpus_tokens else "",
@@ -322,7 +366,7 @@ def _finish(args, model, tok, head, result: dict, train_s: float, base_meta: dic
     its final metadata (``--features top``: a fused head is not written)."""
     print(f"trained in {train_s:.0f}s ({result['updates']} updates"
           f"{', stopped by --max-minutes' if result['stopped_early'] else ''})")
-    best = result["history"][result["best_epoch"]]
+    best = result["best"] or result["history"][-1]  # no held-out data: the last epoch
     meta = {**base_meta, "updates": result["updates"], "stopped_by_time_limit": result["stopped_early"],
             "epoch": best["epoch"], "train_seconds": round(train_s),
             "held_out_top1_by_depth": json.dumps([round(a, 4) for a in best["top1_by_depth"]]),
@@ -348,17 +392,24 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if os.path.exists(args.out) and not args.overwrite and not args.data_only:
         p.error(f"{args.out} exists: pass --overwrite to replace it, or another --out")
+    if args.init_from:
+        _check_init_from(args)
     model, tok, data = _load_data(args)
     if args.data_only:
         return 0
-    train_seqs, train_ex, held_ex, vocab, layer_index, feat_scale = _split_examples(args, model, data)
-    head = EagleHead.for_target(model, vocab, intermediate_size=args.head_intermediate or None)
+    head = _initial_head(args, model)
+    train_seqs, train_ex, held_ex, vocab, layer_index, feat_scale = _split_examples(
+        args, model, data, None if head is None else head.draft_vocab)
+    if head is None:
+        head = EagleHead.for_target(model, vocab, intermediate_size=args.head_intermediate or None)
     H = model.config.hidden_size
     fuse = None
     if args.features == "fused":
         fuse = torch.nn.Parameter(torch.cat([torch.zeros(H, (len(layer_index) - 1) * H), torch.eye(H)], 1))
     t1 = time.perf_counter()
-    base_meta = _base_metadata(args, data, len(train_seqs))
+    base_meta = _base_metadata(args, data, len(train_seqs), int(vocab.shape[0]))
+    if args.init_from:
+        base_meta["continued_from"] = _continued_metadata(head, args.init_from)
 
     def save_best(h, ev):  # keep the best epoch on disk as training goes
         if args.features != "top":
@@ -370,7 +421,7 @@ def main(argv=None) -> int:
     result = train(head, train_ex, held_ex, steps=args.unroll, epochs=args.epochs, batch_seqs=args.batch_seqs,
                    lr=args.lr, seed=args.seed, feat_scale=feat_scale, fuse=fuse, max_updates=args.max_updates,
                    max_seconds=args.max_minutes * 60, stop_after=args.stop_after, on_best=save_best,
-                   precision=args.precision)
+                   precision=args.precision, score_before=bool(args.init_from))
     _finish(args, model, tok, head, result, time.perf_counter() - t1, base_meta)
     return 0
 
