@@ -207,6 +207,17 @@ def test_bad_stacks_are_refused():
         stack.forward(torch.zeros(1, 8), torch.tensor([0]), torch.ones(1, 1, 4), sin, caches, caches, *batch, 1, 1, 8)
     with pytest.raises(RuntimeError, match="built without the LM head"):
         stack.forward_logits(torch.zeros(1, 8), torch.tensor([0]), cos, sin, caches, caches, *batch, 1, 1, 8)
+    # A slot past the cache, on the fp32 loop (contiguous caches) and on the general one
+    # (a non-contiguous cache): refused before anything is written.
+    shapes = [(16, 8), (8, 8), (16, 8), (8, 8)]  # q|k|v, o, gate|up, down of a layer that adds up
+    stack = make(2, 1, 4, 1e-6, [torch.ones(8), torch.ones(8)], [torch.randn(*s) for s in shapes],
+                 [0, 0, 16, -1, 0, 0, 8, -1, 0, 0, 16, -1, 0, 0, 8, -1], [1, 1, 1, 1], [])
+    bad = batch[:3] + (torch.tensor([32]), None)
+    for cache, message in ((torch.zeros(4, 8, 1, 4), r"slot_mapping\[0\] = 32 is out of range \[0, 32\)"),
+                           (torch.zeros(4, 8, 1, 8)[..., :4], "index 32 is out of bounds")):
+        with pytest.raises((RuntimeError, IndexError), match=message):
+            stack.forward(torch.ones(1, 8), torch.tensor([0]), cos, sin, [cache], [cache.clone()], *bad, 1, 1, 8)
+        assert not cache.any()
 
 
 @pytest.mark.parametrize("fmt,int8", [(None, False), ("Q8_0", False), ("Q8_0", True), ("Q4_0", True)])

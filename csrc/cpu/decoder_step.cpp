@@ -54,6 +54,8 @@ using Product = std::vector<Part>;
 struct Layer {
   at::Tensor attn_norm, mlp_norm;
   Product qkv, o, gate_up, down;
+  const float* attn_norm_p = nullptr;  // the norms' data where they are fp32 and contiguous (the fp32 loop)
+  const float* mlp_norm_p = nullptr;
 };
 
 // The rotary tables' rows of a forward's tokens: cos, sin [R, D] (models.block.rope_tables, in
@@ -216,6 +218,12 @@ class DecoderStack {
       fp32_ready_ = fp32_ready_ && dense_fp32(L.qkv) && dense_fp32(L.o) && dense_fp32(L.gate_up) && dense_fp32(L.down);
     }
     fp32_ready_ = fp32_ready_ && dense_fp32(head_);
+    if (fp32_ready_) {
+      for (Layer& L : layers_) {
+        L.attn_norm_p = L.attn_norm.data_ptr<float>();
+        L.mlp_norm_p = L.mlp_norm.data_ptr<float>();
+      }
+    }
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -274,13 +282,10 @@ class DecoderStack {
     const double sm_scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
     const RopeRows rope = rope_rows(positions, cos, sin, h.size(0));
     if (fp32_ready_ && num_layers > 0 && h.scalar_type() == at::kFloat && h.size(1) == layers_[0].attn_norm.size(0)) {
-      bool caches_fp32 = true;
-      for (int64_t i = 0; i < num_layers; ++i) {
-        caches_fp32 = caches_fp32 && k_caches[i].scalar_type() == at::kFloat && v_caches[i].scalar_type() == at::kFloat;
-      }
-      if (caches_fp32) {
-        return forward_fp32(h.contiguous(), rope, k_caches, v_caches, block_table, prefix_lens, qo_indptr,
-                            slot_mapping, tree_mask, num_layers, skinny, sm_scale);
+      std::optional<RawCaches> raw = raw_caches(k_caches, v_caches, slot_mapping, rope, num_layers, h.size(0));
+      if (raw.has_value()) {
+        return forward_fp32(h.contiguous(), rope, *raw, k_caches, v_caches, block_table, prefix_lens, qo_indptr,
+                            tree_mask, num_layers, skinny, sm_scale);
       }
     }
     at::Tensor x = h;
@@ -349,11 +354,55 @@ class DecoderStack {
     return b;
   }
 
+  // What the fp32 loop writes and reads by address, checked once per forward instead of once
+  // per layer (each check reads a tensor's metadata, cold after a product has streamed the
+  // weights): every layer's K and V cache fp32, contiguous and of layer 0's shape, the slot
+  // mapping int64 [T] within it, the rotary tables fp32 and contiguous.
+  struct RawCaches {
+    std::vector<float*> k, v;  // [num_layers]
+    std::vector<int64_t> slots;  // [T], each in [0, num_blocks * block_size)
+  };
+
+  std::optional<RawCaches> raw_caches(const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                                      const at::Tensor& slot_mapping, const RopeRows& rope, int64_t num_layers,
+                                      int64_t T) const {
+    const at::Tensor& k0 = k_caches[0];
+    const bool tables = rope.cos.scalar_type() == at::kFloat && rope.sin.scalar_type() == at::kFloat &&
+                        rope.cos.is_contiguous() && rope.sin.is_contiguous();
+    if (!tables || k0.dim() != 4 || k0.size(2) != num_kv_heads_ || k0.size(3) != head_dim_ ||
+        slot_mapping.scalar_type() != at::kLong || slot_mapping.dim() != 1 || slot_mapping.size(0) != T ||
+        !slot_mapping.device().is_cpu()) {
+      return std::nullopt;
+    }
+    RawCaches raw;
+    raw.k.reserve(num_layers);
+    raw.v.reserve(num_layers);
+    for (int64_t i = 0; i < num_layers; ++i) {
+      for (const at::Tensor* c : {&k_caches[i], &v_caches[i]}) {
+        if (c->scalar_type() != at::kFloat || !c->is_contiguous() || c->sizes() != k0.sizes() ||
+            !c->device().is_cpu()) {
+          return std::nullopt;
+        }
+      }
+      raw.k.push_back(k_caches[i].data_ptr<float>());
+      raw.v.push_back(v_caches[i].data_ptr<float>());
+    }
+    const int64_t slots = k0.numel() / (num_kv_heads_ * head_dim_);
+    const at::Tensor sm = slot_mapping.contiguous();
+    const int64_t* sp = sm.data_ptr<int64_t>();
+    raw.slots.assign(sp, sp + T);
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(raw.slots[t] >= 0 && raw.slots[t] < slots, "DecoderStack: slot_mapping[", t, "] = ", raw.slots[t],
+                  " is out of range [0, ", slots, ")");
+    }
+    return raw;
+  }
+
   // The fp32 layer loop: DecoderBlock and paged_attention on this row count's buffers. The last
   // layer writes a new tensor (the caller keeps it); h is not written.
-  at::Tensor forward_fp32(const at::Tensor& h, const RopeRows& rope, const std::vector<at::Tensor>& k_caches,
-                          const std::vector<at::Tensor>& v_caches, const at::Tensor& block_table,
-                          const at::Tensor& prefix_lens, const at::Tensor& qo_indptr, const at::Tensor& slot_mapping,
+  at::Tensor forward_fp32(const at::Tensor& h, const RopeRows& rope, const RawCaches& raw,
+                          const std::vector<at::Tensor>& k_caches, const std::vector<at::Tensor>& v_caches,
+                          const at::Tensor& block_table, const at::Tensor& prefix_lens, const at::Tensor& qo_indptr,
                           const std::optional<at::Tensor>& tree_mask, int64_t num_layers, RowRange skinny,
                           double sm_scale) {
     const int64_t T = h.size(0), H = h.size(1);
@@ -374,21 +423,23 @@ class DecoderStack {
     at::Tensor out = at::empty({T, H}, h.options());
     const float* x = h.data_ptr<float>();
     float *normed = b->normed.data_ptr<float>(), *hb = b->h.data_ptr<float>(), *o = b->o.data_ptr<float>();
+    float *qkv_p = b->qkv.data_ptr<float>(), *q_p = b->q.data_ptr<float>();
+    float *gate_up_p = b->gate_up.data_ptr<float>(), *act_p = b->act.data_ptr<float>();
     for (int64_t i = 0; i < num_layers; ++i) {
       const Layer& L = layers_[i];
       const std::vector<at::Tensor>* views = &b->part_views[4 * i];
-      timed(norms_s_, [&] { rms_norm_rows(x, L.attn_norm.data_ptr<float>(), normed, T, H, eps); });
+      timed(norms_s_, [&] { rms_norm_rows(x, L.attn_norm_p, normed, T, H, eps); });
       timed_product_into(b->normed, L.qkv, skinny, b->qkv, views[0]);
-      timed(rope_s_, [&] { rope_and_write(b->qkv, rope, slot_mapping, k_caches[i], v_caches[i], b->q); });
+      timed(rope_s_, [&] { rope_write_rows(qkv_p, rope, raw.slots.data(), T, raw.k[i], raw.v[i], q_p); });
       timed(attention_s_, [&] {
         tree_attention_cpu(b->q, k_caches[i], v_caches[i], block_table, prefix_lens, qo_indptr, tree_mask, sm_scale,
                            b->attn, std::nullopt);
       });
       timed_product_into(attn_flat, L.o, skinny, b->o, views[1]);
       timed(residuals_s_, [&] { add_into(x, o, hb, T * H); });
-      timed(norms_s_, [&] { rms_norm_rows(hb, L.mlp_norm.data_ptr<float>(), normed, T, H, eps); });
+      timed(norms_s_, [&] { rms_norm_rows(hb, L.mlp_norm_p, normed, T, H, eps); });
       timed_product_into(b->normed, L.gate_up, skinny, b->gate_up, views[2]);
-      timed(silu_s_, [&] { silu_and_mul_rows(b->gate_up.data_ptr<float>(), b->act.data_ptr<float>(), T, I); });
+      timed(silu_s_, [&] { silu_and_mul_rows(gate_up_p, act_p, T, I); });
       timed_product_into(b->act, L.down, skinny, b->o, views[3]);
       float* next = i + 1 == num_layers ? out.data_ptr<float>() : b->x.data_ptr<float>();
       timed(residuals_s_, [&] { add_into(hb, o, next, T * H); });
@@ -486,13 +537,24 @@ class DecoderStack {
       q.copy_(q_k[0]);
       return;
     }
-    const int64_t slots = k_cache.numel() / (Hkv * D), width = (Hq + 2 * Hkv) * D, half = D / 2;
-    const float *src = qkv.data_ptr<float>(), *c = cos.data_ptr<float>(), *s = sin.data_ptr<float>();
+    const int64_t slots = k_cache.numel() / (Hkv * D);
     const int64_t* slot = slot_mapping.data_ptr<int64_t>();
-    float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
     for (int64_t t = 0; t < T; ++t) {
       TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "DecoderStack: slot_mapping[", t, "] = ", slot[t],
                   " is out of range [0, ", slots, ")");
+    }
+    rope_write_rows(qkv.data_ptr<float>(), rope, slot, T, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                    q.data_ptr<float>());
+  }
+
+  // rope_and_write's fp32 loop on checked addresses: qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D],
+  // and k, v into the caches [slots, Hkv, D] at slot[t] (each in range).
+  void rope_write_rows(const float* src, const RopeRows& rope, const int64_t* slot, int64_t T, float* kp, float* vp,
+                       float* qp) const {
+    const int64_t Hq = num_heads_, Hkv = num_kv_heads_, D = head_dim_;
+    const int64_t width = (Hq + 2 * Hkv) * D, half = D / 2;
+    const float *c = rope.cos.data_ptr<float>(), *s = rope.sin.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) {
       const float *row = src + t * width, *ct = c + rope.rows[t] * D, *st = s + rope.rows[t] * D;
       for (int64_t h = 0; h < Hq + Hkv; ++h) {
         const float* xh = row + h * D;
