@@ -59,7 +59,7 @@ def fit(module, params: list, num_items: int, batch_size: int, step, evaluate, *
     held-out data, the last epoch is kept); ``message`` is logged. The best epoch's weights
     (``module``'s state dict) are restored at the end, and ``on_best(record)`` is called
     whenever an epoch improves on the best so far (so an interrupted run keeps it).
-    ``score_before``: score before training too, and keep the untrained weights unless an
+    ``score_before``: score before training too, and keep the weights it started from unless an
     epoch beats them. ``max_updates`` (0 = off) shortens the schedule itself; ``max_seconds``
     (a wall-clock safety net) and ``stop_after`` (updates; the schedule unchanged: replays
     a run a time limit stopped) stop early, and the result says so.
@@ -112,7 +112,7 @@ def fit(module, params: list, num_items: int, batch_size: int, step, evaluate, *
             break
     bar.close()
     if best is not None and best[1] != epoch:
-        log(f"{desc}: keeping {'the untrained weights' if best[1] < 0 else f'epoch {best[1]}'} (best held-out score)")
+        log(f"{desc}: keeping {'the weights it started from' if best[1] < 0 else f'epoch {best[1]}'} (best held-out score)")
         module.load_state_dict(best[3])
     return {"before": before, "history": history, "best": best[2] if best else None,
             "best_epoch": best[1] if best else None, "updates": done, "stopped_early": stopped,
