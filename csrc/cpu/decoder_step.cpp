@@ -391,10 +391,7 @@ class DecoderStack {
     const at::Tensor sm = slot_mapping.contiguous();
     const int64_t* sp = sm.data_ptr<int64_t>();
     raw.slots.assign(sp, sp + T);
-    for (int64_t t = 0; t < T; ++t) {
-      TORCH_CHECK(raw.slots[t] >= 0 && raw.slots[t] < slots, "DecoderStack: slot_mapping[", t, "] = ", raw.slots[t],
-                  " is out of range [0, ", slots, ")");
-    }
+    check_slots(raw.slots.data(), T, slots);
     return raw;
   }
 
@@ -539,12 +536,17 @@ class DecoderStack {
     }
     const int64_t slots = k_cache.numel() / (Hkv * D);
     const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+    check_slots(slot, T, slots);
+    rope_write_rows(qkv.data_ptr<float>(), rope, slot, T, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                    q.data_ptr<float>());
+  }
+
+  // Every slot of slot[0, T) inside a cache of `slots` positions, before anything is written.
+  static void check_slots(const int64_t* slot, int64_t T, int64_t slots) {
     for (int64_t t = 0; t < T; ++t) {
       TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "DecoderStack: slot_mapping[", t, "] = ", slot[t],
                   " is out of range [0, ", slots, ")");
     }
-    rope_write_rows(qkv.data_ptr<float>(), rope, slot, T, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                    q.data_ptr<float>());
   }
 
   // rope_and_write's fp32 loop on checked addresses: qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D],
