@@ -247,11 +247,21 @@ class PagedKVCache:
         """Reserve room for ``num_new[b]`` tokens after the committed tokens of ``slots[b]``
         and return where they go: positions ``L_b .. L_b + num_new[b] - 1`` (the tree
         layout: node j at ``prefix_len + j``). Nothing is committed."""
+        positions, flat, indptr = self.plan_append(slots, num_new)
+        return AppendSlots(
+            cache_positions=torch.tensor(positions, dtype=torch.int32, device=self.device),
+            slot_mapping=torch.tensor(flat, dtype=torch.int64, device=self.device),
+            qo_indptr=torch.tensor(indptr, dtype=torch.int32, device=self.device),
+        )
+
+    def plan_append(self, slots: Sequence[int], num_new: Sequence[int] | int) -> tuple[list, list, list]:
+        """:meth:`append_slots` as host lists: (positions [T], flat slot mapping [T],
+        qo_indptr [B+1]) — for a caller that hands them to C++ as integers."""
         slots = list(slots)
         num_new = _to_int_list(num_new, len(slots), "num_new")
         self.reserve(slots, num_new)
-        # Host lists, one tensor each at the end: this runs every decode step, and per-slot
-        # tensor arithmetic cost ~90 us of Python a step.
+        # Host lists: this runs every decode step, and per-slot tensor arithmetic cost ~90 us
+        # of Python a step.
         positions, flat, indptr = [], [], [0]
         bs = self.block_size
         for slot, n in zip(slots, num_new):
@@ -259,11 +269,7 @@ class PagedKVCache:
             positions.extend(range(start, start + n))
             flat.extend(blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             indptr.append(indptr[-1] + n)
-        return AppendSlots(
-            cache_positions=torch.tensor(positions, dtype=torch.int32, device=self.device),
-            slot_mapping=torch.tensor(flat, dtype=torch.int64, device=self.device),
-            qo_indptr=torch.tensor(indptr, dtype=torch.int32, device=self.device),
-        )
+        return positions, flat, indptr
 
     def slot_mapping(self, slot: int, positions: torch.Tensor) -> torch.Tensor:
         """Flat cache indices (int64, block * block_size + offset) of ``positions`` (int64)
@@ -289,16 +295,24 @@ class PagedKVCache:
     def batch_view(self, slots: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(block_table int32 [B, max_blocks_per_seq], prefix_lens int32 [B]) of ``slots``,
         as the attention and compaction ops take them; prefix_lens = committed lengths."""
-        # From the host bookkeeping (the device tensors mirror it): two tensors made, no reads
-        # of the device ones; this runs every step.
+        table, lengths = self.host_view(slots)
+        return (torch.tensor(table, dtype=torch.int32, device=self.device).view(len(lengths), self.max_blocks_per_seq),
+                torch.tensor(lengths, dtype=torch.int32, device=self.device))
+
+    def host_view(self, slots: Sequence[int] | torch.Tensor) -> tuple[list, list]:
+        """:meth:`batch_view` as host lists: (block table rows, flat, B * max_blocks_per_seq;
+        prefix_lens [B]). From the host bookkeeping (the device tensors mirror it): no reads
+        of the device ones; this runs every step."""
         slots = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
         width = self.max_blocks_per_seq
+        table = []
         for slot in slots:
             if not 0 <= slot < self.max_batch:
                 raise IndexError(f"slot {slot} is out of range [0, {self.max_batch})")
-        table = [self._blocks.get(s, []) + [-1] * (width - len(self._blocks.get(s, []))) for s in slots]
-        return (torch.tensor(table, dtype=torch.int32, device=self.device).view(len(slots), width),
-                torch.tensor([self._lengths.get(s, 0) for s in slots], dtype=torch.int32, device=self.device))
+            blocks = self._blocks.get(slot, [])
+            table.extend(blocks)
+            table.extend([-1] * (width - len(blocks)))
+        return table, [self._lengths.get(s, 0) for s in slots]
 
     def commit(self, slots: Sequence[int], num_tokens: Sequence[int] | torch.Tensor | int) -> None:
         """Add ``num_tokens[b]`` to the committed length of ``slots[b]`` (they must already

@@ -109,6 +109,61 @@ def test_fused_step_gives_the_python_layers_bits(base, fmt, steps):
         assert torch.equal(got_cache.v_caches[layer], ref_cache.v_caches[layer])
 
 
+def run_decode(model: Llama, path: str, steps: int = 3):
+    """Prefill two requests, then ``steps`` autoregressive steps through ``Llama.decode_logits``
+    (the cache's host integers on the fused path); returns every step's (hidden, logits) and
+    the final caches."""
+    model.step_path = path
+    cache = model.new_cache(2, 128, block_size=8)
+    g = torch.Generator().manual_seed(0)
+    slots = []
+    for n in (15, 5):  # the first request crosses a block boundary on its second step
+        slot = cache.add_request()
+        model.prefill(torch.randint(0, 64, (n,), generator=g), cache, slot)
+        slots.append(slot)
+    outs = []
+    for _ in range(steps):
+        outs.extend(model.decode_logits(torch.randint(0, 64, (2,), generator=g).tolist(), cache, slots))
+        cache.commit(slots, 1)
+    return outs, cache
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "Q4_K", "Q6_K-int8act", "mixed-parts-int8act"])
+def test_decode_logits_with_host_integers_gives_the_python_bits(base, fmt):
+    """``decode_logits`` hands the batch to the stack as the cache's host integers
+    (``forward_logits_host``): the Python layers' bits, and the same K/V written."""
+    model = FORMATS[fmt](base)
+    ref, ref_cache = run_decode(model, "python")
+    got, got_cache = run_decode(model, "fused")
+    assert model.decoder_stack() is not None
+    for r, o in zip(ref, got):
+        assert o.dtype == r.dtype and torch.equal(o, r)
+    for layer in range(model.config.num_layers):
+        assert torch.equal(got_cache.k_caches[layer], ref_cache.k_caches[layer])
+        assert torch.equal(got_cache.v_caches[layer], ref_cache.v_caches[layer])
+
+
+def test_decode_logits_refuses_bad_batches(base):
+    """A slot holding no request is refused before anything is written; the host call checks
+    its block table's shape and its slot mapping's range like the tensor call."""
+    model = FORMATS["Q4_0-int8act"](base)
+    model.step_path = "fused"
+    cache = model.new_cache(2, 64, block_size=8)
+    slot = cache.add_request()
+    model.prefill(torch.tensor([1, 2, 3]), cache, slot)
+    with pytest.raises(ValueError, match="holds no request"):
+        model.decode_logits([4], cache, [slot + 1])
+    stack, h = model.decoder_stack(), model.embed_tokens([4])
+    args = (h, [3], model.cos, model.sin, cache.k_caches, cache.v_caches)
+    table, lens = cache.host_view([slot])
+    with pytest.raises(RuntimeError, match="block_table"):
+        stack.forward_logits_host(*args, table[:-1], [3, 3], [0, 1], [3], 3, 1, 16)
+    before = [k.clone() for k in cache.k_caches]
+    with pytest.raises(RuntimeError, match="slot"):
+        stack.forward_logits_host(*args, table, lens, [0, 1], [10 ** 6], 3, 1, 16)
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.k_caches))
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_fused_step_at_each_thread_count(base, threads):
     """The products split rows over threads; the bits do not depend on how."""

@@ -466,6 +466,44 @@ def test_training_continues_from_a_head_and_keeps_it_unless_beaten(model, monkey
     assert torch.equal(moved.draft_vocab, start.draft_vocab)
 
 
+def test_continued_training_can_choose_its_vocabulary_again(model, monkeypatch, tmp_path):
+    """``--new-vocab``: the continued head drafts from the run's most frequent target tokens
+    (``--draft-vocab-size`` of them) with the target's LM-head rows of that vocabulary; its
+    layer starts from the file's (a zero learning rate keeps it)."""
+    from specdec_kernels.models.llama import dense
+
+    first = _continued_training_run(model, monkeypatch, tmp_path, "--head-intermediate", "32")
+    start = load_eagle_head(first, model)
+    again = load_eagle_head(_continued_training_run(model, monkeypatch, tmp_path, "--init-from", str(first),
+                                                    "--new-vocab", "--draft-vocab-size", "8", "--lr", "0"), model)
+    assert again.draft_vocab.shape == (8,) and again.metadata["draft_vocab_size"] == "8"
+    assert torch.equal(again.lm_head_draft, dense(model.lm_head)[again.draft_vocab].to(again.lm_head_draft.dtype))
+    for name in ("fc", "wqkv", "w_down"):
+        assert torch.equal(getattr(again, name), getattr(start, name)), name
+
+
+def test_held_out_last_holds_out_the_newest_sequences(model, monkeypatch, tmp_path):
+    """``--held-out-last N`` scores on the data's last N sequences (the trainer's split, not a
+    random one); N must leave training data."""
+    from specdec_kernels.drafting.eagle import training
+
+    seen = {}
+    real = training.Examples
+
+    def spy(data, seqs, *a):
+        seen.setdefault("splits", []).append(list(seqs))
+        return real(data, seqs, *a)
+
+    monkeypatch.setattr(training, "Examples", spy)
+    out = _continued_training_run(model, monkeypatch, tmp_path, "--held-out-last", "3")
+    assert seen["splits"] == [list(range(9)), [9, 10, 11]]
+    assert load_eagle_head(out, model).metadata["held_out_split"] == "the last 3 sequences"
+    with pytest.raises(SystemExit, match="12 sequences"):
+        _continued_training_run(model, monkeypatch, tmp_path, "--held-out-last", "12")
+    with pytest.raises(SystemExit):  # argparse: --new-vocab without a head to continue
+        _continued_training_run(model, monkeypatch, tmp_path, "--new-vocab")
+
+
 @pytest.mark.parametrize("flags, message", [(("--model", "other"), "trained for 'tiny'"),
                                             (("--head-intermediate", "16"), "MLP width 32"),
                                             (("--features", "fused"), "--features fused"),

@@ -297,6 +297,30 @@ class DecoderStack {
     return x;
   }
 
+  // forward_logits of chain rows (causal among each request's rows, no tree mask) whose batch
+  // comes as the cache's host integers, not tensors (Llama.decode_logits): each tensor made in
+  // Python costs ~25 us when cold, as a step that has just streamed the weights finds it.
+  // positions, slot_mapping [T]; block_table [B * max_blocks] (row-major); prefix_lens [B];
+  // qo_indptr [B + 1].
+  std::vector<at::Tensor> forward_logits_host(at::Tensor h, std::vector<int64_t> positions, at::Tensor cos,
+                                              at::Tensor sin, std::vector<at::Tensor> k_caches,
+                                              std::vector<at::Tensor> v_caches, std::vector<int32_t> block_table,
+                                              std::vector<int32_t> prefix_lens, std::vector<int32_t> qo_indptr,
+                                              std::vector<int64_t> slot_mapping, int64_t num_layers,
+                                              int64_t skinny_min_rows, int64_t skinny_max_rows) {
+    const int64_t B = static_cast<int64_t>(prefix_lens.size());
+    TORCH_CHECK(B > 0 && !block_table.empty() && static_cast<int64_t>(block_table.size()) % B == 0,
+                "DecoderStack.forward_logits_host: block_table must hold B = ", B, " rows of equal width, got ",
+                block_table.size(), " entries");
+    const auto host = [](auto& v, at::ScalarType t) {
+      return at::from_blob(v.data(), {static_cast<int64_t>(v.size())}, at::TensorOptions().dtype(t));
+    };
+    const at::Tensor table = host(block_table, at::kInt).view({B, -1});
+    return forward_logits(h, host(positions, at::kLong), cos, sin, std::move(k_caches), std::move(v_caches), table,
+                          host(prefix_lens, at::kInt), host(qo_indptr, at::kInt), host(slot_mapping, at::kLong),
+                          std::nullopt, num_layers, skinny_min_rows, skinny_max_rows);
+  }
+
   // forward, then the final norm and the LM head over every row (Llama.logits): [hidden [T, H],
   // logits fp32 [T, V]]. Only for a stack built with the LM head.
   std::vector<at::Tensor> forward_logits(at::Tensor h, at::Tensor positions, at::Tensor cos, at::Tensor sin,
@@ -632,6 +656,7 @@ void bind_decoder_stack(pybind11::module_& m) {
       .def("take_timings", &DecoderStack::take_timings)
       .def("forward", &DecoderStack::forward)
       .def("forward_logits", &DecoderStack::forward_logits)
+      .def("forward_logits_host", &DecoderStack::forward_logits_host)
       .def("qkv", &DecoderStack::qkv)
       .def("output", &DecoderStack::output_of);
 }

@@ -257,13 +257,18 @@ class Llama:
         """Final norm + LM head: [T, H] -> fp32 [T, V] ([T, Vd] with a ``draft_vocab``)."""
         return linear(rms_norm(hidden, self.norm, self.config.rms_norm_eps), self.lm_head).float()
 
-    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """[T] int64 -> [T, H] in the activation dtype (block weights: only these rows are
-        dequantised)."""
+    def embed_tokens(self, tokens: torch.Tensor | list[int]) -> torch.Tensor:
+        """[T] int64 (or a list of T ints) -> [T, H] in the activation dtype (block weights:
+        only these rows are dequantised)."""
         if is_block_weight(self.embed):
-            if tokens.dim() == 1 and 0 < tokens.numel() <= 16:  # decode steps: rows dequantised once, kept
-                rows = [self._embedding_row(t) for t in tokens.tolist()]
+            ids = tokens if isinstance(tokens, list) else (
+                tokens.tolist() if tokens.dim() == 1 and tokens.numel() <= 16 else None)
+            if ids is not None and 0 < len(ids) <= 16:  # decode steps: rows dequantised once, kept
+                rows = [self._embedding_row(t) for t in ids]
                 return rows[0] if len(rows) == 1 else torch.cat(rows)
+        if isinstance(tokens, list):
+            tokens = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        if is_block_weight(self.embed):
             return self.embed.embedding(tokens).to(self.dtype)
         return self.embed[tokens].to(self.dtype)  # a no-op unless a draft shares a target's other-dtype embedding
 
@@ -309,6 +314,28 @@ class Llama:
             return hidden, logits
         hidden = self.forward(tokens, positions, cache, batch)
         return hidden, self.logits(hidden)
+
+    def decode_logits(self, tokens: list[int], cache: PagedKVCache, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The autoregressive step: ``tokens[b]`` (an int) at the next position of ``slots[b]``,
+        through every layer and the LM head -> (hidden [B, H], fp32 logits [B, V]); K/V
+        written, nothing committed (:meth:`forward_logits` with the cache's ``append_slots`` /
+        ``batch_view``, the same bits). On the fused path the batch goes to the C++ stack as
+        the cache's host integers: a tensor made in Python costs ~25 us when cold, as every
+        step that has just streamed the weights finds it."""
+        stack = self.decoder_stack() if cache.device.type == "cpu" else None
+        if stack is None:
+            new = cache.append_slots(slots, 1)
+            block_table, prefix_lens = cache.batch_view(slots)
+            return self.forward_logits(torch.tensor(tokens, dtype=torch.int64, device=cache.device),
+                                       new.cache_positions.long(), cache,
+                                       Batch(block_table, prefix_lens, new.qo_indptr, new.slot_mapping))
+        positions, slot_mapping, qo_indptr = cache.plan_append(slots, 1)
+        table, prefix_lens = cache.host_view(slots)
+        self._ensure_rope(cache.max_blocks_per_seq * cache.block_size)
+        h = self.embed_tokens(tokens)
+        return tuple(stack.forward_logits_host(h, positions, self.cos, self.sin, cache.k_caches, cache.v_caches, table,
+                                               prefix_lens, qo_indptr, slot_mapping, len(self.layers),
+                                               *skinny_linear_rows(h.dtype)))
 
     def _stack_args(self, tokens, positions, cache, batch, num_layers) -> tuple:
         """The arguments of ``DecoderStack.forward`` / ``forward_logits`` for a forward of

@@ -243,6 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-from", default=None, metavar="HEAD.safetensors",
                    help="continue training this head of the same model (its draft vocabulary and MLP width are "
                         "kept; it is scored first and replaced only if an epoch beats it on the held-out data)")
+    p.add_argument("--new-vocab", action="store_true",
+                   help="with --init-from: choose the draft vocabulary again from this run's data "
+                        "(--draft-vocab-size tokens); the head's LM-head rows are the target's own, so its "
+                        "layer and fc carry over unchanged")
     p.add_argument("--draft-vocab-size", type=int, default=8192,
                    help="tokens the head drafts from (8192 covered 0.93 of held-out greedy tokens, 4096 0.89)")
     p.add_argument("--features", choices=("top", "fused"), default="top",
@@ -264,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-seqs", type=int, default=8, help="training sequences per optimiser step")
     p.add_argument("--lr", type=float, default=5e-4, help="peak AdamW learning rate")
     p.add_argument("--held-out", type=float, default=0.08, help="fraction of sequences held out for validation")
+    p.add_argument("--held-out-last", type=int, default=0,
+                   help="hold out the data's last N sequences instead of a random --held-out fraction (the "
+                        "newest --written-prompts: when continuing a head, sequences it has not trained on)")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts, split, initialisation and shuffling")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--eval-prompts", type=int, default=4, help="validation prompts decoded for the final acceptance")
@@ -291,8 +298,14 @@ def _split_examples(args, model, data, vocab=None):
     target predictions of the train split): (train sequence ids, train Examples, held-out
     Examples, draft vocab [Vd], layer index of the features (the top one, or all for
     ``--features fused``), feature scale (std of the top layer's train features))."""
-    train_seqs, held_seqs = distill_data.split_sequences(data["seq_start"], args.held_out, args.seed)
     st = data["seq_start"]
+    S = st.shape[0] - 1
+    if args.held_out_last:
+        if not 0 < args.held_out_last < S:
+            raise SystemExit(f"--held-out-last {args.held_out_last}: the data has {S} sequences")
+        train_seqs, held_seqs = list(range(S - args.held_out_last)), list(range(S - args.held_out_last, S))
+    else:
+        train_seqs, held_seqs = distill_data.split_sequences(st, args.held_out, args.seed)
     train_rows = distill_data.sequence_rows(st, train_seqs)
     if vocab is None:
         vocab = draft_vocabulary(data["topk_ids"][train_rows, 0], model.config.vocab_size, args.draft_vocab_size)
@@ -354,6 +367,8 @@ def _base_metadata(args, data, train_sequences: int, draft_vocab_size: int) -> d
             "positions": int(data["tokens"].shape[0]), "train_sequences": train_sequences,
             "epochs": args.epochs, "max_updates": args.max_updates, "unroll": args.unroll, "lr": args.lr,
             "seed": args.seed, "draft_vocab_size": draft_vocab_size, "features": args.features,
+            "held_out_split": (f"the last {args.held_out_last} sequences" if args.held_out_last
+                               else f"a random {args.held_out:g} of the sequences"),
             "corpus_tokens": args.corpus_tokens, "corpus_seq_len": args.corpus_seq_len,
             "corpus": distill_data.CORPUS_NAME if args.corpus_tokens else "none",
             "corpus_licence": distill_data.CORPUS_LICENCE if args.corpus_tokens else "",
@@ -392,14 +407,20 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if os.path.exists(args.out) and not args.overwrite and not args.data_only:
         p.error(f"{args.out} exists: pass --overwrite to replace it, or another --out")
+    if args.new_vocab and not args.init_from:
+        p.error("--new-vocab chooses a continued head's vocabulary again: it needs --init-from")
     if args.init_from:
         _check_init_from(args)
     model, tok, data = _load_data(args)
     if args.data_only:
         return 0
     head = _initial_head(args, model)
+    keep_vocab = head is not None and not args.new_vocab
     train_seqs, train_ex, held_ex, vocab, layer_index, feat_scale = _split_examples(
-        args, model, data, None if head is None else head.draft_vocab)
+        args, model, data, head.draft_vocab if keep_vocab else None)
+    if head is not None and not keep_vocab:
+        head.draft_vocab = vocab.clone()
+        head.attach(model)  # the LM head's rows of the new vocabulary
     if head is None:
         head = EagleHead.for_target(model, vocab, intermediate_size=args.head_intermediate or None)
     H = model.config.hidden_size
