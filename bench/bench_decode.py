@@ -52,7 +52,7 @@ def ours(model, prompt_tokens: int, new_tokens: int, path: str) -> tuple[float, 
 
 
 def step_breakdown(model, context: int, reps: int = 15) -> dict:
-    """One decode step (one row: the cache's bookkeeping, then ``forward_logits``: the layers,
+    """One decode step (one row, ``Llama.decode_logits``: the cache's bookkeeping, the layers,
     the final norm and the LM head) on each path, medians over ``reps`` steps (ms). On the
     fused path each step is split by the stack's own timers (the wall time inside its products,
     the LM head's included, and its attention kernel; the rest's own arithmetic — norms, RoPE
@@ -60,7 +60,6 @@ def step_breakdown(model, context: int, reps: int = 15) -> dict:
     step; the Python path runs the same kernels, so its rest is its step minus the fused path's
     products and attention."""
     import time
-
 
     cache = model.new_cache(1, context + 3 * reps + 16)
     slot = cache.add_request()
