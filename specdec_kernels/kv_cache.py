@@ -344,9 +344,13 @@ class PagedKVCache:
         from .ops import compact_kv  # late import: ops imports nothing from here
 
         slots = list(slots)
-        block_table, prefix_lens = self.batch_view(slots)
-        compact_kv(self.k_caches, self.v_caches, block_table, prefix_lens, accepted_nodes, num_accepted)
+        roots_only = accepted_nodes.dim() == 2 and tuple(accepted_nodes.shape) == (len(slots), 0)
+        if not roots_only:  # (roots alone, an autoregressive step, have nothing to move)
+            block_table, prefix_lens = self.batch_view(slots)
+            compact_kv(self.k_caches, self.v_caches, block_table, prefix_lens, accepted_nodes, num_accepted)
         counts = _to_int_list(num_accepted, len(slots), "num_accepted")
+        if roots_only and any(n not in (0, -1) for n in counts):
+            raise ValueError(f"num_accepted must be 0 or -1 where no nodes were drafted, got {counts}")
         self.commit(slots, [1 + n if n >= 0 else 0 for n in counts])
 
     def free(self, slot: int) -> None:

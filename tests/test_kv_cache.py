@@ -178,3 +178,20 @@ def test_compact_with_nan_row_commits_nothing_for_that_request():
     cache.compact((s for s in [a, b]), torch.tensor([[1, 2], [2, -1]], dtype=torch.int32),
                   torch.tensor([2, -1], dtype=torch.int32))
     assert (cache.length(a), cache.length(b)) == (5, 2)
+
+
+def test_compact_of_roots_alone_commits_them_and_moves_nothing():
+    """An autoregressive step (no drafted nodes, D = 0): each root is committed, a NaN row
+    (-1) commits nothing, the caches are untouched, and a count past the nodes is refused."""
+    cache = make_cache()
+    a, b = cache.add_request(2), cache.add_request(2)
+    cache.commit([a, b], [2, 2])
+    slots = cache.append_slots([a, b], [1, 1])
+    cache.write(0, slots.slot_mapping, torch.randn(2, H, D), torch.randn(2, H, D))
+    before = [t.clone() for t in cache.k_caches + cache.v_caches]
+    none = torch.zeros(2, 0, dtype=torch.int32)
+    cache.compact([a, b], none, torch.tensor([0, -1], dtype=torch.int32))
+    assert (cache.length(a), cache.length(b)) == (3, 2) and cache.lengths[:2].tolist() == [3, 2]
+    assert all(torch.equal(x, y) for x, y in zip(before, cache.k_caches + cache.v_caches))
+    with pytest.raises(ValueError, match="0 or -1"):
+        cache.compact([a, b], none, torch.tensor([1, 0], dtype=torch.int32))
