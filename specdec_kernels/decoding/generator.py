@@ -312,7 +312,6 @@ class Generator:
         sizes = [len(d.tokens) for d in drafts]
         N = max(sizes)
         slots = [r.slot for r in reqs]
-        depths = [d.depths() for d in drafts]
         if N == 1:  # roots only: the autoregressive step, its batch as the cache's host integers
             t0 = time.perf_counter()
             hidden, logits = model.decode_logits([d.tokens[0] for d in drafts], cache, slots)
@@ -323,6 +322,7 @@ class Generator:
                                 torch.arange(B + 1, dtype=torch.int32))
         new = cache.append_slots(slots, sizes)
         block_table, prefix_lens = cache.batch_view(slots)
+        depths = [d.depths() for d in drafts]
         tokens = torch.tensor([t for d in drafts for t in d.tokens], dtype=torch.int64)
         positions = torch.tensor([cache.length(s) + x for s, dep in zip(slots, depths) for x in dep], dtype=torch.int64)
         parents = torch.full((B, N), -1, dtype=torch.int32)

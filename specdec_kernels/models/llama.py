@@ -331,21 +331,25 @@ class Llama:
                                        Batch(block_table, prefix_lens, new.qo_indptr, new.slot_mapping))
         positions, slot_mapping, qo_indptr = cache.plan_append(slots, 1)
         table, prefix_lens = cache.host_view(slots)
+        h, skinny = self._stack_inputs(tokens, cache)
+        return tuple(stack.forward_logits_host(h, positions, self.cos, self.sin, cache.k_caches, cache.v_caches, table,
+                                               prefix_lens, qo_indptr, slot_mapping, len(self.layers), *skinny))
+
+    def _stack_inputs(self, tokens, cache: PagedKVCache) -> tuple[torch.Tensor, tuple[int, int]]:
+        """(the embeddings [T, H], the skinny row range) of a stack call; the rotary tables made
+        to cover the cache's capacity (the stack reads them at the positions itself, and checks
+        the positions against them)."""
         self._ensure_rope(cache.max_blocks_per_seq * cache.block_size)
         h = self.embed_tokens(tokens)
-        return tuple(stack.forward_logits_host(h, positions, self.cos, self.sin, cache.k_caches, cache.v_caches, table,
-                                               prefix_lens, qo_indptr, slot_mapping, len(self.layers),
-                                               *skinny_linear_rows(h.dtype)))
+        return h, skinny_linear_rows(h.dtype)
 
     def _stack_args(self, tokens, positions, cache, batch, num_layers) -> tuple:
         """The arguments of ``DecoderStack.forward`` / ``forward_logits`` for a forward of
-        :meth:`forward`'s arguments (the stack reads the rotary tables at the positions itself,
-        and checks them against the tables, which cover the cache's capacity)."""
-        self._ensure_rope(cache.max_blocks_per_seq * cache.block_size)
-        h = self.embed_tokens(tokens)
+        :meth:`forward`'s arguments."""
+        h, skinny = self._stack_inputs(tokens, cache)
         n = len(self.layers) if num_layers is None else len(self.layers[:num_layers])
         return (h, positions, self.cos, self.sin, cache.k_caches, cache.v_caches, batch.block_table, batch.prefix_lens,
-                batch.qo_indptr, batch.slot_mapping, batch.tree_mask, n, *skinny_linear_rows(h.dtype))
+                batch.qo_indptr, batch.slot_mapping, batch.tree_mask, n, *skinny)
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, cache: PagedKVCache, slot: int, *, num_layers: int | None = None,

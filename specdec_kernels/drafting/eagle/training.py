@@ -418,7 +418,7 @@ def main(argv=None) -> int:
     keep_vocab = head is not None and not args.new_vocab
     train_seqs, train_ex, held_ex, vocab, layer_index, feat_scale = _split_examples(
         args, model, data, head.draft_vocab if keep_vocab else None)
-    if head is not None and not keep_vocab:
+    if head is not None and args.new_vocab:
         head.draft_vocab = vocab.clone()
         head.attach(model)  # the LM head's rows of the new vocabulary
     if head is None:
