@@ -809,6 +809,9 @@ inline void unpack_avx2(const Problem& p, int64_t g, int64_t b, int half, Unpack
 // them to the stack (more stack traffic than arithmetic).
 inline void keep_in_register(__m256i& v) { __asm__("" : "+x"(v)); }
 
+// Whether the AVX2 sums subtract offset(Type) * sum q (Q8_0's bytes were made signed by unpack_avx2).
+constexpr bool subtracts_offset_avx2(int64_t t) { return offset(t) != 0 && t != gguf::kQ8_0; }
+
 // One activation row's values for block mb, broadcast (loaded once for both halves: stores to
 // the float accumulators between them would make the compiler load them again).
 struct RowBlockAvx2 {
@@ -820,7 +823,7 @@ inline RowBlockAvx2 row_block_avx2(const Problem& p, int64_t mb) {
   RowBlockAvx2 r{_mm256_set1_ps(p.d[mb]), _mm256_set1_ps(p.s[mb]), _mm256_setzero_si256()};
   if constexpr (Type == kQ6_K) {
     r.corr = _mm256_set1_epi32((p.sqh[2 * mb] & 0xFFFF) | static_cast<int32_t>(static_cast<uint32_t>(p.sqh[2 * mb + 1]) << 16));
-  } else if constexpr (offset(Type) != 0 && Type != gguf::kQ8_0) {  // Q8_0's bytes were made signed by unpack_avx2
+  } else if constexpr (subtracts_offset_avx2(Type)) {
     r.corr = _mm256_set1_epi32(offset(Type) * p.sq[mb]);
   }
   return r;
@@ -831,7 +834,7 @@ inline RowBlockAvx2 row_block_avx2(const Problem& p, int64_t mb) {
 template <int64_t Type>
 inline __m256i finish_isum_avx2(const UnpackedAvx2& u, __m256i sums, const RowBlockAvx2& r) {
   if constexpr (Type == kQ6_K) return _mm256_sub_epi32(sums, _mm256_madd_epi16(u.sc01x32, r.corr));
-  else if constexpr (offset(Type) != 0 && Type != gguf::kQ8_0) return _mm256_sub_epi32(sums, r.corr);
+  else if constexpr (subtracts_offset_avx2(Type)) return _mm256_sub_epi32(sums, r.corr);
   else return sums;
 }
 
@@ -844,39 +847,39 @@ inline __m256 scale_block_avx2(const UnpackedAvx2& u, __m256i isum, const RowBlo
   return acc;
 }
 
+// Adds word j's products of one row and one half (w: the half's unpacked word, x: the row's
+// broadcast activation word) to its running sums (every AVX2 path's arithmetic): int16 chains of
+// as many words as cannot saturate, each folded into the int32 sum s32 by vpmaddwd (Q6_K: with
+// the sub-block's scales; Q8_0: every word).
+template <int64_t Type>
+inline void dot_word_avx2(int j, __m256i w, __m256i x, const UnpackedAvx2& u, __m256i& s16, __m256i& s32) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (Type == gguf::kQ8_0) {
+    const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)), ones);
+    s32 = j == 0 ? prod : _mm256_add_epi32(s32, prod);
+    keep_in_register(s32);
+  } else {
+    constexpr int chain = Type == kQ6_K ? 2 : is_five_bit(Type) ? 4 : 8;
+    const __m256i prod = _mm256_maddubs_epi16(w, x);
+    s16 = j % chain == 0 ? prod : _mm256_add_epi16(s16, prod);
+    keep_in_register(s16);
+    if (j % chain == chain - 1) {
+      const __m256i folded = _mm256_madd_epi16(s16, Type != kQ6_K ? ones : j < 4 ? u.sc0 : u.sc1);
+      s32 = j == chain - 1 ? folded : _mm256_add_epi32(s32, folded);
+      keep_in_register(s32);
+    }
+  }
+}
+
 // The integer dot products (8 lanes) of the unpacked block with activation row block mb, before
 // finish_isum_avx2's corrections.
 template <int64_t Type>
 inline __m256i isum_avx2(const Problem& p, const UnpackedAvx2& u, int64_t mb) {
   const int8_t* xq = p.q + mb * kBlock;
-  const __m256i ones = _mm256_set1_epi16(1);
-  auto x = [&](int j) { return _mm256_set1_epi32(load_i32(xq + 4 * j)); };
-  auto pairs = [&](int j) { return _mm256_maddubs_epi16(u.w[j], x(j)); };
-  if constexpr (Type == gguf::kQ8_0) {
-    __m256i isum = _mm256_setzero_si256();
-    for (int j = 0; j < 8; ++j) {
-      const __m256i prod = _mm256_maddubs_epi16(_mm256_abs_epi8(u.w[j]), _mm256_sign_epi8(x(j), u.w[j]));
-      isum = _mm256_add_epi32(isum, _mm256_madd_epi16(prod, ones));
-    }
-    return isum;
-  } else if constexpr (Type == kQ6_K) {
-    const __m256i a0 = _mm256_add_epi16(pairs(0), pairs(1)), a1 = _mm256_add_epi16(pairs(2), pairs(3));
-    const __m256i b0 = _mm256_add_epi16(pairs(4), pairs(5)), b1 = _mm256_add_epi16(pairs(6), pairs(7));
-    return _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(a0, u.sc0), _mm256_madd_epi16(a1, u.sc0)),
-                            _mm256_add_epi32(_mm256_madd_epi16(b0, u.sc1), _mm256_madd_epi16(b1, u.sc1)));
-  } else if constexpr (is_five_bit(Type)) {
-    const __m256i p0 = _mm256_add_epi16(_mm256_add_epi16(pairs(0), pairs(1)), _mm256_add_epi16(pairs(2), pairs(3)));
-    const __m256i p1 = _mm256_add_epi16(_mm256_add_epi16(pairs(4), pairs(5)), _mm256_add_epi16(pairs(6), pairs(7)));
-    return _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
-  } else {
-    __m256i sum = pairs(0);
-    keep_in_register(sum);
-    for (int j = 1; j < 8; ++j) {
-      sum = _mm256_add_epi16(sum, pairs(j));
-      keep_in_register(sum);
-    }
-    return _mm256_madd_epi16(sum, ones);
-  }
+  __m256i s16, s32;
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) dot_word_avx2<Type>(j, u.w[j], _mm256_set1_epi32(load_i32(xq + 4 * j)), u, s16, s32);
+  return s32;
 }
 
 template <int64_t Type, int MR>
@@ -925,30 +928,6 @@ inline void group_regs_avx2(const Problem& p, int64_t g, gguf::Prefetcher& pf, i
 template <int64_t Type>
 constexpr int tile_rows_avx2() {  // registers: 2 int16 chains per row (4 with a second int32 sum), 2 weight words, x
   return Type == gguf::kQ8_0 || Type == kQ6_K || is_five_bit(Type) ? 2 : 4;  // 3 and 5 measured no faster
-}
-
-// Adds word j's products of one row and one half (w: the half's unpacked word, x: the row's
-// broadcast activation word) to its running sums, in isum_avx2's arithmetic: int16 chains of
-// as many words as cannot saturate, each folded into the int32 sum s32 by vpmaddwd (Q6_K: with
-// the sub-block's scales; Q8_0: every word).
-template <int64_t Type>
-inline void dot_word_avx2(int j, __m256i w, __m256i x, const UnpackedAvx2& u, __m256i& s16, __m256i& s32) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  if constexpr (Type == gguf::kQ8_0) {
-    const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)), ones);
-    s32 = j == 0 ? prod : _mm256_add_epi32(s32, prod);
-    keep_in_register(s32);
-  } else {
-    constexpr int chain = Type == kQ6_K ? 2 : is_five_bit(Type) ? 4 : 8;
-    const __m256i prod = _mm256_maddubs_epi16(w, x);
-    s16 = j % chain == 0 ? prod : _mm256_add_epi16(s16, prod);
-    keep_in_register(s16);
-    if (j % chain == chain - 1) {
-      const __m256i folded = _mm256_madd_epi16(s16, Type != kQ6_K ? ones : j < 4 ? u.sc0 : u.sc1);
-      s32 = j == chain - 1 ? folded : _mm256_add_epi32(s32, folded);
-      keep_in_register(s32);
-    }
-  }
 }
 
 // The exact dot products of rows m0 .. m0 + MR - 1 with both halves of block b (unpacked in
