@@ -161,17 +161,17 @@ def _k_scales(s: bytes) -> tuple[list[int], list[int]]:
     return sc, mn
 
 
-def _block_terms(block: bytes, block_type: int) -> list[tuple[float, float, list[int]]]:
-    """The terms of one GGUF block, per sub-block of 32 weights: (d_w, m_w, c) with weight j =
-    d_w * (the integers behind c) + m_w, such that the block's integer dot product with
-    activation integers q is i = sum_j c[j] * q[j]:
+def _record_terms(block: bytes, block_type: int) -> tuple[float, float, list[tuple[list[int], int, int]]]:
+    """One GGUF block as (d, m_w, subs), subs one (c, sc, mn) per sub-block of 32 weights, such
+    that the block's integer sum with activation integers q is I = sum_s sc * (c . q_s), and for
+    the K-quants with mins Mn = sum_s mn * sum(q_s):
       Q4_0: c = nibble - 8; Q4_1: c = nibble, m_w = m; Q8_0: c = q; Q5_0: c = q5 - 16;
-      Q5_1: c = q5, m_w = m; Q4_K / Q5_K (8 sub-blocks): d_w = d * sc, m_w = -(dmin * mn), c = q;
-      Q6_K (8 sub-blocks of two 16-weight halves with int8 scales sc0, sc1): d_w = d,
-      c = sc_half * (q6 - 32)."""
+      Q5_1: c = q5, m_w = m (sc = 1, mn = 0 for these); Q4_K / Q5_K (8 sub-blocks): c = q, the
+      6-bit sc and mn, m_w = dmin; Q6_K (8 sub-blocks of two 16-weight halves with int8 scales
+      sc0, sc1): c = sc_half * (q6 - 32), sc = 1."""
     f16 = lambda at: _fp16(block[at:at + 2])  # noqa: E731
     if block_type == 8:
-        return [(f16(0), 0.0, list(struct.unpack("<32b", block[2:34])))]
+        return f16(0), 0.0, [(list(struct.unpack("<32b", block[2:34])), 1, 0)]
     if block_type in (2, 3, 6, 7):
         at = 4 if block_type in (3, 7) else 2
         high = [0] * 32
@@ -183,71 +183,81 @@ def _block_terms(block: bytes, block_type: int) -> list[tuple[float, float, list
         q = [v | (h << 4) for v, h in zip(q, high)]
         offset = {2: 8, 3: 0, 6: 16, 7: 0}[block_type]
         m = f16(2) if block_type in (3, 7) else 0.0
-        return [(f16(0), m, [v - offset for v in q])]
+        return f16(0), m, [([v - offset for v in q], 1, 0)]
     if block_type in (12, 13):
-        d, dmin = f16(0), f16(2)
         sc, mn = _k_scales(block[4:16])
         qh, qs = (block[16:48], block[48:176]) if block_type == 13 else (bytes(32), block[16:144])
-        terms = []
+        subs = []
         for s in range(8):
             pair = qs[32 * (s // 2):32 * (s // 2) + 32]
             low = [(b >> (4 * (s % 2))) & 15 for b in pair]
-            q = [v | (((qh[i] >> s) & 1) << 4) for i, v in enumerate(low)]
-            terms.append((d * sc[s], -(dmin * mn[s]), q))  # both products exact in fp32
-        return terms
+            subs.append(([v | (((qh[i] >> s) & 1) << 4) for i, v in enumerate(low)], sc[s], mn[s]))
+        return f16(0), f16(2), subs
     if block_type == 14:
         ql, qh = block[0:128], block[128:192]
         scales = struct.unpack("<16b", block[192:208])
-        d = f16(208)
         q = []
         for i in range(256):  # weight i: low bits from ql, high bits from qh
             h, r = divmod(i, 128)
             low = (ql[64 * h + r % 64] >> (4 * (r // 64))) & 15
             high = (qh[32 * h + r % 32] >> (2 * (r // 32))) & 3
             q.append(low | (high << 4))
-        return [(d, 0.0, [scales[(32 * s + j) // 16] * (q[32 * s + j] - 32) for j in range(32)]) for s in range(8)]
+        return f16(208), 0.0, [([scales[(32 * s + j) // 16] * (q[32 * s + j] - 32) for j in range(32)], 1, 0)
+                               for s in range(8)]
     raise ValueError(f"unsupported block type {block_type}")
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, H] (H a multiple of 32) -> (q int64 [M, H / 32, 32], d fp32 [M, H / 32]): per
-    block of 32, d = max|x| / 127 and q = round_half_even(x * (1 / d)) clamped to +-127, all in
-    fp32 (a block with max|x| < 2^-96 is zero: d = 0, q = 0; a block holding NaN or inf has
-    q = 0, d = NaN)."""
+def activation_block(block_type: int) -> int:
+    """Activations per int8 scale: 256 (one GGUF block) for the K-quants, 32 otherwise."""
+    return INT8_BLOCK_FORMATS[block_type][0]
+
+
+def quantize_activations(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, H] (H a multiple of ``block``) -> (q int64 [M, H / 32, 32], d fp32 [M, H / block]):
+    per scale block of ``block`` values, d = max|x| / 127 and q = round_half_even(x * (1 / d))
+    clamped to +-127, all in fp32 (a scale block with max|x| < 2^-96 is zero: d = 0, q = 0; one
+    holding NaN or inf has q = 0, d = NaN)."""
     M, H = x.shape
-    xb = x.float().reshape(M, H // 32, 32)
+    xb = x.float().reshape(M, H // block, block)
     finite = torch.isfinite(xb).all(-1)
     amax = xb.abs().amax(-1).where(finite, torch.zeros(()))
     d = torch.where(amax < 2.0 ** -96, torch.zeros(()), amax / 127)
     inv = torch.where(d == 0, torch.zeros(()), 1 / d)
     q = torch.round(xb * inv[..., None]).clamp(-127, 127).to(torch.int64)
     q = q.where(finite[..., None], torch.zeros((), dtype=torch.int64))
-    return q, d.where(finite, torch.full((), float("nan")))
+    return q.reshape(M, H // 32, 32), d.where(finite, torch.full((), float("nan")))
 
 
 def int8_activation_linear(x: torch.Tensor, weight: torch.Tensor, block_type: int,
                            bias: torch.Tensor | None = None) -> torch.Tensor:
     """The result of specdec::int8_activation_linear from the weight's plain GGUF blocks
-    (uint8 [N, H / block size * block bytes], not the packed form), in float64: per block of
-    32, the exact integer dot product i = sum_j c_j q_j (``_block_terms``), times fp32(d_w *
-    d_x), plus m_w * fp32(d_x * sum q_x); summed over blocks, plus bias."""
+    (uint8 [N, H / block size * block bytes], not the packed form), in float64: x quantised per
+    GGUF block (``activation_block``: scale d_x); per GGUF block, the exact integer sums I and Mn
+    (``_record_terms``), then I * fp32(d * d_x), plus m * fp32(d_x * sum q) (Q4_1 / Q5_1) or
+    minus Mn * fp32(dmin * d_x) (Q4_K / Q5_K); summed over blocks, plus bias."""
     M, H = x.shape
     size, nbytes = INT8_BLOCK_FORMATS[block_type]
-    nb = H // 32
-    q, d = quantize_activations(x)
-    sq = q.sum(-1)
-    s = (d * sq.float()).double()  # fp32 product, as the kernel rounds it
+    q, d = quantize_activations(x, size)  # q [M, H / 32, 32], d [M, H / size]
+    sq = q.sum(-1)  # [M, H / 32]
     data = weight.contiguous().numpy().tobytes()
     N = weight.shape[0]
     out = torch.zeros(M, N, dtype=torch.float64)
+    fp32 = lambda v: v.float().double()  # noqa: E731  (a product rounded to fp32, as the kernel does)
     for n in range(N):
-        b = 0
-        for off in range(n * H // size * nbytes, (n + 1) * H // size * nbytes, nbytes):
-            for dw, mw, coef in _block_terms(data[off:off + nbytes], block_type):
-                i = q[:, b] @ torch.tensor(coef, dtype=torch.int64)  # [M], exact
-                scale = (torch.tensor(dw, dtype=torch.float32) * d[:, b]).double()  # fp32 product
-                out[:, n] += i.double() * scale + mw * s[:, b]
-                b += 1
+        for r, off in enumerate(range(n * H // size * nbytes, (n + 1) * H // size * nbytes, nbytes)):
+            dw, mw, subs = _record_terms(data[off:off + nbytes], block_type)
+            isum = torch.zeros(M, dtype=torch.int64)
+            mins = torch.zeros(M, dtype=torch.int64)
+            for s, (coef, sc, mn) in enumerate(subs):
+                b = r * len(subs) + s
+                isum += sc * (q[:, b] @ torch.tensor(coef, dtype=torch.int64))  # exact
+                mins += mn * sq[:, b]
+            dx = d[:, r]
+            out[:, n] += isum.double() * fp32(torch.tensor(dw, dtype=torch.float32) * dx)
+            if block_type in (3, 7):
+                out[:, n] += mw * fp32(dx * sq[:, r].float())
+            if block_type in (12, 13):
+                out[:, n] -= mins.double() * fp32(torch.tensor(mw, dtype=torch.float32) * dx)
     if bias is not None:
         out += bias.double()[None]
     return out

@@ -323,7 +323,7 @@ def build_parser() -> Parser:
     g.add_argument("--raw", action="store_true", help="use the prompt as it is, without the chat template")
     g.add_argument("--weights", default="native", choices=WEIGHT_FORMATS,
                    help="native: a GGUF file's own block formats; native-int8act: those blocks with activations "
-                        "quantised to int8 per block of 32 (llama.cpp's arithmetic: faster, outputs differ slightly "
+                        "quantised to int8 per GGUF block (llama.cpp's arithmetic: faster, outputs differ slightly "
                         "from native's); fp32/bf16: dequantised; q8_0/q4_0: quantised on load")
     g.add_argument("--drafter", default=None, choices=DRAFTERS, metavar="{" + ",".join(DRAFTERS) + "}",
                    help="who drafts the tokens the model verifies (see the list below); none = autoregressive; "

@@ -776,9 +776,9 @@ __all__ += ["int8_activation_linear"]
 
 def int8_activation_linear(x: torch.Tensor, packed_weight: torch.Tensor, block_type: int, N: int,
                            bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T + bias`` with x quantised to int8 per block of 32 and integer dot products
-    (llama.cpp's way), W [N, H] GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
-    repacked 16 rows at a time.
+    """``x @ W.T + bias`` with x quantised to int8 (one scale per GGUF block) and integer dot
+    products (llama.cpp's way), W [N, H] GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+    Q6_K) repacked 16 rows at a time.
 
     Args:
         x: [M, H] fp32/bf16/fp16, H a multiple of the block size (32; 256 for the K-quants).
@@ -791,23 +791,23 @@ def int8_activation_linear(x: torch.Tensor, packed_weight: torch.Tensor, block_t
         bias: [N] fp32/bf16/fp16 or None.
         out: optional fp32 [M, N] destination, contiguous.
 
-    Returns fp32 [M, N]. Each activation block of 32 is quantised as d_x = max|x| / 127, q =
-    round_half_even(x / d_x) (x times fp32 1 / d_x), s_x = d_x * sum(q); a block with max|x| <
-    2^-96 counts as zero; a block holding NaN or inf makes its row's outputs NaN. Per output,
-    over the blocks of 32 in order (a K-quant block is 8 such sub-blocks):
-        i = the exact integer dot product of the weight integers c and q, c = nibble - 8 (Q4_0),
-            q5 - 16 (Q5_0), q (Q8_0), the unsigned integer (Q4_1, Q5_1, Q4_K, Q5_K); Q6_K:
-            i = sc0 * sum_{j<16} (q6_j - 32) q_j + sc1 * sum_{j>=16} (q6_j - 32) q_j (sc0, sc1
-            the int8 scales of the two 16-weight halves);
-        acc = fma(float(i), d_w * d_x, acc), d_w the block's fp16 d (Q4_K / Q5_K: d * sc, the
-            sub-block's 6-bit scale, exact in fp32), d_w * d_x rounded to fp32;
-        Q4_1 / Q5_1: acc = fma(m, s_x, acc); Q4_K / Q5_K: acc = fma(-(dmin * mn), s_x, acc);
+    Returns fp32 [M, N]. Each activation block of A values (A = the GGUF block size: 256 for
+    the K-quants, as llama.cpp's Q8_K; 32 otherwise, as its Q8_0) is quantised as d_x = max|x| /
+    127, q = round_half_even(x / d_x) (x times fp32 1 / d_x); per 32, s_x = d_x * sum(q); a
+    block with max|x| < 2^-96 counts as zero; a block holding NaN or inf makes its row's outputs
+    NaN. Per output, over the GGUF blocks in order:
+        I = the exact integer dot product of the weight integers and q: c = nibble - 8 (Q4_0),
+            q5 - 16 (Q5_0), q (Q8_0), the unsigned integer (Q4_1, Q5_1); Q4_K / Q5_K: I = sum
+            over the 8 sub-blocks of sc * (unsigned integers . q) (sc the 6-bit scale); Q6_K:
+            I = sum over the 16 halves of sc * sum (q6_j - 32) q_j (sc the int8 scale);
+        acc = fma(float(I), d_w * d_x, acc), d_w the block's fp16 d, d_w * d_x rounded to fp32;
+        Q4_1 / Q5_1: acc = fma(m, s_x, acc); Q4_K / Q5_K: acc = fma(-float(Mn), dmin * d_x,
+            acc), Mn = sum over sub-blocks of mn * sum(q) (mn the 6-bit min);
     then + bias. So a row's result is bit-identical whatever M and the other rows are, on
-    every CPU path (AVX-512 VNNI, AVX2, portable); the Triton kernel (CUDA) computes the same
-    integers and combines them in the same order (its FMAs may be contracted differently:
+    every CPU path (AMX, AVX-512 VNNI, AVX2, portable); the Triton kernel (CUDA) computes the
+    same integers and combines them in the same order (its FMAs may be contracted differently:
     equal within rounding). The result differs from ``quantized_linear`` by the activation
-    rounding (relative error ~1e-3 of a typical output), as llama.cpp's does (which, for the
-    K-quants, quantises activations per 256 instead of per 32).
+    rounding (relative error ~1e-3 of a typical output), as llama.cpp's does.
     """
     checks.check_tensor(x, "x", dims=2)
     if out is None:

@@ -1,4 +1,4 @@
-"""specdec::int8_activation_linear (activations quantised to int8 per block of 32; Q4_0, Q4_1,
+"""specdec::int8_activation_linear (activations quantised to int8 per GGUF block; Q4_0, Q4_1,
 Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K blocks repacked 16 rows at a time) on every backend against
 python_ref, which computes from the plain GGUF blocks (so the packing is checked too), and
 against gguf's own dequantisation within the activation rounding; the CPU paths' bits; batch
@@ -107,7 +107,8 @@ def test_within_the_activation_rounding_of_the_gguf_product(block_type):
     x = torch.randn(6, H, generator=g)
     out = ops.int8_activation_linear(x, packed, block_type, N).double()
     exact = x.double() @ w.T
-    d_x = (x.reshape(6, H // 32, 32).abs().amax(-1).double() / 127).repeat_interleave(32, 1)
+    A = ref.activation_block(block_type)  # activations per int8 scale
+    d_x = (x.reshape(6, H // A, A).abs().amax(-1).double() / 127).repeat_interleave(A, 1)
     bound = (d_x / 2) @ w.abs().T
     slack = 1e-5 * (x.double().abs() @ w.abs().T)
     err = out - exact
@@ -190,14 +191,15 @@ def test_thread_count_invariant(block_type):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("block_type", [Q4_1, Q5_0, Q4_K, Q6_K])
 def test_special_activation_blocks(backend, block_type):
-    """Zero and tiny (< 2^-96) blocks count as zero; huge values scale; NaN or inf in a
-    block makes that row's outputs NaN and leaves the other rows alone."""
+    """Zero and tiny (< 2^-96) activation blocks count as zero; huge values scale; NaN or inf in
+    a block makes that row's outputs NaN and leaves the other rows alone."""
     g = torch.Generator().manual_seed(5)
-    N, H = 20, max(64, block_size(block_type))
+    A = ref.activation_block(block_type)  # activations per int8 scale
+    N, H = 20, 2 * A
     blocks, packed = packed_weight(N, H, block_type, g)
     x = torch.randn(6, H, generator=g)
     x[0] = 0
-    x[1, :32] = 1e-30  # tiny block: zero; the other block is ordinary
+    x[1, :A] = 1e-30  # tiny block: zero; the other block is ordinary
     x[2] *= 1e30
     x[3, 5] = float("nan")
     x[4, 40] = float("inf")
@@ -205,7 +207,7 @@ def test_special_activation_blocks(backend, block_type):
     want = ref.int8_activation_linear(x, blocks, block_type)
     assert torch.equal(out[0], torch.zeros(N))
     x1 = x[1:2].clone()
-    x1[0, :32] = 0
+    x1[0, :A] = 0
     assert torch.equal(out[1:2], run(backend, x1, packed, block_type, N))
     assert_matches(out[2] / 1e30, want[2] / 1e30, H)
     assert out[3].isnan().all() and out[4].isnan().all()
@@ -442,6 +444,39 @@ def test_cpu_paths_give_identical_bits(tmp_path):
     if not flags or not {"avx512f", "avx512vl", "avx512dq", "avx512bw", "avx512_vnni"} <= flags:
         pytest.skip("this CPU has no AVX-512 VNNI (or it cannot be told): the AVX2 and portable paths were "
                     "compared, the VNNI one did not run")
+
+
+SIMDE_HEADER = "/usr/include/simde/x86/avx512.h"  # Debian's libsimde-dev (.ci/run installs it)
+
+
+def test_vnni_and_amx_paths_emulated(tmp_path):
+    """The AVX-512 VNNI and AMX paths on any CPU with AVX2 (the test above runs them only where
+    the CPU has them): tests/int8_activation_linear_emulated.cpp compiles them with SIMDe's
+    portable AVX-512 intrinsics and emulated AMX tiles, and compares them with the portable path
+    bit for bit (every format, 1-70 rows, bias, zero and NaN rows)."""
+    import subprocess
+
+    from torch.utils.cpp_extension import include_paths
+
+    flags = cpu_flags()
+    if flags is not None and not {"avx2", "fma", "f16c"} <= flags:
+        pytest.skip("the emulation is built for AVX2 + FMA + F16C, which this CPU lacks")
+    if not os.path.exists(SIMDE_HEADER):
+        if os.environ.get("CI"):
+            pytest.fail(f"{SIMDE_HEADER} is missing: apt-get install libsimde-dev")
+        pytest.skip(f"{SIMDE_HEADER} is missing (apt-get install libsimde-dev)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    exe = str(tmp_path / "emulated")
+    cmd = ["g++", "-std=c++20", "-O1", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off",
+           "-I", os.path.join(root, "csrc"), "-I", os.path.join(root, "csrc", "cpu"),
+           *[f"-I{p}" for p in include_paths()], os.path.join(root, "tests", "int8_activation_linear_emulated.cpp"),
+           "-o", exe, f"-L{torch_lib}", "-lc10", f"-Wl,-rpath,{torch_lib}"]
+    built = subprocess.run(cmd, capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-3000:]
+    ran = subprocess.run([exe], capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0 and "mismatches 0" in ran.stdout, ran.stdout[-3000:] + ran.stderr[-2000:]
+    assert "cases 192," in ran.stdout, ran.stdout  # every format and row count ran
 
 
 @pytest.mark.parametrize("block_type", TYPES)

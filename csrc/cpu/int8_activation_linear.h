@@ -1,6 +1,7 @@
 // The CPU kernel of specdec::int8_activation_linear: GGUF-block weights (Q4_0, Q4_1, Q5_0, Q5_1,
-// Q8_0, Q4_K, Q5_K, Q6_K) repacked 16 rows at a time, times activations quantised to int8 per
-// block of 32 (llama.cpp's way: integer dot products instead of decoding every weight to fp32).
+// Q8_0, Q4_K, Q5_K, Q6_K) repacked 16 rows at a time, times activations quantised to int8 with
+// one scale per GGUF block (llama.cpp's way: integer dot products instead of decoding every
+// weight to fp32).
 //
 // Why: quantized_linear (gguf_blocks.h) decodes each weight to fp32 and multiplies with fused
 // multiply-adds: decoding limits one activation row, and every further row costs 2 FMAs per
@@ -27,30 +28,37 @@
 // 5-bit or 6-bit integer, or q + 128) meets activation bytes 4j .. 4j + 3 of the block, and 64
 // bytes give one int32 lane per row.
 //
-// Activations (each row m, each block b of 32): amax = max |x|; d = amax / 127 (fp32);
-// q = round_half_even(x * (1 / d)) clamped to [-127, 127]; sq = sum q (and the halves' sums
-// sq0, sq1 of q[0..16), q[16..32)); s = d * float(sq) (fp32). A block with amax < 2^-96 counts
-// as zero (d = s = 0, q = 0: 1 / d would overflow for subnormal amax). A block holding NaN or
-// +-inf gets q = 0, d = s = NaN (its row's outputs are NaN).
+// Activations (each row m, each scale block a of A values: A = 256 for the K-quants, one scale
+// per GGUF block as llama.cpp's Q8_K; A = 32 for the other formats, as its Q8_0): amax = max |x|
+// over the scale block; d = amax / 127 (fp32); q = round_half_even(x * (1 / d)) clamped to
+// [-127, 127]; per block b of 32, sq = sum q (and the halves' sums sq0, sq1 of q[0..16),
+// q[16..32)) and s = d * float(sq) (fp32). A scale block with amax < 2^-96 counts as zero (d = s
+// = 0, q = 0: 1 / d would overflow for subnormal amax). A scale block holding NaN or +-inf gets
+// q = 0, d = s = NaN (its row's outputs are NaN).
 //
 // Result, per output (m, n), in one fixed order (so a row's result is bit-identical whatever M,
-// the other rows, the ISA path or the threads are):
-//   acc = 0; for b = 0 .. H / 32 - 1 (block b of 32 is sub-block b % 8 of K-quant block b / 8):
-//     i = the exact int32 dot product of the block's weight integers c and activations q:
-//         Q4_0: c = nibble - 8; Q5_0: c = q5 - 16; Q8_0: c = q; Q4_1, Q5_1, Q4_K, Q5_K: c = the
-//         unsigned integer; Q6_K: i = sc0 * sum_{j<16} (q6_j - 32) q_j + sc1 * sum_{j>=16} (...)
-//     acc = fma(float(i), d_w * d_x, acc)           (d_w * d_x rounded to fp32), d_w = d, or for
-//         Q4_K / Q5_K d * sc (exact in fp32)
-//     Q4_1 / Q5_1: acc = fma(m, s_x, acc); Q4_K / Q5_K: acc = fma(-(dmin * mn), s_x, acc)
-//         (dmin * mn exact in fp32)
+// the other rows, the ISA path or the threads are): acc = 0; for each GGUF block r of the row
+// (one record), with its activation scale d_x:
+//   I = the exact int32 dot product of the block's weight integers c and activations q:
+//       Q4_0: c = nibble - 8; Q5_0: c = q5 - 16; Q8_0: c = q; Q4_1, Q5_1: c = the unsigned
+//       integer; Q4_K / Q5_K: I = sum over sub-blocks s of sc_s * (sum_j u_j q_j), u the unsigned
+//       integers and sc_s the 6-bit scale; Q6_K: I = sum over halves h of 16 of sc_h * (sum_j
+//       (q6_j - 32) q_j), sc_h the int8 scale
+//   acc = fma(float(I), d_w * d_x, acc)        (d_w * d_x rounded to fp32; d_w = d)
+//   Q4_1 / Q5_1: acc = fma(m, s_x, acc); Q4_K / Q5_K: acc = fma(-float(Mn), dmin * d_x, acc) with
+//       Mn = sum_s mn_s * sq_s (exact: |Mn| < 2^21)
 //   out = acc (+ bias[n], one more rounding).
-// The integer sums are exact in any order (|i| < 2^24), so the vector paths may split them.
+// The integer sums are exact in any order (|I| < 2^27), so the vector paths may split them; a
+// K-quant block costs two fp32 roundings instead of sixteen (one per sub-block, the earlier
+// rule): the per-sub-block fp32 scaling was a third of the AVX2 product's time.
 //
 // Blocking: each record is unpacked once for all M rows. Up to kTileM rows (4 with AVX-512, 2
-// with AVX2) the rows' accumulators stay in registers over the whole row of blocks (AVX2: both
-// 8-row halves of a group in one pass); beyond, the accumulators of all rows live in a small
-// scratch (L1) and every unpacked block is applied to the rows in tiles (AVX-512: kTileM rows;
-// AVX2: tile_rows_avx2 rows, both halves at once). Threads take
+// with AVX2) the rows' integer sums and accumulators stay in registers over the whole row of
+// records (AVX2: both 8-row halves of a group in one pass); beyond, a record's sub-blocks are
+// unpacked into L1, applied to the rows in tiles whose integer sums stay in registers over the
+// record (AVX-512: kTileM rows; AVX2: tile_rows_avx2 rows, both halves at once), and the record
+// is scaled into the rows' accumulators in a small scratch (AMX: the tiles' products go through
+// an integer scratch). Threads take
 // contiguous runs of groups (linear.cpp: about one per thread below 16 rows, several from 16),
 // each one stream, prefetched kPrefetchAhead bytes ahead. The vector paths
 // quantise the activations with AVX2 (quantize_activations_avx2), the portable path with the
@@ -84,6 +92,8 @@ constexpr int64_t kBlock = 32;      // weights (and activations) per block
 constexpr float kTinyBlock = 0x1p-96f;  // activation blocks with max |x| below this count as zero
 
 constexpr bool is_k_quant(int64_t t) { return t == kQ4_K || t == kQ5_K || t == kQ6_K; }
+// Blocks of 32 per record, GGUF block and activation scale: 8 for the K-quants, 1 otherwise.
+constexpr int64_t record_subs(int64_t t) { return is_k_quant(t) ? 8 : 1; }
 constexpr bool is_five_bit(int64_t t) { return t == kQ5_0 || t == kQ5_1 || t == kQ5_K; }
 constexpr bool has_min(int64_t t) { return t == gguf::kQ4_1 || t == kQ5_1; }  // + fma(m, s_x)
 constexpr bool has_k_min(int64_t t) { return t == kQ4_K || t == kQ5_K; }      // - dmin * mn * s_x
@@ -92,7 +102,7 @@ constexpr int32_t offset(int64_t t) {
   return t == gguf::kQ4_0 ? 8 : t == kQ5_0 ? 16 : t == gguf::kQ8_0 ? 128 : 0;
 }
 // Weights per record (the GGUF block size).
-inline int64_t record_weights(int64_t type) { return is_k_quant(type) ? 256 : kBlock; }
+inline int64_t record_weights(int64_t type) { return record_subs(type) * kBlock; }
 // Bytes of one record (16 rows of one GGUF block); 0 for types the op does not read.
 inline int64_t record_bytes(int64_t type) {
   switch (type) {
@@ -125,8 +135,8 @@ constexpr int64_t row_chunk(int64_t H) { return H <= 2048 ? 128 : 64; }
 
 struct Problem {
   const int8_t* q;     // [M, nb * 32] quantised activations
-  const float* d;      // [M, nb] their scales
-  const float* s;      // [M, nb] d * sum(q)
+  const float* d;      // [M, nb / record_subs] their scales, one per record (GGUF block)
+  const float* s;      // [M, nb] d * sum(q) per block of 32
   const int32_t* sq;   // [M, nb] sum(q)
   const int32_t* sqh;  // [M, nb, 2] the sums of q's halves (q[0..16), q[16..32))
   int64_t M, nb;       // nb = H / 32
@@ -141,44 +151,49 @@ struct Problem {
 // The record holding block b of group g, and b's sub-block index in it.
 template <int64_t Type>
 inline const uint8_t* record_at(const Problem& p, int64_t g, int64_t b) {
-  constexpr int64_t per = is_k_quant(Type) ? 8 : 1;
+  constexpr int64_t per = record_subs(Type);
   return p.w + (g * (p.nb / per) + b / per) * p.bb;
 }
+// Row m's activation scale for record r.
 template <int64_t Type>
-constexpr int64_t sub_index(int64_t b) { return is_k_quant(Type) ? b % 8 : 0; }
+inline float scale_at(const Problem& p, int64_t m, int64_t r) { return p.d[m * (p.nb / record_subs(Type)) + r]; }
 
-// Quantises x [M, H] (fp32, contiguous, H = nb * 32) as the header says. Plain scalar code:
-// the portable path's, and the reference of quantize_activations_avx2 (the vector paths'),
-// which gives the same bits.
-inline void quantize_activations(const float* x, int64_t M, int64_t nb, int8_t* q, float* d, float* s,
+// Quantises x [M, H] (fp32, contiguous, H = nb * 32) as the header says, per scale blocks of
+// `per` blocks of 32 (record_subs). Plain scalar code: the portable path's, and the reference
+// of quantize_activations_avx2 (the vector paths'), which gives the same bits.
+inline void quantize_activations(const float* x, int64_t M, int64_t nb, int64_t per, int8_t* q, float* d, float* s,
                                  int32_t* sq, int32_t* sqh) {
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t mb = m * nb + b;
+  const int64_t span = per * kBlock;
+  for (int64_t a = 0; a < M * nb / per; ++a) {  // scale block a = row a / (nb / per), its blocks a * per ..
+    const float* xa = x + a * span;
+    float amax = 0.f;
+    bool finite = true;
+    for (int64_t j = 0; j < span; ++j) {
+      finite = finite && std::isfinite(xa[j]);
+      amax = std::max(amax, std::fabs(xa[j]));
+    }
+    if (!finite) {
+      std::memset(q + a * span, 0, span);
+      d[a] = std::numeric_limits<float>::quiet_NaN();
+      for (int64_t mb = a * per; mb < (a + 1) * per; ++mb) {
+        s[mb] = std::numeric_limits<float>::quiet_NaN();
+        sq[mb] = sqh[2 * mb] = sqh[2 * mb + 1] = 0;
+      }
+      continue;
+    }
+    const float dm = amax < kTinyBlock ? 0.f : amax / 127.f;
+    const float id = dm != 0.f ? 1.f / dm : 0.f;
+    d[a] = dm;
+    for (int64_t mb = a * per; mb < (a + 1) * per; ++mb) {
       const float* xb = x + mb * kBlock;
       int8_t* qb = q + mb * kBlock;
-      float amax = 0.f;
-      bool finite = true;
-      for (int64_t j = 0; j < kBlock; ++j) {
-        finite = finite && std::isfinite(xb[j]);
-        amax = std::max(amax, std::fabs(xb[j]));
-      }
       int32_t half[2] = {0, 0};
-      if (!finite) {
-        std::memset(qb, 0, kBlock);
-        d[mb] = s[mb] = std::numeric_limits<float>::quiet_NaN();
-        sq[mb] = sqh[2 * mb] = sqh[2 * mb + 1] = 0;
-        continue;
-      }
-      const float dm = amax < kTinyBlock ? 0.f : amax / 127.f;
-      const float id = dm != 0.f ? 1.f / dm : 0.f;
       for (int64_t j = 0; j < kBlock; ++j) {
         const float v = std::nearbyint(xb[j] * id);  // the default rounding mode: half to even
         const int32_t qi = static_cast<int32_t>(std::min(127.f, std::max(-127.f, v)));
         qb[j] = static_cast<int8_t>(qi);
         half[j / 16] += qi;
       }
-      d[mb] = dm;
       sq[mb] = half[0] + half[1];
       sqh[2 * mb] = half[0], sqh[2 * mb + 1] = half[1];
       s[mb] = dm * static_cast<float>(sq[mb]);
@@ -236,35 +251,41 @@ inline int32_t stored_weight(const uint8_t* wp, int64_t l, int64_t j, int64_t t)
   return u;
 }
 
+// Row m's exact integer sums of sub-block sub of a record with weight row l: I's term (the
+// header's "Result") and, for Q4_K / Q5_K, Mn's.
+template <int64_t Type>
+inline void sub_sums_generic(const Problem& p, const uint8_t* rec, int64_t sub, int64_t mb, int64_t l, int32_t& isum,
+                             int32_t& mins) {
+  const uint8_t* wp = rec + weights_at(Type) + sub * sub_bytes(Type);
+  const int8_t* xq = p.q + mb * kBlock;
+  int32_t half[2] = {0, 0};  // the dot products of words 0..3 and 4..7
+  for (int64_t j = 0; j < 8; ++j)
+    for (int64_t t = 0; t < 4; ++t) half[j / 4] += stored_weight<Type>(wp, l, j, t) * xq[4 * j + t];
+  if constexpr (Type == kQ6_K) {
+    isum += static_cast<int8_t>(rec[32 + 16 * (2 * sub) + l]) * (half[0] - 32 * p.sqh[2 * mb]) +
+            static_cast<int8_t>(rec[32 + 16 * (2 * sub + 1) + l]) * (half[1] - 32 * p.sqh[2 * mb + 1]);
+  } else if constexpr (has_k_min(Type)) {
+    isum += rec[64 + 16 * sub + l] * (half[0] + half[1]);
+    mins += rec[192 + 16 * sub + l] * p.sq[mb];
+  } else {
+    isum += half[0] + half[1] - offset(Type) * p.sq[mb];
+  }
+}
+
 template <int64_t Type>
 inline void group_generic(const Problem& p, int64_t g) {
+  constexpr int64_t P = record_subs(Type);
   for (int64_t m = 0; m < p.M; ++m) {
     float acc[kGroupRows] = {};
-    for (int64_t b = 0; b < p.nb; ++b) {
-      const uint8_t* rec = record_at<Type>(p, g, b);
-      const int64_t sub = sub_index<Type>(b);
-      const uint8_t* wp = rec + weights_at(Type) + sub * sub_bytes(Type);
-      const int64_t mb = m * p.nb + b;
-      const int8_t* xq = p.q + mb * kBlock;
+    for (int64_t r = 0; r < p.nb / P; ++r) {
+      const uint8_t* rec = record_at<Type>(p, g, r * P);
+      const float dx = scale_at<Type>(p, m, r);
       for (int64_t l = 0; l < kGroupRows; ++l) {
-        int32_t half[2] = {0, 0};  // the dot products of words 0..3 and 4..7
-        for (int64_t j = 0; j < 8; ++j)
-          for (int64_t t = 0; t < 4; ++t) half[j / 4] += stored_weight<Type>(wp, l, j, t) * xq[4 * j + t];
-        int32_t isum;
-        if constexpr (Type == kQ6_K) {
-          isum = static_cast<int8_t>(rec[32 + 16 * (2 * sub) + l]) * (half[0] - 32 * p.sqh[2 * mb]) +
-                 static_cast<int8_t>(rec[32 + 16 * (2 * sub + 1) + l]) * (half[1] - 32 * p.sqh[2 * mb + 1]);
-        } else {
-          isum = half[0] + half[1] - offset(Type) * p.sq[mb];
-        }
-        float dw = f16_at(rec + 2 * l);
-        if constexpr (has_k_min(Type)) dw *= static_cast<float>(rec[64 + 16 * sub + l]);
-        acc[l] = std::fma(static_cast<float>(isum), dw * p.d[mb], acc[l]);
-        if constexpr (has_min(Type)) acc[l] = std::fma(f16_at(rec + 32 + 2 * l), p.s[mb], acc[l]);
-        if constexpr (has_k_min(Type)) {
-          const float mw = f16_at(rec + 32 + 2 * l) * static_cast<float>(rec[192 + 16 * sub + l]);
-          acc[l] = std::fma(-mw, p.s[mb], acc[l]);
-        }
+        int32_t isum = 0, mins = 0;
+        for (int64_t sub = 0; sub < P; ++sub) sub_sums_generic<Type>(p, rec, sub, m * p.nb + r * P + sub, l, isum, mins);
+        acc[l] = std::fma(static_cast<float>(isum), f16_at(rec + 2 * l) * dx, acc[l]);
+        if constexpr (has_min(Type)) acc[l] = std::fma(f16_at(rec + 32 + 2 * l), p.s[m * p.nb + r], acc[l]);
+        if constexpr (has_k_min(Type)) acc[l] = std::fma(-static_cast<float>(mins), f16_at(rec + 32 + 2 * l) * dx, acc[l]);
       }
     }
     store_lanes(p, m, g * kGroupRows, acc);
@@ -295,15 +316,20 @@ inline void run_generic(const Problem& p, int64_t type, int64_t g0, int64_t g1, 
 // bytes (unsigned) with the row's 4 activation bytes broadcast (signed) and adds 4 products
 // per lane.
 // ---------------------------------------------------------------------------------------
+#ifndef SPECDEC_I8_VNNI  // (tests/int8_activation_linear_emulated.cpp defines it away: SIMDe's intrinsics)
 #define SPECDEC_I8_VNNI __attribute__((target("avx512f,avx512vl,avx512dq,avx512bw,avx512vnni,f16c,fma,avx2")))
+#endif
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-struct UnpackedVnni {
+struct UnpackedVnni {  // one sub-block of 32 weights of the 16 rows
   __m512i w[8];       // the 8 words of each row (stored unsigned integers)
-  __m512 dw, mw;      // d_w, and m (Q4_1 / Q5_1) or dmin * mn (Q4_K / Q5_K)
-  __m512i sc0, sc1;   // Q6_K: the int8 scales of the two halves
+  __m512i sc0, sc1;   // Q4_K / Q5_K: sc0 the sub-block's scale; Q6_K: the int8 scales of the two halves
+};
+struct RecordVnni {   // one record's per-row fp32 values and the K-quants' mins
+  __m512 dw, mw;      // d; Q4_1 / Q5_1: m; Q4_K / Q5_K: dmin
+  __m512i mn[4];      // Q4_K / Q5_K: int16 pairs (mn of sub-blocks 2k, 2k + 1) per lane
 };
 
 // Zeroes n floats (n a multiple of 16) with vector stores. (A fill compiles to memset, whose
@@ -345,14 +371,16 @@ SPECDEC_I8_VNNI inline void high_bits_vnni(const uint8_t* wp, UnpackedVnni& u) {
 SPECDEC_I8_VNNI inline __m512 f16x16(const uint8_t* at) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
 }
-SPECDEC_I8_VNNI inline __m512 u8x16(const uint8_t* at) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))));
+
+SPECDEC_I8_VNNI inline __m512i u8x16_epi32(const uint8_t* at) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
+}
+SPECDEC_I8_VNNI inline __m512i i8x16_epi32(const uint8_t* at) {
+  return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)));
 }
 
 template <int64_t Type>
-SPECDEC_I8_VNNI inline void unpack_vnni(const Problem& p, int64_t g, int64_t b, UnpackedVnni& u) {
-  const uint8_t* rec = record_at<Type>(p, g, b);
-  const int64_t sub = sub_index<Type>(b);
+SPECDEC_I8_VNNI inline void unpack_vnni(const uint8_t* rec, int64_t sub, UnpackedVnni& u) {
   const uint8_t* wp = rec + weights_at(Type) + sub * sub_bytes(Type);
   if constexpr (Type == gguf::kQ8_0) {
     for (int j = 0; j < 8; ++j) u.w[j] = _mm512_loadu_si512(wp + 64 * j);
@@ -365,69 +393,110 @@ SPECDEC_I8_VNNI inline void unpack_vnni(const Problem& p, int64_t g, int64_t b, 
     }
     if constexpr (is_five_bit(Type) || Type == kQ6_K) high_bits_vnni<Type, 0>(wp, u);
   }
-  u.dw = f16x16(rec);
-  if constexpr (has_min(Type)) u.mw = f16x16(rec + 32);
-  if constexpr (has_k_min(Type)) {
-    u.dw = _mm512_mul_ps(u.dw, u8x16(rec + 64 + 16 * sub));
-    u.mw = _mm512_mul_ps(f16x16(rec + 32), u8x16(rec + 192 + 16 * sub));
-  }
+  if constexpr (has_k_min(Type)) u.sc0 = u8x16_epi32(rec + 64 + 16 * sub);
   if constexpr (Type == kQ6_K) {
-    u.sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + 32 * sub)));
-    u.sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 48 + 32 * sub)));
+    u.sc0 = i8x16_epi32(rec + 32 + 32 * sub);
+    u.sc1 = i8x16_epi32(rec + 48 + 32 * sub);
   }
 }
 
-// acc plus one block's contribution from its exact integer sums isum (the header's "Result":
-// fma(float(i), d_w * d_x, acc), then the min's term), for activation scale d and d * sum(q)
-// s. One copy for the VNNI and AMX paths, whose bits must agree.
 template <int64_t Type>
-SPECDEC_I8_VNNI inline __m512 scale_block_vnni(const UnpackedVnni& u, __m512i isum, float d, float s, __m512 acc) {
-  const __m512 scale = _mm512_mul_ps(u.dw, _mm512_set1_ps(d));
-  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, acc);
-  if constexpr (has_min(Type)) acc = _mm512_fmadd_ps(u.mw, _mm512_set1_ps(s), acc);
-  if constexpr (has_k_min(Type)) acc = _mm512_fnmadd_ps(u.mw, _mm512_set1_ps(s), acc);
+SPECDEC_I8_VNNI inline RecordVnni record_vnni(const uint8_t* rec) {
+  RecordVnni w;
+  w.dw = f16x16(rec);
+  if constexpr (has_min(Type) || has_k_min(Type)) w.mw = f16x16(rec + 32);
+  if constexpr (has_k_min(Type)) {
+    const __m512i lo16 = _mm512_set1_epi32(0xFFFF);
+    for (int k = 0; k < 4; ++k) {
+      w.mn[k] = _mm512_or_si512(_mm512_and_si512(u8x16_epi32(rec + 192 + 16 * (2 * k)), lo16),
+                                _mm512_slli_epi32(u8x16_epi32(rec + 192 + 16 * (2 * k + 1)), 16));
+    }
+  }
+  return w;
+}
+
+// isum plus sub-block u's term of I (the header's "Result") from its raw dot products with
+// activation block mb: raw (Q6_K: raw and raw1, the halves'), the weights' stored unsigned
+// integers times q. One copy for the VNNI and AMX paths, whose bits must agree.
+template <int64_t Type>
+SPECDEC_I8_VNNI inline __m512i add_term_vnni(const Problem& p, const UnpackedVnni& u, int64_t mb, __m512i raw,
+                                             __m512i raw1, __m512i isum) {
+  if constexpr (Type == kQ6_K) {
+    const __m512i h0 = _mm512_sub_epi32(raw, _mm512_set1_epi32(32 * p.sqh[2 * mb]));
+    const __m512i h1 = _mm512_sub_epi32(raw1, _mm512_set1_epi32(32 * p.sqh[2 * mb + 1]));
+    return _mm512_add_epi32(isum, _mm512_add_epi32(_mm512_mullo_epi32(h0, u.sc0), _mm512_mullo_epi32(h1, u.sc1)));
+  } else if constexpr (has_k_min(Type)) {
+    return _mm512_add_epi32(isum, _mm512_mullo_epi32(raw, u.sc0));
+  } else if constexpr (offset(Type) != 0) {
+    return _mm512_add_epi32(isum, _mm512_sub_epi32(raw, _mm512_set1_epi32(offset(Type) * p.sq[mb])));
+  } else {
+    return _mm512_add_epi32(isum, raw);
+  }
+}
+
+// acc plus record r's contribution for activation row m from its exact integer sum isum (the
+// header's fp32 order). Shared by the VNNI and AMX paths.
+template <int64_t Type>
+SPECDEC_I8_VNNI inline __m512 scale_record_vnni(const Problem& p, const RecordVnni& w, __m512i isum, int64_t m,
+                                                int64_t r, __m512 acc) {
+  const __m512 dx = _mm512_set1_ps(scale_at<Type>(p, m, r));
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(w.dw, dx), acc);
+  if constexpr (has_min(Type)) acc = _mm512_fmadd_ps(w.mw, _mm512_set1_ps(p.s[m * p.nb + r]), acc);
+  if constexpr (has_k_min(Type)) {
+    const int32_t* sq = p.sq + m * p.nb + r * record_subs(Type);
+    __m512i mins = _mm512_setzero_si512();
+    for (int k = 0; k < 4; ++k) {
+      const int32_t pair = (sq[2 * k] & 0xFFFF) | static_cast<int32_t>(static_cast<uint32_t>(sq[2 * k + 1]) << 16);
+      mins = _mm512_add_epi32(mins, _mm512_madd_epi16(w.mn[k], _mm512_set1_epi32(pair)));
+    }
+    acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(w.mw, dx), acc);
+  }
   return acc;
 }
 
+// Adds sub-block u's terms for rows m0 .. m0 + MR - 1 (activation blocks b of them) to isum.
 template <int64_t Type, int MR>
-SPECDEC_I8_VNNI inline void rows_vnni(const Problem& p, const UnpackedVnni& u, int64_t b, int64_t m0, __m512* acc) {
+SPECDEC_I8_VNNI inline void rows_vnni(const Problem& p, const UnpackedVnni& u, int64_t b, int64_t m0, __m512i* isum) {
   for (int i = 0; i < MR; ++i) {
     const int64_t mb = (m0 + i) * p.nb + b;
     const int8_t* xq = p.q + mb * kBlock;
-    __m512i isum;
-    if constexpr (Type == kQ6_K) {
-      // Each half's sum starts at -32 * (its activation sum): the stored q6 minus 32.
-      __m512i h0 = _mm512_set1_epi32(-32 * p.sqh[2 * mb]), h1 = _mm512_set1_epi32(-32 * p.sqh[2 * mb + 1]);
+    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+    if constexpr (Type == kQ6_K) {  // the halves' sums apart (their scales differ)
       for (int j = 0; j < 4; ++j) {
-        h0 = _mm512_dpbusd_epi32(h0, u.w[j], _mm512_set1_epi32(load_i32(xq + 4 * j)));
-        h1 = _mm512_dpbusd_epi32(h1, u.w[j + 4], _mm512_set1_epi32(load_i32(xq + 16 + 4 * j)));
+        s0 = _mm512_dpbusd_epi32(s0, u.w[j], _mm512_set1_epi32(load_i32(xq + 4 * j)));
+        s1 = _mm512_dpbusd_epi32(s1, u.w[j + 4], _mm512_set1_epi32(load_i32(xq + 16 + 4 * j)));
       }
-      isum = _mm512_add_epi32(_mm512_mullo_epi32(h0, u.sc0), _mm512_mullo_epi32(h1, u.sc1));
+      isum[i] = add_term_vnni<Type>(p, u, mb, s0, s1, isum[i]);
     } else {
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
       for (int j = 0; j < 8; j += 2) {
         s0 = _mm512_dpbusd_epi32(s0, u.w[j], _mm512_set1_epi32(load_i32(xq + 4 * j)));
         s1 = _mm512_dpbusd_epi32(s1, u.w[j + 1], _mm512_set1_epi32(load_i32(xq + 4 * j + 4)));
       }
-      isum = _mm512_add_epi32(s0, s1);
-      if constexpr (offset(Type) != 0) isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(offset(Type) * p.sq[mb]));
+      isum[i] = add_term_vnni<Type>(p, u, mb, _mm512_add_epi32(s0, s1), s1, isum[i]);
     }
-    acc[i] = scale_block_vnni<Type>(u, isum, p.d[mb], p.s[mb], acc[i]);
   }
 }
 
 constexpr int kTileVnni = 4;
 
-// M <= kTileVnni rows: accumulators in registers over the whole row of blocks.
+// M <= kTileVnni rows: integer sums and accumulators in registers over the whole row of records.
 template <int64_t Type, int MR>
 SPECDEC_I8_VNNI inline void group_regs_vnni(const Problem& p, int64_t g, gguf::Prefetcher& pf, int64_t g0) {
+  constexpr int64_t P = record_subs(Type);
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
   UnpackedVnni u;
-  for (int64_t b = 0; b < p.nb; ++b) {
-    pf.advance(stream_pos<Type>(p, g, g0, b));
-    unpack_vnni<Type>(p, g, b, u);
-    rows_vnni<Type, MR>(p, u, b, 0, acc);
+  for (int64_t r = 0; r < p.nb / P; ++r) {
+    const uint8_t* rec = record_at<Type>(p, g, r * P);
+    __m512i isum[MR];
+    for (int i = 0; i < MR; ++i) isum[i] = _mm512_setzero_si512();
+    for (int64_t sub = 0; sub < P; ++sub) {
+      pf.advance(stream_pos<Type>(p, g, g0, r * P + sub));
+      unpack_vnni<Type>(rec, sub, u);
+      rows_vnni<Type, MR>(p, u, r * P + sub, 0, isum);
+    }
+    const RecordVnni w = record_vnni<Type>(rec);
+    for (int i = 0; i < MR; ++i) acc[i] = scale_record_vnni<Type>(p, w, isum[i], i, r, acc[i]);
   }
   for (int i = 0; i < MR; ++i) {
     alignas(64) float lanes[kGroupRows];
@@ -436,30 +505,42 @@ SPECDEC_I8_VNNI inline void group_regs_vnni(const Problem& p, int64_t g, gguf::P
   }
 }
 
+// Rows m0 .. m0 + MR - 1 times record r (its sub-blocks unpacked in u), scaled into their
+// accumulators in scratch [M, 16].
 template <int64_t Type, int MR>
-SPECDEC_I8_VNNI inline void tile_from_scratch_vnni(const Problem& p, const UnpackedVnni& u, int64_t b, int64_t m0,
-                                                   float* scratch) {
-  __m512 acc[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = _mm512_loadu_ps(scratch + (m0 + i) * kGroupRows);
-  rows_vnni<Type, MR>(p, u, b, m0, acc);
-  for (int i = 0; i < MR; ++i) _mm512_storeu_ps(scratch + (m0 + i) * kGroupRows, acc[i]);
+SPECDEC_I8_VNNI inline void tile_from_scratch_vnni(const Problem& p, const UnpackedVnni* u, const RecordVnni& w,
+                                                   int64_t r, int64_t m0, float* scratch) {
+  constexpr int64_t P = record_subs(Type);
+  __m512i isum[MR];
+  for (int i = 0; i < MR; ++i) isum[i] = _mm512_setzero_si512();
+  for (int64_t sub = 0; sub < P; ++sub) rows_vnni<Type, MR>(p, u[sub], r * P + sub, m0, isum);
+  for (int i = 0; i < MR; ++i) {
+    float* a = scratch + (m0 + i) * kGroupRows;
+    _mm512_storeu_ps(a, scale_record_vnni<Type>(p, w, isum[i], m0 + i, r, _mm512_loadu_ps(a)));
+  }
 }
 
-// More rows: each unpacked block is applied to all rows, their accumulators in scratch [M, 16].
+// More rows: each record's sub-blocks are unpacked once and applied to all rows, kTileVnni at
+// a time, their accumulators in scratch [M, 16].
 template <int64_t Type>
 SPECDEC_I8_VNNI inline void group_scratch_vnni(const Problem& p, int64_t g, float* scratch, gguf::Prefetcher& pf,
                                                int64_t g0) {
+  constexpr int64_t P = record_subs(Type);
   zero_floats_vnni(scratch, p.M * kGroupRows);
-  UnpackedVnni u;
-  for (int64_t b = 0; b < p.nb; ++b) {
-    pf.advance(stream_pos<Type>(p, g, g0, b));
-    unpack_vnni<Type>(p, g, b, u);
+  UnpackedVnni u[P];
+  for (int64_t r = 0; r < p.nb / P; ++r) {
+    const uint8_t* rec = record_at<Type>(p, g, r * P);
+    for (int64_t sub = 0; sub < P; ++sub) {
+      pf.advance(stream_pos<Type>(p, g, g0, r * P + sub));
+      unpack_vnni<Type>(rec, sub, u[sub]);
+    }
+    const RecordVnni w = record_vnni<Type>(rec);
     int64_t m0 = 0;
-    for (; m0 + kTileVnni <= p.M; m0 += kTileVnni) tile_from_scratch_vnni<Type, kTileVnni>(p, u, b, m0, scratch);
+    for (; m0 + kTileVnni <= p.M; m0 += kTileVnni) tile_from_scratch_vnni<Type, kTileVnni>(p, u, w, r, m0, scratch);
     switch (p.M - m0) {
-      case 3: tile_from_scratch_vnni<Type, 3>(p, u, b, m0, scratch); break;
-      case 2: tile_from_scratch_vnni<Type, 2>(p, u, b, m0, scratch); break;
-      case 1: tile_from_scratch_vnni<Type, 1>(p, u, b, m0, scratch); break;
+      case 3: tile_from_scratch_vnni<Type, 3>(p, u, w, r, m0, scratch); break;
+      case 2: tile_from_scratch_vnni<Type, 2>(p, u, w, r, m0, scratch); break;
+      case 1: tile_from_scratch_vnni<Type, 1>(p, u, w, r, m0, scratch); break;
       default: break;
     }
   }
@@ -494,13 +575,15 @@ SPECDEC_I8_VNNI __attribute__((noinline)) inline void run_vnni(const Problem& p,
 // block are the tile's B operand as they are (word j of row l at bytes 64 j + 4 l .. + 3: B's row
 // j), and 16 activation rows of block b are A, read from Problem::qa (q block-major: a block's
 // 16-row tiles one after the other). The int32 results leave the tile through memory and meet
-// the scales exactly as on the VNNI path (scale_block_vnni, in the same order), so the bits are
+// the scales exactly as on the VNNI path (add_term_vnni, scale_record_vnni), so the bits are
 // the same. Q6_K's two halves of 16 weights have scales of their own: two products of K = 16 (A
 // and B halves), as rows_vnni's h0 and h1. Rows past M in the last tile are qa's zero padding
 // (amx_padded_rows(M) rows) and their results dropped.
 // ---------------------------------------------------------------------------------------
+#ifndef SPECDEC_I8_AMX
 #define SPECDEC_I8_AMX \
   __attribute__((target("amx-tile,amx-int8,avx512f,avx512vl,avx512dq,avx512bw,avx512vnni,f16c,fma,avx2")))
+#endif
 
 constexpr int64_t kAmxRows = 16;  // activation rows per tile
 // Where the AMX path is taken (amx_pays): from kAmxMinRows rows, on every format but Q6_K.
@@ -541,12 +624,14 @@ constexpr int64_t amx_pass_tiles() { return Type == kQ6_K ? 2 : 4; }
 // The tile instructions with their memory made visible to the compiler (GCC's intrinsics are
 // asm statements without a memory clobber: stores to a B buffer could sink below its tile load,
 // loads of a C buffer rise above its tile store). Tile registers are immediates: literal numbers.
+#ifndef SPECDEC_AMX_LOAD  // (the emulation harness brings its own)
 #define SPECDEC_AMX_LOAD(tmm, base, stride) \
   __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #tmm ::"r"(base), "r"(static_cast<long>(stride)) : "memory")
 #define SPECDEC_AMX_STORE(tmm, base, stride) \
   __asm__ volatile("tilestored %%tmm" #tmm ", (%0,%1,1)" ::"r"(base), "r"(static_cast<long>(stride)) : "memory")
 #define SPECDEC_AMX_ZERO(tmm) __asm__ volatile("tilezero %%tmm" #tmm ::)
 #define SPECDEC_AMX_DPBSUD(c, a, b) __asm__ volatile("tdpbsud %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+#endif
 
 // The int32 products of `tiles` row tiles (16 activation rows each, from a with a stride of
 // `stride` bytes) with the B tile(s) loaded, into c: [tiles * 16, 16] (Q6_K: c and c1, the two
@@ -603,62 +688,62 @@ SPECDEC_I8_AMX inline void products_amx(const int8_t* a, int64_t stride, int64_t
   }
 }
 
-// Applies the int32 products c of block b ([M, 16]; Q6_K: c1 the second half's) to the rows'
-// accumulators in scratch [M, 16]: rows_vnni's integer corrections, then scale_block_vnni.
+// Adds the terms of sub-block u (activation blocks b) from its raw int32 products c ([M, 16];
+// Q6_K: c1 the second half's) to the rows' integer sums isum [M, 16] (add_term_vnni, as the
+// VNNI path; isum starts at zero with a record's first sub-block).
 template <int64_t Type>
-SPECDEC_I8_AMX inline void apply_rows_amx(const Problem& p, const UnpackedVnni& u, int64_t b, const int32_t* c,
-                                          const int32_t* c1, float* scratch) {
-  // The rows' per-block values, a row apart (p's fields read once: the stores to scratch
-  // would otherwise make the compiler reload them every row).
-  const int64_t nb = p.nb;
-  const float* d = p.d + b;
-  const float* sx = p.s + b;
-  const int32_t* sq = p.sq + b;
-  const int32_t* sqh = p.sqh + 2 * b;
+SPECDEC_I8_AMX inline void add_rows_amx(const Problem& p, const UnpackedVnni& u, int64_t b, bool first, const int32_t* c,
+                                        const int32_t* c1, int32_t* isum) {
   for (int64_t i = 0; i < p.M; ++i) {
-    __m512i isum = _mm512_loadu_si512(c + kGroupRows * i);
-    if constexpr (Type == kQ6_K) {
-      const __m512i h0 = _mm512_sub_epi32(isum, _mm512_set1_epi32(32 * sqh[2 * nb * i]));
-      const __m512i h1 = _mm512_sub_epi32(_mm512_loadu_si512(c1 + kGroupRows * i), _mm512_set1_epi32(32 * sqh[2 * nb * i + 1]));
-      isum = _mm512_add_epi32(_mm512_mullo_epi32(h0, u.sc0), _mm512_mullo_epi32(h1, u.sc1));
-    } else if constexpr (offset(Type) != 0) {
-      isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(offset(Type) * sq[nb * i]));
-    }
-    float* a = scratch + kGroupRows * i;
-    _mm512_storeu_ps(a, scale_block_vnni<Type>(u, isum, d[nb * i], sx[nb * i], _mm512_loadu_ps(a)));
+    int32_t* s = isum + kGroupRows * i;
+    const __m512i before = first ? _mm512_setzero_si512() : _mm512_loadu_si512(s);
+    const __m512i raw1 = Type == kQ6_K ? _mm512_loadu_si512(c1 + kGroupRows * i) : _mm512_setzero_si512();
+    _mm512_storeu_si512(s, add_term_vnni<Type>(p, u, i * p.nb + b, _mm512_loadu_si512(c + kGroupRows * i), raw1, before));
   }
 }
 
-// The scratch of run_amx, in floats: the accumulators [M, 16], then one block's int32
-// products [2 halves, amx_padded_rows(M), 16].
-inline int64_t amx_scratch_floats(int64_t M) { return M * kGroupRows + 2 * amx_padded_rows(M) * kGroupRows; }
+// The scratch of run_amx, in floats: the accumulators [M, 16], the integer sums [M, 16], then one
+// block's int32 products [2 halves, amx_padded_rows(M), 16].
+inline int64_t amx_scratch_floats(int64_t M) { return 2 * M * kGroupRows + 2 * amx_padded_rows(M) * kGroupRows; }
 
-// One group, all M rows: each block unpacked once into the B tile(s), multiplied with every
+// One group, all M rows: each sub-block unpacked once into the B tile(s), multiplied with every
 // row tile of the block (passes of amx_pass_tiles row tiles into distinct C tiles, which the
-// tile unit pipelines), then its products scaled into the rows' accumulators. (Measured on a
-// Sapphire Rapids core: the tile instructions and the vector scaling do not overlap, whether
-// the products run a block or two ahead or not, so the plain order is kept.)
+// tile unit pipelines), its products added to the rows' integer sums, and each record scaled
+// into the rows' accumulators. (Measured on a Sapphire Rapids core: the tile instructions and the
+// vector work do not overlap, whether the products run a block or two ahead or not, so the
+// plain order is kept.)
 template <int64_t Type>
 SPECDEC_I8_AMX inline void group_amx(const Problem& p, int64_t g, float* scratch, gguf::Prefetcher& pf, int64_t g0) {
   constexpr int64_t kPass = amx_pass_tiles<Type>() * kAmxRows;  // rows per pass
+  constexpr int64_t P = record_subs(Type);
   const int64_t rows = amx_padded_rows(p.M);
   alignas(64) uint8_t bbuf[8 * 64];
-  int32_t* c = reinterpret_cast<int32_t*>(scratch + p.M * kGroupRows);
+  int32_t* isum = reinterpret_cast<int32_t*>(scratch + p.M * kGroupRows);
+  int32_t* c = isum + p.M * kGroupRows;
   int32_t* c1 = c + rows * kGroupRows;
   zero_floats_vnni(scratch, p.M * kGroupRows);
   UnpackedVnni u;
-  for (int64_t b = 0; b < p.nb; ++b) {
-    pf.advance(stream_pos<Type>(p, g, g0, b));
-    unpack_vnni<Type>(p, g, b, u);
-    for (int j = 0; j < 8; ++j) _mm512_store_si512(bbuf + 64 * j, u.w[j]);
-    SPECDEC_AMX_LOAD(0, bbuf, 64);
-    if constexpr (Type == kQ6_K) SPECDEC_AMX_LOAD(1, bbuf + 256, 64);
-    const int8_t* a = p.qa + b * rows * kBlock;  // block b's 16-row A tiles, one after the other
-    for (int64_t m0 = 0; m0 < rows; m0 += kPass) {
-      products_amx<Type>(a + m0 * kBlock, kBlock, std::min(kPass, rows - m0) / kAmxRows, c + m0 * kGroupRows,
-                         c1 + m0 * kGroupRows);
+  for (int64_t r = 0; r < p.nb / P; ++r) {
+    const uint8_t* rec = record_at<Type>(p, g, r * P);
+    for (int64_t sub = 0; sub < P; ++sub) {
+      const int64_t b = r * P + sub;
+      pf.advance(stream_pos<Type>(p, g, g0, b));
+      unpack_vnni<Type>(rec, sub, u);
+      for (int j = 0; j < 8; ++j) _mm512_store_si512(bbuf + 64 * j, u.w[j]);
+      SPECDEC_AMX_LOAD(0, bbuf, 64);
+      if constexpr (Type == kQ6_K) SPECDEC_AMX_LOAD(1, bbuf + 256, 64);
+      const int8_t* a = p.qa + b * rows * kBlock;  // block b's 16-row A tiles, one after the other
+      for (int64_t m0 = 0; m0 < rows; m0 += kPass) {
+        products_amx<Type>(a + m0 * kBlock, kBlock, std::min(kPass, rows - m0) / kAmxRows, c + m0 * kGroupRows,
+                           c1 + m0 * kGroupRows);
+      }
+      add_rows_amx<Type>(p, u, b, sub == 0, c, c1, isum);
     }
-    apply_rows_amx<Type>(p, u, b, c, c1, scratch);
+    const RecordVnni w = record_vnni<Type>(rec);
+    for (int64_t i = 0; i < p.M; ++i) {
+      float* acc = scratch + kGroupRows * i;
+      _mm512_storeu_ps(acc, scale_record_vnni<Type>(p, w, _mm512_loadu_si512(isum + kGroupRows * i), i, r, _mm512_loadu_ps(acc)));
+    }
   }
   for (int64_t m = 0; m < p.M; ++m) store_lanes(p, m, g * kGroupRows, scratch + m * kGroupRows);
 }
@@ -693,8 +778,8 @@ SPECDEC_I8_AMX __attribute__((noinline)) inline void run_amx(const Problem& p, i
 // vroundps as nearbyint does in the default mode, clamped, converted) and exact integer sums,
 // so the same bits. (The scalar loops cost ~4 ns per element: at H = 8960 more than the
 // product with a 16-row group.)
-inline void quantize_activations_avx2(const float* x, int64_t M, int64_t nb, int8_t* q, float* d, float* s,
-                                      int32_t* sq, int32_t* sqh) {
+inline void quantize_activations_avx2(const float* x, int64_t M, int64_t nb, int64_t per, int8_t* q, float* d,
+                                      float* s, int32_t* sq, int32_t* sqh) {
   const __m256 sign = _mm256_set1_ps(-0.f), inf = _mm256_set1_ps(std::numeric_limits<float>::infinity());
   const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
   const __m256i dword_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
@@ -703,19 +788,22 @@ inline void quantize_activations_avx2(const float* x, int64_t M, int64_t nb, int
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
     return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
   };
-  for (int64_t mb = 0; mb < M * nb; ++mb) {
-    const float* xb = x + mb * kBlock;
-    __m256 v[4], amax = _mm256_setzero_ps(), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-    for (int k = 0; k < 4; ++k) {
-      v[k] = _mm256_loadu_ps(xb + 8 * k);
-      const __m256 a = _mm256_andnot_ps(sign, v[k]);
-      finite = _mm256_and_ps(finite, _mm256_cmp_ps(a, inf, _CMP_LT_OQ));  // false for NaN and +-inf
-      amax = _mm256_max_ps(amax, a);
+  const int64_t span = per * kBlock;
+  for (int64_t a = 0; a < M * nb / per; ++a) {
+    const float* xa = x + a * span;
+    __m256 amax = _mm256_setzero_ps(), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (int64_t k = 0; k < span; k += 8) {
+      const __m256 v = _mm256_andnot_ps(sign, _mm256_loadu_ps(xa + k));
+      finite = _mm256_and_ps(finite, _mm256_cmp_ps(v, inf, _CMP_LT_OQ));  // false for NaN and +-inf
+      amax = _mm256_max_ps(amax, v);
     }
     if (_mm256_movemask_ps(finite) != 0xFF) {
-      std::memset(q + mb * kBlock, 0, kBlock);
-      d[mb] = s[mb] = std::numeric_limits<float>::quiet_NaN();
-      sq[mb] = sqh[2 * mb] = sqh[2 * mb + 1] = 0;
+      std::memset(q + a * span, 0, span);
+      d[a] = std::numeric_limits<float>::quiet_NaN();
+      for (int64_t mb = a * per; mb < (a + 1) * per; ++mb) {
+        s[mb] = std::numeric_limits<float>::quiet_NaN();
+        sq[mb] = sqh[2 * mb] = sqh[2 * mb + 1] = 0;
+      }
       continue;
     }
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
@@ -723,25 +811,34 @@ inline void quantize_activations_avx2(const float* x, int64_t M, int64_t nb, int
     const float am = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
     const float dm = am < kTinyBlock ? 0.f : am / 127.f;
     const __m256 id = _mm256_set1_ps(dm != 0.f ? 1.f / dm : 0.f);
-    __m256i qi[4];
-    for (int k = 0; k < 4; ++k) {
-      const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[k], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      qi[k] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r)));
+    d[a] = dm;
+    for (int64_t mb = a * per; mb < (a + 1) * per; ++mb) {
+      __m256i qi[4];
+      for (int k = 0; k < 4; ++k) {
+        const __m256 v = _mm256_loadu_ps(x + mb * kBlock + 8 * k);
+        const __m256 r = _mm256_round_ps(_mm256_mul_ps(v, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        qi[k] = _mm256_cvtps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, r)));
+      }
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + mb * kBlock), _mm256_permutevar8x32_epi32(bytes, dword_order));
+      const int32_t h0 = hsum(_mm256_add_epi32(qi[0], qi[1])), h1 = hsum(_mm256_add_epi32(qi[2], qi[3]));
+      sq[mb] = h0 + h1;
+      sqh[2 * mb] = h0, sqh[2 * mb + 1] = h1;
+      s[mb] = dm * static_cast<float>(sq[mb]);
     }
-    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + mb * kBlock), _mm256_permutevar8x32_epi32(bytes, dword_order));
-    const int32_t h0 = hsum(_mm256_add_epi32(qi[0], qi[1])), h1 = hsum(_mm256_add_epi32(qi[2], qi[3]));
-    d[mb] = dm;
-    sq[mb] = h0 + h1;
-    sqh[2 * mb] = h0, sqh[2 * mb + 1] = h1;
-    s[mb] = dm * static_cast<float>(sq[mb]);
   }
 }
 
+// One sub-block of 32 weights of 8 rows, unpacked.
 struct UnpackedAvx2 {
   __m256i w[8];
-  __m256 dw, mw;
-  __m256i sc0, sc1, sc01x32;  // Q6_K: int16 pairs (sc0, sc0), (sc1, sc1), (32 sc0, 32 sc1) per lane
+  __m256i sc0;  // the int16 pair folded into the int32 sums per lane: Q4_K / Q5_K (sc, sc); Q6_K (sc0, sc0)
+  __m256i sc1, sc01x32;  // Q6_K: (sc1, sc1), (32 sc0, 32 sc1)
+};
+// One record's per-row fp32 values and the K-quants' mins, 8 rows.
+struct RecordAvx2 {
+  __m256 dw, mw;    // d; Q4_1 / Q5_1: m; Q4_K / Q5_K: dmin
+  __m256i mn[4];    // Q4_K / Q5_K: int16 pairs (mn of sub-blocks 2k, 2k + 1) per lane
 };
 
 template <int S>
@@ -766,11 +863,17 @@ inline void high_bits_avx2(const uint8_t* wp, UnpackedAvx2& u) {
   }
 }
 
-// Unpacks rows 8 * half .. 8 * half + 7 of block b (wp and the high-bit vectors offset by 32 * half).
+inline __m256i u8x8_epi32(const uint8_t* at) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at))); }
+inline __m256i i8x8_epi32(const uint8_t* at) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at))); }
+// The int16 pairs (lo, hi) of two vectors of 8 int32 lanes holding int16 values.
+inline __m256i pair16(__m256i lo, __m256i hi) {
+  return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(hi, 16));
+}
+
+// Unpacks rows 8 * half .. 8 * half + 7 of sub-block sub of record rec (the weight bytes and
+// the high-bit vectors offset by 32 * half).
 template <int64_t Type>
-inline void unpack_avx2(const Problem& p, int64_t g, int64_t b, int half, UnpackedAvx2& u) {
-  const uint8_t* rec = record_at<Type>(p, g, b);
-  const int64_t sub = sub_index<Type>(b);
+inline void unpack_avx2(const uint8_t* rec, int64_t sub, int half, UnpackedAvx2& u) {
   const uint8_t* wp = rec + weights_at(Type) + sub * sub_bytes(Type) + 32 * half;
   auto load = [](const uint8_t* at) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)); };
   if constexpr (Type == gguf::kQ8_0) {
@@ -784,24 +887,29 @@ inline void unpack_avx2(const Problem& p, int64_t g, int64_t b, int half, Unpack
     }
     if constexpr (is_five_bit(Type) || Type == kQ6_K) high_bits_avx2<Type, 0>(wp, u);
   }
-  auto f16x8 = [](const uint8_t* at) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))); };
-  auto u8x8 = [](const uint8_t* at) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at))));
-  };
-  u.dw = f16x8(rec + 16 * half);
-  if constexpr (has_min(Type)) u.mw = f16x8(rec + 32 + 16 * half);
   if constexpr (has_k_min(Type)) {
-    u.dw = _mm256_mul_ps(u.dw, u8x8(rec + 64 + 16 * sub + 8 * half));
-    u.mw = _mm256_mul_ps(f16x8(rec + 32 + 16 * half), u8x8(rec + 192 + 16 * sub + 8 * half));
+    const __m256i sc = u8x8_epi32(rec + 64 + 16 * sub + 8 * half);
+    u.sc0 = pair16(sc, sc);
   }
   if constexpr (Type == kQ6_K) {
-    const __m256i lo16 = _mm256_set1_epi32(0xFFFF);
-    const __m256i s0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + 32 + 32 * sub + 8 * half)));
-    const __m256i s1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + 48 + 32 * sub + 8 * half)));
-    u.sc0 = _mm256_or_si256(_mm256_and_si256(s0, lo16), _mm256_slli_epi32(s0, 16));
-    u.sc1 = _mm256_or_si256(_mm256_and_si256(s1, lo16), _mm256_slli_epi32(s1, 16));
-    u.sc01x32 = _mm256_slli_epi16(_mm256_or_si256(_mm256_and_si256(s0, lo16), _mm256_slli_epi32(s1, 16)), 5);  // |32 sc| <= 4096
+    const __m256i s0 = i8x8_epi32(rec + 32 + 32 * sub + 8 * half), s1 = i8x8_epi32(rec + 48 + 32 * sub + 8 * half);
+    u.sc0 = pair16(s0, s0);
+    u.sc1 = pair16(s1, s1);
+    u.sc01x32 = _mm256_slli_epi16(pair16(s0, s1), 5);  // |32 sc| <= 4096
   }
+}
+
+template <int64_t Type>
+inline RecordAvx2 record_avx2(const uint8_t* rec, int half) {
+  auto f16x8 = [](const uint8_t* at) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at))); };
+  RecordAvx2 w;
+  w.dw = f16x8(rec + 16 * half);
+  if constexpr (has_min(Type) || has_k_min(Type)) w.mw = f16x8(rec + 32 + 16 * half);
+  if constexpr (has_k_min(Type)) {
+    for (int k = 0; k < 4; ++k)
+      w.mn[k] = pair16(u8x8_epi32(rec + 192 + 16 * (2 * k) + 8 * half), u8x8_epi32(rec + 192 + 16 * (2 * k + 1) + 8 * half));
+  }
+  return w;
 }
 
 // An empty asm that "changes" v: GCC may not reassociate the sums across it. Without it, GCC
@@ -812,51 +920,69 @@ inline void keep_in_register(__m256i& v) { __asm__("" : "+x"(v)); }
 // Whether the AVX2 sums subtract offset(Type) * sum q (Q8_0's bytes were made signed by unpack_avx2).
 constexpr bool subtracts_offset_avx2(int64_t t) { return offset(t) != 0 && t != gguf::kQ8_0; }
 
-// One activation row's values for block mb, broadcast (loaded once for both halves: stores to
-// the float accumulators between them would make the compiler load them again).
-struct RowBlockAvx2 {
-  __m256 d, s;
-  __m256i corr;  // Q6_K: the int16 pair (sq0, sq1); formats with an offset: offset * sq
+// Block mb's correction of the integer sums, broadcast: Q6_K the int16 pair (sq0, sq1);
+// formats with an offset offset * sq; else 0.
+template <int64_t Type>
+inline __m256i block_corr_avx2(const Problem& p, int64_t mb) {
+  if constexpr (Type == kQ6_K) {
+    return _mm256_set1_epi32((p.sqh[2 * mb] & 0xFFFF) | static_cast<int32_t>(static_cast<uint32_t>(p.sqh[2 * mb + 1]) << 16));
+  } else if constexpr (subtracts_offset_avx2(Type)) {
+    return _mm256_set1_epi32(offset(Type) * p.sq[mb]);
+  } else {
+    return _mm256_setzero_si256();
+  }
+}
+
+// isum minus a block's correction: the unsigned offset times sum q; Q6_K: 32 * (sc0 * sq0 + sc1 *
+// sq1), the stored q6 minus 32 (|sq half| <= 2032 fits int16).
+template <int64_t Type>
+inline __m256i correct_avx2(const UnpackedAvx2& u, __m256i isum, __m256i corr) {
+  if constexpr (Type == kQ6_K) return _mm256_sub_epi32(isum, _mm256_madd_epi16(u.sc01x32, corr));
+  else if constexpr (subtracts_offset_avx2(Type)) return _mm256_sub_epi32(isum, corr);
+  else return isum;
+}
+
+// Row m's values for record r, broadcast (loaded once for both halves: stores to the float
+// accumulators between them would make the compiler load them again).
+struct RowRecordAvx2 {
+  __m256 d, s;       // d_x; Q4_1 / Q5_1: s_x
+  __m256i sq[4];     // Q4_K / Q5_K: int16 pairs (sq of blocks 2k, 2k + 1)
 };
 template <int64_t Type>
-inline RowBlockAvx2 row_block_avx2(const Problem& p, int64_t mb) {
-  RowBlockAvx2 r{_mm256_set1_ps(p.d[mb]), _mm256_set1_ps(p.s[mb]), _mm256_setzero_si256()};
-  if constexpr (Type == kQ6_K) {
-    r.corr = _mm256_set1_epi32((p.sqh[2 * mb] & 0xFFFF) | static_cast<int32_t>(static_cast<uint32_t>(p.sqh[2 * mb + 1]) << 16));
-  } else if constexpr (subtracts_offset_avx2(Type)) {
-    r.corr = _mm256_set1_epi32(offset(Type) * p.sq[mb]);
+inline RowRecordAvx2 row_record_avx2(const Problem& p, int64_t m, int64_t r) {
+  constexpr int64_t P = record_subs(Type);
+  RowRecordAvx2 x;
+  x.d = _mm256_set1_ps(scale_at<Type>(p, m, r));
+  if constexpr (has_min(Type)) x.s = _mm256_set1_ps(p.s[m * p.nb + r]);
+  if constexpr (has_k_min(Type)) {
+    const int32_t* sq = p.sq + m * p.nb + r * P;
+    for (int k = 0; k < 4; ++k) x.sq[k] = _mm256_set1_epi32((sq[2 * k] & 0xFFFF) | static_cast<int32_t>(static_cast<uint32_t>(sq[2 * k + 1]) << 16));
   }
-  return r;
+  return x;
 }
 
-// isum_avx2's corrections of the int32 sums: minus the unsigned offset times sum q; Q6_K:
-// minus 32 * (sc0 * sq0 + sc1 * sq1), the stored q6 minus 32 (|sq half| <= 2032 fits int16).
+// acc + a record's contribution from its exact integer sum isum (the header's fp32 order).
 template <int64_t Type>
-inline __m256i finish_isum_avx2(const UnpackedAvx2& u, __m256i sums, const RowBlockAvx2& r) {
-  if constexpr (Type == kQ6_K) return _mm256_sub_epi32(sums, _mm256_madd_epi16(u.sc01x32, r.corr));
-  else if constexpr (subtracts_offset_avx2(Type)) return _mm256_sub_epi32(sums, r.corr);
-  else return sums;
-}
-
-// acc + the block's contribution (the header's fp32 order: the block product, then the min term).
-template <int64_t Type>
-inline __m256 scale_block_avx2(const UnpackedAvx2& u, __m256i isum, const RowBlockAvx2& r, __m256 acc) {
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(u.dw, r.d), acc);
-  if constexpr (has_min(Type)) acc = _mm256_fmadd_ps(u.mw, r.s, acc);
-  if constexpr (has_k_min(Type)) acc = _mm256_fnmadd_ps(u.mw, r.s, acc);
+inline __m256 scale_record_avx2(const RecordAvx2& w, __m256i isum, const RowRecordAvx2& x, __m256 acc) {
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(w.dw, x.d), acc);
+  if constexpr (has_min(Type)) acc = _mm256_fmadd_ps(w.mw, x.s, acc);
+  if constexpr (has_k_min(Type)) {
+    __m256i mins = _mm256_madd_epi16(w.mn[0], x.sq[0]);
+    for (int k = 1; k < 4; ++k) mins = _mm256_add_epi32(mins, _mm256_madd_epi16(w.mn[k], x.sq[k]));
+    acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(w.mw, x.d), acc);
+  }
   return acc;
 }
 
 // Adds word j's products of one row and one half (w: the half's unpacked word, x: the row's
-// broadcast activation word) to its running sums (every AVX2 path's arithmetic): int16 chains of
-// as many words as cannot saturate, each folded into the int32 sum s32 by vpmaddwd (Q6_K: with
-// the sub-block's scales; Q8_0: every word).
+// broadcast activation word) to the running int32 sum s32 (every AVX2 path's arithmetic):
+// int16 chains of as many words as cannot saturate, each folded into s32 by vpmaddwd (with the
+// sub-block's scales for the K-quants; Q8_0: every word).
 template <int64_t Type>
 inline void dot_word_avx2(int j, __m256i w, __m256i x, const UnpackedAvx2& u, __m256i& s16, __m256i& s32) {
   const __m256i ones = _mm256_set1_epi16(1);
   if constexpr (Type == gguf::kQ8_0) {
-    const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)), ones);
-    s32 = j == 0 ? prod : _mm256_add_epi32(s32, prod);
+    s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)), ones));
     keep_in_register(s32);
   } else {
     constexpr int chain = Type == kQ6_K ? 2 : is_five_bit(Type) ? 4 : 8;
@@ -864,50 +990,53 @@ inline void dot_word_avx2(int j, __m256i w, __m256i x, const UnpackedAvx2& u, __
     s16 = j % chain == 0 ? prod : _mm256_add_epi16(s16, prod);
     keep_in_register(s16);
     if (j % chain == chain - 1) {
-      const __m256i folded = _mm256_madd_epi16(s16, Type != kQ6_K ? ones : j < 4 ? u.sc0 : u.sc1);
-      s32 = j == chain - 1 ? folded : _mm256_add_epi32(s32, folded);
+      const __m256i fold = !is_k_quant(Type) ? ones : Type == kQ6_K && j >= 4 ? u.sc1 : u.sc0;
+      s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(s16, fold));
       keep_in_register(s32);
     }
   }
 }
 
-// The integer dot products (8 lanes) of the unpacked block with activation row block mb, before
-// finish_isum_avx2's corrections.
+// isum plus the exact integer dot products (8 lanes) of the unpacked sub-block with activation
+// block mb, corrected (correct_avx2).
 template <int64_t Type>
-inline __m256i isum_avx2(const Problem& p, const UnpackedAvx2& u, int64_t mb) {
+inline __m256i add_isum_avx2(const Problem& p, const UnpackedAvx2& u, int64_t mb, __m256i isum) {
   const int8_t* xq = p.q + mb * kBlock;
-  __m256i s16, s32;
+  __m256i s16;
 #pragma GCC unroll 8
-  for (int j = 0; j < 8; ++j) dot_word_avx2<Type>(j, u.w[j], _mm256_set1_epi32(load_i32(xq + 4 * j)), u, s16, s32);
-  return s32;
-}
-
-template <int64_t Type, int MR>
-inline void rows_avx2(const Problem& p, const UnpackedAvx2& u, int64_t b, int64_t m0, __m256* acc) {
-  for (int i = 0; i < MR; ++i) {
-    const int64_t mb = (m0 + i) * p.nb + b;
-    const RowBlockAvx2 r = row_block_avx2<Type>(p, mb);
-    acc[i] = scale_block_avx2<Type>(u, finish_isum_avx2<Type>(u, isum_avx2<Type>(p, u, mb), r), r, acc[i]);
-  }
+  for (int j = 0; j < 8; ++j) dot_word_avx2<Type>(j, u.w[j], _mm256_set1_epi32(load_i32(xq + 4 * j)), u, s16, isum);
+  return correct_avx2<Type>(u, isum, block_corr_avx2<Type>(p, mb));
 }
 
 constexpr int kTileAvx2 = 2;
 
 // M <= kTileAvx2 rows: one pass over the group's records, each sub-block unpacked and applied
-// half by half (rows 0-7, then 8-15), the accumulators of both halves in registers. (Two
-// passes, one per half, read every line of the group twice and each half's 32 bytes of a
-// line apart from the other's: measured slower.)
+// half by half (rows 0-7, then 8-15), the integer sums and accumulators of both halves in
+// registers. (Two passes, one per half, read every line of the group twice and each half's 32
+// bytes of a line apart from the other's: measured slower.)
 template <int64_t Type, int MR>
 inline void group_regs_avx2(const Problem& p, int64_t g, gguf::Prefetcher& pf, int64_t g0) {
+  constexpr int64_t P = record_subs(Type);
   __m256 acc[2][MR];
   for (int half = 0; half < 2; ++half)
     for (int i = 0; i < MR; ++i) acc[half][i] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < p.nb; ++b) {
-    pf.advance(stream_pos<Type>(p, g, g0, b));
-    for (int half = 0; half < 2; ++half) {
-      UnpackedAvx2 u;
-      unpack_avx2<Type>(p, g, b, half, u);
-      rows_avx2<Type, MR>(p, u, b, 0, acc[half]);
+  for (int64_t r = 0; r < p.nb / P; ++r) {
+    const uint8_t* rec = record_at<Type>(p, g, r * P);
+    __m256i isum[2][MR];
+    for (int half = 0; half < 2; ++half)
+      for (int i = 0; i < MR; ++i) isum[half][i] = _mm256_setzero_si256();
+    for (int64_t sub = 0; sub < P; ++sub) {
+      pf.advance(stream_pos<Type>(p, g, g0, r * P + sub));
+      for (int half = 0; half < 2; ++half) {
+        UnpackedAvx2 u;
+        unpack_avx2<Type>(rec, sub, half, u);
+        for (int i = 0; i < MR; ++i) isum[half][i] = add_isum_avx2<Type>(p, u, i * p.nb + r * P + sub, isum[half][i]);
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      const RowRecordAvx2 x = row_record_avx2<Type>(p, i, r);
+      for (int half = 0; half < 2; ++half)
+        acc[half][i] = scale_record_avx2<Type>(record_avx2<Type>(rec, half), isum[half][i], x, acc[half][i]);
     }
   }
   for (int half = 0; half < 2; ++half) {
@@ -919,65 +1048,86 @@ inline void group_regs_avx2(const Problem& p, int64_t g, gguf::Prefetcher& pf, i
   }
 }
 
-// M > kTileAvx2 rows: word j of both halves' unpacked block (16 weight rows) meets one
-// broadcast of each row's activation word j, tile_rows_avx2 rows at a time; the rows'
-// accumulators live in scratch[h M 8 ..] (half h). With the int16 chains kept in order
-// (keep_in_register) and each row's values loaded once for both halves (row_block_avx2), the
-// products of 16-64 rows ran 1.32x (Q4_K) and 1.18x (Q6_K) faster than tiles of 2 rows per half
-// on a Zen 3 core.
+// M > kTileAvx2 rows: a record's sub-blocks are unpacked once (both halves: 16 weight rows),
+// then applied to tile_rows_avx2 rows at a time: word j of both halves meets one broadcast of
+// each row's activation word j, the tile's integer sums stay in registers over the record's
+// sub-blocks, and the record is scaled into the rows' accumulators in scratch[h M 8 ..] (half h)
+// once. With the int16 chains kept in order (keep_in_register) and each row's values loaded once
+// for both halves, the products of 16-64 rows ran 1.32x (Q4_K) and 1.18x (Q6_K) faster than
+// tiles of 2 rows per half on a Zen 3 core.
 template <int64_t Type>
-constexpr int tile_rows_avx2() {  // registers: 2 int16 chains per row (4 with a second int32 sum), 2 weight words, x
-  return Type == gguf::kQ8_0 || Type == kQ6_K || is_five_bit(Type) ? 2 : 4;  // 3 and 5 measured no faster
+constexpr int tile_rows_avx2() {  // registers: 2 int16 chains and 2 int32 sums per row, 2 weight words, x
+  // Measured on a Zen 3 core (products of 16-128 rows): Q6_K 3 rows 1.07x 2 rows and 4 rows; Q4_K
+  // 4 rows 1.04x 3 rows.
+  return Type == gguf::kQ8_0 || is_five_bit(Type) ? 2 : Type == kQ6_K ? 3 : 4;
 }
 
-// The exact dot products of rows m0 .. m0 + MR - 1 with both halves of block b (unpacked in
-// u[0], u[1]), scaled into their accumulators.
+// The exact dot products of rows m0 .. m0 + MR - 1 with both halves of record r (its sub-blocks
+// unpacked in u[sub][half], its fp32 values in w), scaled into their accumulators.
 template <int64_t Type, int MR>
-inline void tile_rows_avx2(const Problem& p, const UnpackedAvx2 (&u)[2], int64_t b, int64_t m0, float* scratch) {
-  __m256i s16[MR][2], s32[MR][2];
-  const int8_t* xq[MR];
-  for (int i = 0; i < MR; ++i) xq[i] = p.q + ((m0 + i) * p.nb + b) * kBlock;
+inline void tile_rows_avx2(const Problem& p, const UnpackedAvx2 (&u)[record_subs(Type)][2], const RecordAvx2 (&w)[2],
+                           int64_t r, int64_t m0, float* scratch) {
+  constexpr int64_t P = record_subs(Type);
+  __m256i isum[MR][2];
+  for (int i = 0; i < MR; ++i) isum[i][0] = isum[i][1] = _mm256_setzero_si256();
+  for (int64_t sub = 0; sub < P; ++sub) {
+    __m256i s16[MR][2];
+    const int8_t* xq[MR];
+    for (int i = 0; i < MR; ++i) xq[i] = p.q + ((m0 + i) * p.nb + r * P + sub) * kBlock;
 #pragma GCC unroll 8
-  for (int j = 0; j < 8; ++j) {
-    const __m256i w0 = u[0].w[j], w1 = u[1].w[j];
+    for (int j = 0; j < 8; ++j) {
+      const __m256i w0 = u[sub][0].w[j], w1 = u[sub][1].w[j];
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      const __m256i x = _mm256_set1_epi32(load_i32(xq[i] + 4 * j));
-      dot_word_avx2<Type>(j, w0, x, u[0], s16[i][0], s32[i][0]);
-      dot_word_avx2<Type>(j, w1, x, u[1], s16[i][1], s32[i][1]);
+      for (int i = 0; i < MR; ++i) {
+        const __m256i x = _mm256_set1_epi32(load_i32(xq[i] + 4 * j));
+        dot_word_avx2<Type>(j, w0, x, u[sub][0], s16[i][0], isum[i][0]);
+        dot_word_avx2<Type>(j, w1, x, u[sub][1], s16[i][1], isum[i][1]);
+      }
+    }
+    if constexpr (Type == kQ6_K || subtracts_offset_avx2(Type)) {
+      for (int i = 0; i < MR; ++i) {
+        const __m256i corr = block_corr_avx2<Type>(p, (m0 + i) * p.nb + r * P + sub);
+        for (int h = 0; h < 2; ++h) isum[i][h] = correct_avx2<Type>(u[sub][h], isum[i][h], corr);
+      }
     }
   }
   for (int i = 0; i < MR; ++i) {
-    const RowBlockAvx2 r = row_block_avx2<Type>(p, (m0 + i) * p.nb + b);
+    const RowRecordAvx2 x = row_record_avx2<Type>(p, m0 + i, r);
     for (int h = 0; h < 2; ++h) {
       float* a = scratch + (h * p.M + m0 + i) * 8;
-      _mm256_storeu_ps(a, scale_block_avx2<Type>(u[h], finish_isum_avx2<Type>(u[h], s32[i][h], r), r, _mm256_loadu_ps(a)));
+      _mm256_storeu_ps(a, scale_record_avx2<Type>(w[h], isum[i][h], x, _mm256_loadu_ps(a)));
     }
   }
 }
 
 // The last rows (fewer than a tile): one tile of `rest` rows.
 template <int64_t Type, int R>
-inline void tail_rows_avx2(const Problem& p, const UnpackedAvx2 (&u)[2], int64_t b, int64_t m0, int64_t rest,
-                           float* scratch) {
+inline void tail_rows_avx2(const Problem& p, const UnpackedAvx2 (&u)[record_subs(Type)][2], const RecordAvx2 (&w)[2],
+                           int64_t r, int64_t m0, int64_t rest, float* scratch) {
   if constexpr (R > 0) {
-    if (rest == R) tile_rows_avx2<Type, R>(p, u, b, m0, scratch);
-    else tail_rows_avx2<Type, R - 1>(p, u, b, m0, rest, scratch);
+    if (rest == R) tile_rows_avx2<Type, R>(p, u, w, r, m0, scratch);
+    else tail_rows_avx2<Type, R - 1>(p, u, w, r, m0, rest, scratch);
   }
 }
 
 template <int64_t Type>
 inline void group_tiles_avx2(const Problem& p, int64_t g, float* scratch, gguf::Prefetcher& pf, int64_t g0) {
   constexpr int MR = tile_rows_avx2<Type>();
+  constexpr int64_t P = record_subs(Type);
   std::fill(scratch, scratch + 2 * p.M * 8, 0.f);
-  UnpackedAvx2 u[2];
-  for (int64_t b = 0; b < p.nb; ++b) {
-    pf.advance(stream_pos<Type>(p, g, g0, b));
-    unpack_avx2<Type>(p, g, b, 0, u[0]);
-    unpack_avx2<Type>(p, g, b, 1, u[1]);
+  UnpackedAvx2 u[P][2];
+  RecordAvx2 w[2];
+  for (int64_t r = 0; r < p.nb / P; ++r) {
+    const uint8_t* rec = record_at<Type>(p, g, r * P);
+    for (int64_t sub = 0; sub < P; ++sub) {
+      pf.advance(stream_pos<Type>(p, g, g0, r * P + sub));
+      unpack_avx2<Type>(rec, sub, 0, u[sub][0]);
+      unpack_avx2<Type>(rec, sub, 1, u[sub][1]);
+    }
+    w[0] = record_avx2<Type>(rec, 0), w[1] = record_avx2<Type>(rec, 1);
     int64_t m0 = 0;
-    for (; m0 + MR <= p.M; m0 += MR) tile_rows_avx2<Type, MR>(p, u, b, m0, scratch);
-    tail_rows_avx2<Type, MR - 1>(p, u, b, m0, p.M - m0, scratch);
+    for (; m0 + MR <= p.M; m0 += MR) tile_rows_avx2<Type, MR>(p, u, w, r, m0, scratch);
+    tail_rows_avx2<Type, MR - 1>(p, u, w, r, m0, p.M - m0, scratch);
   }
   for (int half = 0; half < 2; ++half) {
     for (int64_t m = 0; m < p.M; ++m) store_lanes(p, m, g * kGroupRows + 8 * half, scratch + (half * p.M + m) * 8, 8);

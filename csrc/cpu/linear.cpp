@@ -271,8 +271,9 @@ void int8_activation_linear_cpu(const at::Tensor& x, const at::Tensor& packed_we
   int32_t* sqh = ws.sqh.at_least(2 * M * nb);
   // Rows quantised in parallel (each row on its own; a 256-row prefill chunk of the 1.5B's
   // down projection is 2.3M values).
+  const int64_t per = i8act::record_subs(block_type), nd = nb / per;  // activation scales per row
   at::parallel_for(0, M, std::max<int64_t>(1, (int64_t(1) << 16) / H), [&](int64_t r0, int64_t r1) {
-    quantize(x_f.data_ptr<float>() + r0 * H, r1 - r0, nb, q + r0 * H, d + r0 * nb, s + r0 * nb, sq + r0 * nb,
+    quantize(x_f.data_ptr<float>() + r0 * H, r1 - r0, nb, per, q + r0 * H, d + r0 * nd, s + r0 * nb, sq + r0 * nb,
              sqh + 2 * r0 * nb);
   });
   // Threads split the groups, at least ~64 KiB of weight bytes per task.
@@ -282,7 +283,7 @@ void int8_activation_linear_cpu(const at::Tensor& x, const at::Tensor& packed_we
   const int64_t chunk = i8act::row_chunk(H);
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t rows = std::min(chunk, M - m0);
-    i8act::Problem p{q + m0 * H, d + m0 * nb, s + m0 * nb, sq + m0 * nb, sqh + 2 * m0 * nb, rows, nb,
+    i8act::Problem p{q + m0 * H, d + m0 * nd, s + m0 * nb, sq + m0 * nb, sqh + 2 * m0 * nb, rows, nb,
                      packed_weight.data_ptr<uint8_t>(), bb, N, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
                      out.data_ptr<float>() + m0 * N};
     auto run_chunk = run;

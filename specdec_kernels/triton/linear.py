@@ -234,17 +234,18 @@ torch.library.register_kernel("specdec::quantized_linear", "cuda", quantized_lin
 
 # ---------------------------------------------------------------------------------------
 # int8_activation_linear: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks repacked 16 rows at a time
-# (gguf_blocks.pack_int8_activation), activations quantised to int8 per block of 32.
+# (gguf_blocks.pack_int8_activation), activations quantised to int8 with one scale per GGUF block.
 # ---------------------------------------------------------------------------------------
 
 
-def quantize_activations(x: torch.Tensor):
-    """x [M, H] -> (q int8 [M, H], d fp32 [M, H / 32], s fp32 [M, H / 32]) by the op's rule
-    (ops.int8_activation_linear): d = max|x| / 127, q = round_half_even(x * (1 / d)) clamped to
-    +-127, s = d * sum(q), all rounded to fp32 as the CPU kernel does; a block with max|x| <
-    2^-96 counts as zero (d = 0, q = 0); a block holding NaN or inf gets q = 0, d = s = NaN."""
+def quantize_activations(x: torch.Tensor, block: int):
+    """x [M, H] -> (q int8 [M, H], d fp32 [M, H / block], s fp32 [M, H / 32]) by the op's rule
+    (ops.int8_activation_linear), one scale per ``block`` values (the GGUF block: 256 for the
+    K-quants, 32 otherwise): d = max|x| / 127, q = round_half_even(x * (1 / d)) clamped to +-127,
+    s = d * sum(q) per 32, all rounded to fp32 as the CPU kernel does; a scale block with max|x| <
+    2^-96 counts as zero (d = 0, q = 0); one holding NaN or inf gets q = 0, d = s = NaN."""
     M, H = x.shape
-    xb = x.to(torch.float32).reshape(M, H // 32, 32)
+    xb = x.to(torch.float32).reshape(M, H // block, block)
     finite = torch.isfinite(xb).all(-1)
     zero = torch.zeros((), device=x.device)
     amax = xb.abs().amax(-1).where(finite, zero)
@@ -252,8 +253,10 @@ def quantize_activations(x: torch.Tensor):
     inv = torch.where(d == 0, zero, 1 / d)
     q = torch.round(xb * inv[..., None]).clamp(-127, 127).where(finite[..., None], zero)
     nan = torch.full((), float("nan"), device=x.device)
-    s = (d * q.sum(-1)).where(finite, nan)  # |sum q| <= 32 * 127: exact in fp32
-    return q.to(torch.int8).reshape(M, H), d.where(finite, nan), s
+    d = d.where(finite, nan)
+    sq = q.reshape(M, H // 32, 32).sum(-1)  # |sum q| <= 32 * 127: exact in fp32
+    s = d.repeat_interleave(block // 32, dim=1) * sq
+    return q.to(torch.int8).reshape(M, H), d, s
 
 
 @triton.jit
@@ -294,9 +297,9 @@ def _int8_activation_linear_kernel(
     BLOCK_TYPE: tl.constexpr, GROUP_BYTES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """out [M, N] for one group of 16 weight rows (program_id(0)) and BLOCK_M activation rows:
-    per block of 32 (NB of them), the exact integer dot products [BLOCK_M, 16], then acc =
-    fma(float(i), d_w * d_x, acc) (+ fma(m, s_x, acc) for Q4_1 / Q5_1, fma(-(dmin * mn), s_x,
-    acc) for Q4_K / Q5_K), in block order as on the CPU."""
+    per GGUF block (record; NB blocks of 32 in all), the exact integer sums I [BLOCK_M, 16] (and
+    Q4_K / Q5_K's Mn), then acc = fma(float(I), d_w * d_x, acc) (+ fma(m, s_x, acc) for Q4_1 /
+    Q5_1, fma(-float(Mn), dmin * d_x, acc) for Q4_K / Q5_K), in record order as on the CPU."""
     pid_g = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -306,23 +309,29 @@ def _int8_activation_linear_kernel(
     rm_safe = tl.where(m_ok, rm, 0).to(tl.int64)
     PER: tl.constexpr = 8 if (BLOCK_TYPE == 12 or BLOCK_TYPE == 13 or BLOCK_TYPE == 14) else 1  # blocks per record
     K_MIN: tl.constexpr = BLOCK_TYPE == 12 or BLOCK_TYPE == 13
+    NR = NB // PER
     acc = tl.zeros((BLOCK_M, 16), dtype=tl.float32)
-    for b in range(0, NB):
-        rec = w_ptr + (pid_g.to(tl.int64) * (NB // PER) + b // PER) * GROUP_BYTES
-        sub = b % PER
-        c = _int8_block_weights(rec, sub, rl, rj, BLOCK_TYPE)  # [16, 32]
-        xq = tl.load(q_ptr + rm_safe[:, None] * NB * 32 + b * 32 + rj[None, :]).to(tl.int32)  # [BLOCK_M, 32]
-        isum = tl.sum(xq[:, None, :] * c[None, :, :], axis=2)  # exact
-        dx = tl.load(d_ptr + rm_safe * NB + b)
+    for r in range(0, NR):
+        rec = w_ptr + (pid_g.to(tl.int64) * NR + r) * GROUP_BYTES
+        isum = tl.zeros((BLOCK_M, 16), dtype=tl.int32)
+        mins = tl.zeros((BLOCK_M, 16), dtype=tl.int32)
+        for sub in tl.static_range(PER):
+            b = r * PER + sub
+            c = _int8_block_weights(rec, sub, rl, rj, BLOCK_TYPE)  # [16, 32]
+            xq = tl.load(q_ptr + rm_safe[:, None] * NB * 32 + b * 32 + rj[None, :]).to(tl.int32)  # [BLOCK_M, 32]
+            dot = tl.sum(xq[:, None, :] * c[None, :, :], axis=2)  # exact
+            if K_MIN:
+                isum += dot * tl.load(rec + 64 + 16 * sub + rl).to(tl.int32)[None, :]
+                mins += tl.sum(xq, axis=1)[:, None] * tl.load(rec + 192 + 16 * sub + rl).to(tl.int32)[None, :]
+            else:
+                isum += dot
+        dx = tl.load(d_ptr + rm_safe * NR + r)
         dw = _fp16_at(rec + 2 * rl)
-        if K_MIN:
-            dw = dw * tl.load(rec + 64 + 16 * sub + rl).to(tl.float32)  # exact
         acc = tl.fma(isum.to(tl.float32), dw[None, :] * dx[:, None], acc)
         if BLOCK_TYPE == 3 or BLOCK_TYPE == 7:
-            acc = tl.fma(_fp16_at(rec + 32 + 2 * rl)[None, :], tl.load(s_ptr + rm_safe * NB + b)[:, None], acc)
+            acc = tl.fma(_fp16_at(rec + 32 + 2 * rl)[None, :], tl.load(s_ptr + rm_safe * NB + r)[:, None], acc)
         if K_MIN:
-            mw = _fp16_at(rec + 32 + 2 * rl) * tl.load(rec + 192 + 16 * sub + rl).to(tl.float32)  # exact
-            acc = tl.fma(-mw[None, :], tl.load(s_ptr + rm_safe * NB + b)[:, None], acc)
+            acc = tl.fma(-mins.to(tl.float32), _fp16_at(rec + 32 + 2 * rl)[None, :] * dx[:, None], acc)
     rn = pid_g * 16 + rl
     n_ok = rn < N
     if HAS_BIAS:
@@ -342,7 +351,7 @@ def int8_activation_linear(x: torch.Tensor, packed_weight: torch.Tensor, block_t
     M, N = out.shape
     if M == 0 or N == 0:
         return
-    q, d, s = quantize_activations(x)
+    q, d, s = quantize_activations(x, 256 if block_type in (12, 13, 14) else 32)
     b32 = None if bias is None else bias.to(torch.float32).contiguous()
     grid = (packed_weight.shape[0], triton.cdiv(M, INT8_ACTIVATION_BLOCK_M))
     _int8_activation_linear_kernel[grid](
