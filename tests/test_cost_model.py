@@ -134,6 +134,21 @@ def test_curve_is_cached_per_machine(cache, monkeypatch):
     assert step_cost_for(model, recalibrate=True, progress=False) is held and len(calls) > n
 
 
+def test_a_rebuilt_extension_measures_its_own_curve(cache, monkeypatch):
+    """A curve belongs to the kernels that were timed: another build of the extension (its file
+    size or time changed: an upgrade, a rebuild with faster kernels) is measured anew."""
+    fake, calls = fake_point()
+    monkeypatch.setattr(cost_model, "_time_point", fake)
+    model = Llama.random(tiny_config(num_layers=2), seed=0)
+    step_cost_for(model, progress=False)
+    key, n = cost_model.cost_key(model), len(calls)
+    monkeypatch.setattr(cost_model, "kernels_build", lambda: "another build")
+    monkeypatch.setattr(cost_model, "_MEMO", {})
+    assert cost_model.cost_key(model) != key
+    step_cost_for(model, progress=False)
+    assert len(calls) > n and len(os.listdir(cache)) == 2
+
+
 @pytest.mark.parametrize("poison", ["non-monotone", "other threads", "other cpu", "failed its checks"])
 def test_a_poisoned_cache_entry_is_detected_on_load(cache, monkeypatch, poison):
     fake, calls = fake_point()

@@ -374,14 +374,23 @@ def weight_format(model) -> str:
     return getattr(model, "weight_format", None) or str(model.dtype).replace("torch.", "")
 
 
+def kernels_build() -> str:
+    """The C++ extension's file size and modification time: a rebuilt or upgraded extension (its
+    kernels' speed changed) gets curves of its own."""
+    from .. import _C
+
+    st = os.stat(_C.__file__)
+    return f"{st.st_size}:{st.st_mtime_ns}"
+
+
 def cost_key(model) -> str:
     """File-name-safe key: model name, weight format, torch threads, device, a hash of the CPU
-    model and of the kernel paths this process takes (a curve measured with AMX on is not the
-    curve with it off)."""
+    model, of the kernel paths this process takes (a curve measured with AMX on is not the
+    curve with it off) and of the extension's build (``kernels_build``)."""
     from .._C import cpu_paths
 
     paths = ",".join(k for k, on in sorted(cpu_paths().items()) if on)
-    cpu = hashlib.sha1(f"{cpu_model()}|{paths}".encode()).hexdigest()[:10]
+    cpu = hashlib.sha1(f"{cpu_model()}|{paths}|{kernels_build()}".encode()).hexdigest()[:10]
     name = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(model.name))
     return f"{name}-{weight_format(model)}-t{torch.get_num_threads()}-{model.device.type}-{cpu}"
 
