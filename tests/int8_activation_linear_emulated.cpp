@@ -2,7 +2,8 @@
 // their AVX-512 intrinsics come from SIMDe (portable implementations, Debian's libsimde-dev),
 // the AMX tile instructions from the emulation below. Each path's result is compared bit for bit
 // with the portable path's, for every format, at row counts that take every register and tile
-// code path, with a bias, a zero row and a row holding NaN. Prints one line per mismatch and
+// code path, with a bias, a zero row and a row holding NaN; on random blocks and on blocks whose
+// integers and scales are all at their largest, with activations at +-127. Prints one line per mismatch and
 // "cases N, mismatches K"; exits 1 on any mismatch.
 //
 // Built and run by tests/test_int8_activation_linear.py (test_vnni_and_amx_paths_emulated):
@@ -101,13 +102,14 @@ using namespace specdec;
 
 namespace {
 
-// Packed records of random bytes, their fp16 fields (d; m or dmin) finite.
-std::vector<uint8_t> random_records(int64_t type, int64_t G, int64_t nr, std::mt19937& rng) {
+// Packed records of random bytes (saturated: every byte 0xFF, the largest integers and scales),
+// their fp16 fields (d; m or dmin) finite.
+std::vector<uint8_t> random_records(int64_t type, int64_t G, int64_t nr, std::mt19937& rng, bool saturated) {
   const int64_t bb = i8act::record_bytes(type);
   std::vector<uint8_t> w(G * nr * bb);
   std::uniform_int_distribution<int> byte(0, 255);
   std::uniform_real_distribution<float> scale(-0.02f, 0.02f);
-  for (auto& v : w) v = static_cast<uint8_t>(byte(rng));
+  for (auto& v : w) v = saturated ? 0xFF : static_cast<uint8_t>(byte(rng));
   const int fields = i8act::has_min(type) || i8act::has_k_min(type) ? 32 : 16;
   for (int64_t r = 0; r < G * nr; ++r) {
     for (int f = 0; f < fields; ++f) {
@@ -143,14 +145,14 @@ int main() {
   const int64_t rows[] = {1, 2, 3, 4, 5, 7, 8, 16, 17, 33, 40, 70};
   const int64_t H = 512, N = 40, G = (N + 15) / 16, nb = H / i8act::kBlock;
   int cases = 0, mismatches = 0;
-  for (int64_t type : types) {
+  for (int64_t type : types) for (bool saturated : {false, true}) {
     const int64_t nr = H / i8act::record_weights(type);
-    const std::vector<uint8_t> w = random_records(type, G, nr, rng);
+    const std::vector<uint8_t> w = random_records(type, G, nr, rng, saturated);
     std::vector<float> bias(N);
     for (auto& v : bias) v = normal(rng);
     for (int64_t M : rows) {
       std::vector<float> x(M * H);
-      for (auto& v : x) v = normal(rng);
+      for (int64_t i = 0; i < M * H; ++i) x[i] = saturated ? ((i / H) % 2 ? -1.f : 1.f) : normal(rng);  // +-127
       if (M >= 5) {
         std::fill(x.begin() + 3 * H, x.begin() + 4 * H, 0.f);  // a zero row
         x[4 * H + 300] = std::numeric_limits<float>::quiet_NaN();  // one scale block NaN

@@ -189,6 +189,35 @@ def test_thread_count_invariant(block_type):
         for want, got in zip(results[1], results[threads]):
             assert torch.equal(got, want), (threads, want.shape[0])
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("block_type", TYPES)
+@pytest.mark.parametrize("fill", [0xFF, 0x00])
+def test_largest_integer_sums(backend, block_type, fill):
+    """Every weight byte 0xFF (the largest unsigned integers; 6-bit scales and mins 63; Q6_K's
+    int8 scales -1) or 0x00 (Q6_K: q6 - 32 = -32, Q4_0 / Q5_0: the most negative weights) and
+    activations at +-127 everywhere: the integer sums at their bounds (the int16 chains of the
+    AVX2 path, the K-quants' scaled int32 sums) are still exact. 16 rows: the register and tile
+    paths, both signs."""
+    g = torch.Generator().manual_seed(7)
+    N, H = 20, 512
+    blocks = random_blocks(N, H, block_type, g)
+    for at in range(blocks.shape[1]):  # every byte but the fp16 fields
+        size, nbytes = checks.INT8_ACTIVATION_FORMATS[block_type][1:3]
+        if not any(f <= at % nbytes < f + 2 for f in _F16_AT[block_type]):
+            blocks[:, at] = fill
+    if block_type == Q6_K and fill == 0x00:
+        blocks.view(N, H // 256, 210)[:, :, 192:208] = 0x80  # int8 scales -128 with q6 - 32 = -32
+    packed = gguf_blocks.pack_int8_activation(blocks, block_type)
+    x = torch.ones(16, H)
+    x[1::2] = -1
+    x[2, ::3] = -1  # mixed signs in one row
+    out = run(backend, x, packed, block_type, N)
+    assert_matches(out, ref.int8_activation_linear(x, blocks, block_type), H)
+    if backend == "cpu":
+        for M in (1, 2, 3, 5):  # the register paths and the tails of the tile path
+            assert torch.equal(run(backend, x[:M], packed, block_type, N), out[:M])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("block_type", [Q4_1, Q5_0, Q4_K, Q6_K])
 def test_special_activation_blocks(backend, block_type):
     """Zero and tiny (< 2^-96) activation blocks count as zero; huge values scale; NaN or inf in
@@ -453,7 +482,8 @@ def test_vnni_and_amx_paths_emulated(tmp_path):
     """The AVX-512 VNNI and AMX paths on any CPU with AVX2 (the test above runs them only where
     the CPU has them): tests/int8_activation_linear_emulated.cpp compiles them with SIMDe's
     portable AVX-512 intrinsics and emulated AMX tiles, and compares them with the portable path
-    bit for bit (every format, 1-70 rows, bias, zero and NaN rows)."""
+    bit for bit (every format, 1-70 rows, bias, zero and NaN rows; random blocks and blocks at
+    their largest integers with activations at +-127)."""
     import subprocess
 
     from torch.utils.cpp_extension import include_paths
@@ -472,11 +502,16 @@ def test_vnni_and_amx_paths_emulated(tmp_path):
            "-I", os.path.join(root, "csrc"), "-I", os.path.join(root, "csrc", "cpu"),
            *[f"-I{p}" for p in include_paths()], os.path.join(root, "tests", "int8_activation_linear_emulated.cpp"),
            "-o", exe, f"-L{torch_lib}", "-lc10", f"-Wl,-rpath,{torch_lib}"]
-    built = subprocess.run(cmd, capture_output=True, text=True)
+    # Under .ci/sanitizers.sh (libasan preloaded into this process) the harness is built with
+    # ASan + UBSan itself; the preload stays out of the compiler and the harness.
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    if "libasan" in os.environ.get("LD_PRELOAD", ""):
+        cmd += ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer"]
+    built = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert built.returncode == 0, built.stderr[-3000:]
-    ran = subprocess.run([exe], capture_output=True, text=True, timeout=600)
+    ran = subprocess.run([exe], capture_output=True, text=True, timeout=600, env=env)
     assert ran.returncode == 0 and "mismatches 0" in ran.stdout, ran.stdout[-3000:] + ran.stderr[-2000:]
-    assert "cases 192," in ran.stdout, ran.stdout  # every format and row count ran
+    assert "cases 384," in ran.stdout, ran.stdout  # every format, weight set and row count ran
 
 
 @pytest.mark.parametrize("block_type", TYPES)
