@@ -305,7 +305,7 @@ inline void group_generic(const Problem& p, int64_t g) {
     default: GROUP<kQ6_K>(__VA_ARGS__); break;                       \
   }
 
-// acc_scratch: [M * 16] floats (the vector paths' accumulators for M beyond their tile).
+// scratch: the vector paths' (unused here).
 inline void run_generic(const Problem& p, int64_t type, int64_t g0, int64_t g1, float*) {
   for (int64_t g = g0; g < g1; ++g) SPECDEC_I8_TYPE_SWITCH(type, group_generic, p, g)
 }

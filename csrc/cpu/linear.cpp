@@ -186,7 +186,7 @@ void quantized_linear_cpu(const at::Tensor& x, const at::Tensor& weight, int64_t
 }
 
 // =======================================================================================
-// int8_activation_linear: x [M, H] quantised to int8 per block of 32, times a weight of GGUF
+// int8_activation_linear: x [M, H] quantised to int8 (one scale per GGUF block), times a weight of GGUF
 // blocks repacked 16 rows at a time (see int8_activation_linear.h).
 // =======================================================================================
 // Groups are shared out in about one task per thread below this many rows, kTasksPerThread
