@@ -377,9 +377,9 @@ def weight_format(model) -> str:
 def kernels_build() -> str:
     """The C++ extension's file size and modification time: a rebuilt or upgraded extension (its
     kernels' speed changed) gets curves of its own."""
-    from .. import _C
+    import importlib.util
 
-    st = os.stat(_C.__file__)
+    st = os.stat(importlib.util.find_spec("._C", __name__.rsplit(".", 2)[0]).origin)
     return f"{st.st_size}:{st.st_mtime_ns}"
 
 
