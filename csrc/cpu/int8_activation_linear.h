@@ -148,7 +148,7 @@ struct Problem {
   const int8_t* qa = nullptr;  // the AMX path's copy of q, block-major: [nb, amx_padded_rows(M), 32], rows past M zero
 };
 
-// The record holding block b of group g, and b's sub-block index in it.
+// The record holding block b of group g.
 template <int64_t Type>
 inline const uint8_t* record_at(const Problem& p, int64_t g, int64_t b) {
   constexpr int64_t per = record_subs(Type);
@@ -157,6 +157,22 @@ inline const uint8_t* record_at(const Problem& p, int64_t g, int64_t b) {
 // Row m's activation scale for record r.
 template <int64_t Type>
 inline float scale_at(const Problem& p, int64_t m, int64_t r) { return p.d[m * (p.nb / record_subs(Type)) + r]; }
+
+// Scale block a (blocks a * per .. a * per + per - 1 of 32) holds NaN or +-inf: q = 0, d = s = NaN.
+inline void write_non_finite(int64_t a, int64_t per, int8_t* q, float* d, float* s, int32_t* sq, int32_t* sqh) {
+  std::memset(q + a * per * kBlock, 0, per * kBlock);
+  d[a] = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t mb = a * per; mb < (a + 1) * per; ++mb) {
+    s[mb] = std::numeric_limits<float>::quiet_NaN();
+    sq[mb] = sqh[2 * mb] = sqh[2 * mb + 1] = 0;
+  }
+}
+// Block mb's sums from its halves' sums h0, h1 (scale dm).
+inline void write_block_sums(int64_t mb, float dm, int32_t h0, int32_t h1, float* s, int32_t* sq, int32_t* sqh) {
+  sq[mb] = h0 + h1;
+  sqh[2 * mb] = h0, sqh[2 * mb + 1] = h1;
+  s[mb] = dm * static_cast<float>(sq[mb]);
+}
 
 // Quantises x [M, H] (fp32, contiguous, H = nb * 32) as the header says, per scale blocks of
 // `per` blocks of 32 (record_subs). Plain scalar code: the portable path's, and the reference
@@ -173,12 +189,7 @@ inline void quantize_activations(const float* x, int64_t M, int64_t nb, int64_t 
       amax = std::max(amax, std::fabs(xa[j]));
     }
     if (!finite) {
-      std::memset(q + a * span, 0, span);
-      d[a] = std::numeric_limits<float>::quiet_NaN();
-      for (int64_t mb = a * per; mb < (a + 1) * per; ++mb) {
-        s[mb] = std::numeric_limits<float>::quiet_NaN();
-        sq[mb] = sqh[2 * mb] = sqh[2 * mb + 1] = 0;
-      }
+      write_non_finite(a, per, q, d, s, sq, sqh);
       continue;
     }
     const float dm = amax < kTinyBlock ? 0.f : amax / 127.f;
@@ -194,9 +205,7 @@ inline void quantize_activations(const float* x, int64_t M, int64_t nb, int64_t 
         qb[j] = static_cast<int8_t>(qi);
         half[j / 16] += qi;
       }
-      sq[mb] = half[0] + half[1];
-      sqh[2 * mb] = half[0], sqh[2 * mb + 1] = half[1];
-      s[mb] = dm * static_cast<float>(sq[mb]);
+      write_block_sums(mb, dm, half[0], half[1], s, sq, sqh);
     }
   }
 }
@@ -209,6 +218,11 @@ inline void store_lanes(const Problem& p, int64_t m, int64_t n0, const float* la
 }
 
 inline float f16_at(const uint8_t* p) { return static_cast<float>(c10::Half(gguf::load_u16(p), c10::Half::from_bits())); }
+
+// The int16 pair (lo, hi) in one int32 (lo in the low half; both fit int16), for vpmaddwd.
+inline int32_t int16_pair(int32_t lo, int32_t hi) {
+  return (lo & 0xFFFF) | static_cast<int32_t>(static_cast<uint32_t>(hi) << 16);
+}
 
 inline int32_t load_i32(const int8_t* p) {
   int32_t v;
@@ -446,8 +460,7 @@ SPECDEC_I8_VNNI inline __m512 scale_record_vnni(const Problem& p, const RecordVn
     const int32_t* sq = p.sq + m * p.nb + r * record_subs(Type);
     __m512i mins = _mm512_setzero_si512();
     for (int k = 0; k < 4; ++k) {
-      const int32_t pair = (sq[2 * k] & 0xFFFF) | static_cast<int32_t>(static_cast<uint32_t>(sq[2 * k + 1]) << 16);
-      mins = _mm512_add_epi32(mins, _mm512_madd_epi16(w.mn[k], _mm512_set1_epi32(pair)));
+      mins = _mm512_add_epi32(mins, _mm512_madd_epi16(w.mn[k], _mm512_set1_epi32(int16_pair(sq[2 * k], sq[2 * k + 1]))));
     }
     acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(w.mw, dx), acc);
   }
@@ -798,12 +811,7 @@ inline void quantize_activations_avx2(const float* x, int64_t M, int64_t nb, int
       amax = _mm256_max_ps(amax, v);
     }
     if (_mm256_movemask_ps(finite) != 0xFF) {
-      std::memset(q + a * span, 0, span);
-      d[a] = std::numeric_limits<float>::quiet_NaN();
-      for (int64_t mb = a * per; mb < (a + 1) * per; ++mb) {
-        s[mb] = std::numeric_limits<float>::quiet_NaN();
-        sq[mb] = sqh[2 * mb] = sqh[2 * mb + 1] = 0;
-      }
+      write_non_finite(a, per, q, d, s, sq, sqh);
       continue;
     }
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
@@ -821,10 +829,7 @@ inline void quantize_activations_avx2(const float* x, int64_t M, int64_t nb, int
       }
       const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + mb * kBlock), _mm256_permutevar8x32_epi32(bytes, dword_order));
-      const int32_t h0 = hsum(_mm256_add_epi32(qi[0], qi[1])), h1 = hsum(_mm256_add_epi32(qi[2], qi[3]));
-      sq[mb] = h0 + h1;
-      sqh[2 * mb] = h0, sqh[2 * mb + 1] = h1;
-      s[mb] = dm * static_cast<float>(sq[mb]);
+      write_block_sums(mb, dm, hsum(_mm256_add_epi32(qi[0], qi[1])), hsum(_mm256_add_epi32(qi[2], qi[3])), s, sq, sqh);
     }
   }
 }
@@ -925,7 +930,7 @@ constexpr bool subtracts_offset_avx2(int64_t t) { return offset(t) != 0 && t != 
 template <int64_t Type>
 inline __m256i block_corr_avx2(const Problem& p, int64_t mb) {
   if constexpr (Type == kQ6_K) {
-    return _mm256_set1_epi32((p.sqh[2 * mb] & 0xFFFF) | static_cast<int32_t>(static_cast<uint32_t>(p.sqh[2 * mb + 1]) << 16));
+    return _mm256_set1_epi32(int16_pair(p.sqh[2 * mb], p.sqh[2 * mb + 1]));
   } else if constexpr (subtracts_offset_avx2(Type)) {
     return _mm256_set1_epi32(offset(Type) * p.sq[mb]);
   } else {
@@ -956,7 +961,7 @@ inline RowRecordAvx2 row_record_avx2(const Problem& p, int64_t m, int64_t r) {
   if constexpr (has_min(Type)) x.s = _mm256_set1_ps(p.s[m * p.nb + r]);
   if constexpr (has_k_min(Type)) {
     const int32_t* sq = p.sq + m * p.nb + r * P;
-    for (int k = 0; k < 4; ++k) x.sq[k] = _mm256_set1_epi32((sq[2 * k] & 0xFFFF) | static_cast<int32_t>(static_cast<uint32_t>(sq[2 * k + 1]) << 16));
+    for (int k = 0; k < 4; ++k) x.sq[k] = _mm256_set1_epi32(int16_pair(sq[2 * k], sq[2 * k + 1]));
   }
   return x;
 }
@@ -1033,10 +1038,10 @@ inline void group_regs_avx2(const Problem& p, int64_t g, gguf::Prefetcher& pf, i
         for (int i = 0; i < MR; ++i) isum[half][i] = add_isum_avx2<Type>(p, u, i * p.nb + r * P + sub, isum[half][i]);
       }
     }
+    const RecordAvx2 w[2] = {record_avx2<Type>(rec, 0), record_avx2<Type>(rec, 1)};
     for (int i = 0; i < MR; ++i) {
       const RowRecordAvx2 x = row_record_avx2<Type>(p, i, r);
-      for (int half = 0; half < 2; ++half)
-        acc[half][i] = scale_record_avx2<Type>(record_avx2<Type>(rec, half), isum[half][i], x, acc[half][i]);
+      for (int half = 0; half < 2; ++half) acc[half][i] = scale_record_avx2<Type>(w[half], isum[half][i], x, acc[half][i]);
     }
   }
   for (int half = 0; half < 2; ++half) {
