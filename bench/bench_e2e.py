@@ -54,9 +54,22 @@ from specdec_kernels.models.skinny_rows import skinny_linear_rows  # noqa: E402
 DEFAULT_DRAFTERS = ["ngram:constant", "ngram:heuristic", "ngram-tree:max", "self-spec", "medusa", "medusa+ngram", "draft-tree"]
 
 
+def split_method(text: str) -> tuple[str, str, str | None]:
+    """(drafter, schedule or "", draft weights or None) of a ``--drafters`` item
+    ``DRAFTER[:SCHEDULE][@WEIGHTS]``."""
+    spec, _, weights = text.partition("@")
+    name, _, schedule = spec.partition(":")
+    return name, schedule, weights or None
+
+
 def drafter_spec(text: str) -> str:
-    """``--drafters`` item check: a registered drafter, optionally ``:schedule``."""
-    name, _, schedule = text.partition(":")
+    """``--drafters`` item check: a registered drafter, optionally ``:schedule``, optionally
+    ``@weights`` (this method's ``--draft-weights``: two formats of one draft compared in the
+    same run, alternating)."""
+    name, schedule, weights = split_method(text)
+    if weights is not None and weights not in DRAFT_WEIGHTS:
+        raise argparse.ArgumentTypeError(f"unknown draft weights {weights!r} in {text!r}: choose from "
+                                         f"{', '.join(DRAFT_WEIGHTS)}")
     if name not in DRAFTER_INFO or name == "none":
         raise argparse.ArgumentTypeError(f"unknown drafter {name!r}: choose from {', '.join(n for n in DRAFTER_INFO if n != 'none')} "
                                          "(ours-ar, the autoregressive baseline, always runs)")
@@ -222,8 +235,10 @@ def build_parser(prog: str, default_out_dir: Path) -> Parser:
     p.add_argument("--categories", nargs="+", default=None, help="only the prompts of these categories")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4], help="batch sizes to run (transformers only at 1)")
-    p.add_argument("--drafters", nargs="+", default=DEFAULT_DRAFTERS, type=drafter_spec, metavar="DRAFTER[:SCHEDULE]",
-                   help="drafters to run, each with its default schedule unless one follows a colon; drafters: "
+    p.add_argument("--drafters", nargs="+", default=DEFAULT_DRAFTERS, type=drafter_spec,
+                   metavar="DRAFTER[:SCHEDULE][@WEIGHTS]",
+                   help="drafters to run, each with its default schedule unless one follows a colon, and with "
+                        "--draft-weights unless one follows an @ (e.g. eagle@q8_0 eagle@q4_0); drafters: "
                         + ", ".join(f"{n} ({i.schedule})" for n, i in DRAFTER_INFO.items() if n != "none")
                         + f"; schedules: {', '.join(SpecSchedule.KINDS)}")
     p.add_argument("--continuous", action="store_true",
@@ -295,9 +310,9 @@ class Session:
         on ``target`` (default: our model): (requests, seconds)."""
         target = target or self.model
         new_tokens = self.args.max_new_tokens if new_tokens is None else new_tokens
-        name, _, schedule = (drafter or "none").partition(":")
+        name, schedule, weights = split_method(drafter or "none")
         made = make_drafter(name, target, self_spec_layers=self.args.self_spec_layers, max_k=16,
-                            draft_model=self.args.draft_model, draft_weights=self.args.draft_weights,
+                            draft_model=self.args.draft_model, draft_weights=weights or self.args.draft_weights,
                             draft_vocab=self.args.draft_vocab, eagle_checkpoint=self.args.eagle_checkpoint)
         gen = Generator(target, made, SpecSchedule(schedule or default_schedule(name), self.args.k))
         t = time.perf_counter()

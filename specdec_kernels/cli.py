@@ -352,7 +352,7 @@ def build_parser() -> Parser:
                         "distilled draft the package ships for the model")
     g.add_argument("--draft-weights", choices=DRAFT_WEIGHTS, default="stored",
                    help="how a draft file's or an EAGLE head's linear weights run (the shipped draft is stored "
-                        "as Q8_0 blocks; an EAGLE head runs as Q8_0 blocks on a native target, dense otherwise)")
+                        "as Q8_0 blocks; an EAGLE head runs as Q4_0 blocks on a native target, dense otherwise)")
     g.add_argument("--draft-vocab", type=number(int, low=0), default=DRAFT_VOCAB_SIZE,
                    help="a --draft-model given by name drafts from its N most frequent tokens (FR-Spec: a smaller "
                         "LM head, a cheaper draft token; exact all the same); 0 = its whole vocabulary")

@@ -239,12 +239,23 @@ def test_bench_help_lists_every_drafter(env):
 
     r = specdec(["bench", "--help"], env)
     assert r.returncode == 0
-    text = " ".join(r.stdout.decode().split())
+    text = "".join(r.stdout.decode().split())  # argparse may wrap a line at any space or hyphen
     for name in DRAFTERS:
         if name != "none":
-            assert f"{name} (" in text, name
-    assert "medusa-untrained (constant)" in text
+            assert f"{name}(" in text, name
+    assert "medusa-untrained(constant)" in text
     one_error_line(specdec(["bench", "--drafters", "bogus"], env), "unknown drafter 'bogus'")
+    one_error_line(specdec(["bench", "--drafters", "eagle@q5_k"], env), "unknown draft weights 'q5_k'")
+
+
+def test_bench_method_names_carry_their_draft_weights():
+    """``DRAFTER[:SCHEDULE][@WEIGHTS]``: two formats of one draft in the same run."""
+    from bench.bench_e2e import drafter_spec, split_method
+
+    assert split_method("eagle+ngram") == ("eagle+ngram", "", None)
+    assert split_method("eagle:max@q8_0") == ("eagle", "max", "q8_0")
+    assert split_method("draft@q4_0") == ("draft", "", "q4_0")
+    assert drafter_spec("eagle@q4_0") == "eagle@q4_0"
 
 
 def test_generate_help_shows_defaults():

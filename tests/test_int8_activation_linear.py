@@ -472,7 +472,8 @@ def test_cpu_paths_give_identical_bits(tmp_path):
             "the CPU and OS have AMX but the kernels did not take the AMX path"
     if not flags or not {"avx512f", "avx512vl", "avx512dq", "avx512bw", "avx512_vnni"} <= flags:
         pytest.skip("this CPU has no AVX-512 VNNI (or it cannot be told): the AVX2 and portable paths were "
-                    "compared, the VNNI one did not run")
+                    "compared; the VNNI and AMX paths run under emulation in test_vnni_and_amx_paths_emulated, "
+                    "not on real instructions here")
 
 
 SIMDE_HEADER = "/usr/include/simde/x86/avx512.h"  # Debian's libsimde-dev (.ci/run installs it)
