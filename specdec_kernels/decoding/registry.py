@@ -102,7 +102,7 @@ def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: st
     ``draft_model``: a draft file of ``specdec train-draft`` (.safetensors) or a model name /
     checkpoint of the same vocabulary; None = the distilled draft shipped for the model.
     ``draft_weights``: how a draft file's linears run ("stored", "fp32", "q8_0", "q4_0"); for
-    an EAGLE head "stored" means Q8_0 blocks on a GGUF-block target, dense otherwise.
+    an EAGLE head "stored" means Q4_0 blocks on a GGUF-block target, dense otherwise.
     ``draft_vocab``: the tokens a whole model drafting by name drafts from, its most frequent
     ones (``draft_model.DRAFT_VOCAB_SIZE`` when None; 0 = its whole vocabulary).
     ``exit_head``: the self-speculation exit head file; None = the shipped one; "none" =

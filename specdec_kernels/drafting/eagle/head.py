@@ -179,8 +179,8 @@ class EagleHead(nn.Module):
         w_down and the draft LM head) are GGUF blocks for ``quantized_linear`` instead.
 
         Why blocks: each draft depth streams all of them (~9M weights for SmolLM2, the draft
-        LM head half of it): 36 MB in fp32, 10 MB as Q8_0, so on a native (GGUF) target a
-        depth costs a fraction of the fp32 time. The draft LM head rows are the target's own
+        LM head half of it): 36 MB in fp32, 10 MB as Q8_0, 5 MB as Q4_0, so on a native (GGUF)
+        target a depth costs a fraction of the fp32 time. The draft LM head rows are the target's own
         blocks whatever their type: the head drafts from the target's LM head values, not a
         second rounding of them, and on the 1.5B its Q6_K rows ran as fast as Q4_0 copies at
         4-8 rows and 1.5x faster than Q8_0 ones (AVX2, 2 threads). Only a dense target LM
@@ -351,10 +351,11 @@ def decode_format_for(target, weights: str = "stored") -> str | None:
     """The head's decode format for ``weights`` (``--draft-weights``): "stored" follows the
     target — GGUF Q4_0 blocks when the target runs GGUF blocks (``weight_format`` "native",
     "q8_0", "q4_0"), dense in the target's dtype otherwise; "fp32" dense; "q8_0" / "q4_0"
-    those blocks. Why Q4_0: a draft depth is a few rows through every product of the head,
-    which streams half the bytes of Q8_0 and multiplies faster on every CPU path; on the 1.5B
-    (AVX2, 2 threads) a depth of 8 rows took 2.7 ms against 4.2, and its trees accepted as
-    many tokens (docs/benchmarks.md, "The EAGLE head's products as Q4_0 blocks")."""
+    those blocks. Why Q4_0: a draft depth is a few rows through every product of the head;
+    Q4_0 streams half the bytes of Q8_0, and on AVX2 its unsigned 4-bit weights multiply
+    faster than Q8_0's signed ones. On the 1.5B (AVX2, 2 threads) a depth of 8 rows took 2.8
+    ms against 3.4 (4.2 with the old Q8_0 copy of the LM head), and its trees accepted as many
+    tokens (docs/benchmarks.md, "The EAGLE head's products as Q4_0 blocks")."""
     if weights not in DRAFT_WEIGHTS:
         raise ValueError(f"EAGLE head weights must be one of {DRAFT_WEIGHTS}, got {weights!r}")
     if weights == "stored":
