@@ -178,6 +178,10 @@ def test_quantized_decode_weights(model, prompts, fmt):
     own = qhead.decode_weights(torch.float32)["lm_head_draft"]
     assert own.block_type == target.lm_head.block_type
     assert torch.equal(own.blocks, target.lm_head.rows(qhead.draft_vocab).blocks)
+    # The dense draft rows (training, the dense path) are the target's dequantised rows, in
+    # draft-vocabulary order: a reduced, shuffled vocabulary picks each row once.
+    small = make_head(target, vocab=40).attach(target)
+    assert torch.equal(small.lm_head_draft, target.lm_head.dequantize()[small.draft_vocab])
     qhead._decode_weights = None
     drafter = EagleDrafter(target, qhead, step_cost=FREE, step_seconds=SLOW_STEP, top_k=3, max_depth=4,
                            max_tree_nodes=12)

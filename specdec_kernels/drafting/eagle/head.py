@@ -131,8 +131,12 @@ class EagleHead(nn.Module):
             raise ValueError("draft vocabulary ids exceed the target's vocabulary")
         self.embed = target.embed_tokens  # rows looked up (and dequantised for block weights) on demand
         self.norm = target.norm
-        self.lm_head_draft = dense(target.lm_head)[self.draft_vocab].contiguous()
-        self._lm_head_blocks = target.lm_head.rows(self.draft_vocab) if is_block_weight(target.lm_head) else None
+        if is_block_weight(target.lm_head):  # dequantise only the draft rows (the 1.5B's LM head is 0.9 GB as fp32)
+            self._lm_head_blocks = target.lm_head.rows(self.draft_vocab)
+            self.lm_head_draft = dense(self._lm_head_blocks)
+        else:
+            self._lm_head_blocks = None
+            self.lm_head_draft = dense(target.lm_head)[self.draft_vocab].contiguous()
         self._decode_weights = None
         return self
 
