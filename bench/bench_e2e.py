@@ -73,6 +73,9 @@ def drafter_spec(text: str) -> str:
     if name not in DRAFTER_INFO or name == "none":
         raise argparse.ArgumentTypeError(f"unknown drafter {name!r}: choose from {', '.join(n for n in DRAFTER_INFO if n != 'none')} "
                                          "(ours-ar, the autoregressive baseline, always runs)")
+    if weights is not None and not DRAFTER_INFO[name].draft_weights:
+        raise argparse.ArgumentTypeError(f"{name!r} runs no draft weights, so {text!r} has nothing to format: @WEIGHTS "
+                                         "applies to " + ", ".join(n for n, i in DRAFTER_INFO.items() if i.draft_weights))
     if schedule and schedule not in SpecSchedule.KINDS:
         raise argparse.ArgumentTypeError(f"unknown schedule {schedule!r} in {text!r}: choose from "
                                          f"{', '.join(SpecSchedule.KINDS)}")

@@ -208,15 +208,17 @@ def run_ours(args, prompts: list) -> list:
         model, _ = load_model(args.model, weights=args.ours_weights)
         draft = args.draft_model or args.draft_dir
     rows = []
+    from bench.bench_e2e import split_method
+
     for spec in ["ar"] + list(args.ours_drafters):
-        name, _, schedule = spec.partition(":")
+        name, schedule, weights = split_method(spec)
         loaded = None  # a drafter running a draft model is made once (the model loads once)
         for temperature in args.temperatures:
             for bs in args.batch_sizes:
                 outputs, seconds, mal = [], 0.0, []
                 for gi, group in enumerate(groups_of(prompts, bs)):
                     drafter = loaded or make_drafter(None if name == "ar" else name, model, max_k=16,
-                                                     draft_model=draft, draft_weights=args.draft_weights,
+                                                     draft_model=draft, draft_weights=weights or args.draft_weights,
                                                      draft_vocab=args.draft_vocab)
                     if name.startswith("draft"):
                         loaded = drafter
@@ -381,8 +383,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-lookup-min", type=int, default=2, help="vLLM ngram's prompt_lookup_min")
     p.add_argument("--prompt-lookup-max", type=int, default=5, help="vLLM ngram's prompt_lookup_max")
     p.add_argument("--ours-drafters", nargs="*", default=None,
-                   help="drafters of our loop (besides autoregressive), as for specdec bench (default: "
-                   "ngram:heuristic ngram-tree:max, and draft with --draft-model)")
+                   help="drafters of our loop (besides autoregressive), DRAFTER[:SCHEDULE][@WEIGHTS] as for specdec "
+                   "bench (default: ngram:heuristic ngram-tree:max, and draft with --draft-model)")
     p.add_argument("--methods", nargs="*", default=None,
                    help=f"default: {' '.join(VLLM_METHODS)} (and vllm-draft vllm-draft+specdec-sampler with "
                    "--draft-model) ours")
@@ -434,6 +436,14 @@ def main(argv=None) -> int:
         p.error("vllm-draft and our draft drafters need --draft-model (or --draft-dir)")
 
     import torch
+
+    from bench.bench_e2e import drafter_spec
+
+    for d in args.ours_drafters:
+        try:
+            drafter_spec(d)
+        except argparse.ArgumentTypeError as e:
+            p.error(f"--ours-drafters: {e}")
     import vllm
 
     ensure_model_dir(args.model_dir, args.model, args.hf_weights)

@@ -150,16 +150,26 @@ def context_error(prompt_tokens: int, max_new_tokens: int, context: int) -> str:
             f"of {context} positions: use --max-new-tokens {context - prompt_tokens} or less, or a shorter prompt")
 
 
+def check_draft_weights(drafter: str, draft_weights: str) -> None:
+    """A --draft-weights format for a drafter without draft weights would change nothing: refused."""
+    if draft_weights != "stored" and not DRAFTER_INFO[drafter].draft_weights:
+        raise UsageError(f"--draft-weights {draft_weights}: --drafter {drafter} runs no draft weights (it applies to "
+                         + ", ".join(n for n, i in DRAFTER_INFO.items() if i.draft_weights) + ")")
+
+
 def cmd_generate(args) -> int:
     prompt = read_prompt(args)
     if not prompt:
         raise UsageError(EMPTY_RAW if args.raw else EMPTY)
     from .decoding import Generator, SamplingParams, SpecSchedule
 
+    if args.drafter is not None:  # before the model loads (the default drafter is known after)
+        check_draft_weights(args.drafter, args.draft_weights)
     model, tok, path, threads = load_for_command(args)
     if tok is None:
         raise UsageError(f"{path} has no tokenizer.json: add the checkpoint's tokenizer files to the folder")
     name = args.drafter or default_drafter(model.name)
+    check_draft_weights(name, args.draft_weights)
     schedule = args.schedule or default_schedule(name)
     if args.recalibrate:
         from .decoding.cost_model import step_cost_for

@@ -1,6 +1,7 @@
 """The ``specdec`` command line as a user meets it: subprocess runs on a tiny random model
 saved as a Hugging Face folder (fast), checking exit codes, the one-line errors on stderr
 (never a traceback), the statistics and that no tracked file is written."""
+import argparse
 import json
 import os
 import signal
@@ -113,6 +114,11 @@ def test_bad_numbers_in_process(flag, value, says, capsys):
 
 def test_bad_number_subprocess(env):
     one_error_line(specdec(["generate", "--prompt", "hi", "--temperature", "nan"], env), "--temperature", "finite")
+
+
+def test_draft_weights_for_a_drafter_without_draft_weights(env):
+    one_error_line(specdec(["generate", "--prompt", "hi", "--drafter", "ngram", "--draft-weights", "q4_0"], env),
+                   "--draft-weights q4_0", "--drafter ngram runs no draft weights", "eagle")
 
 
 def test_unknown_model(env):
@@ -256,6 +262,8 @@ def test_bench_method_names_carry_their_draft_weights():
     assert split_method("eagle:max@q8_0") == ("eagle", "max", "q8_0")
     assert split_method("draft@q4_0") == ("draft", "", "q4_0")
     assert drafter_spec("eagle@q4_0") == "eagle@q4_0"
+    with pytest.raises(argparse.ArgumentTypeError, match="'ngram-tree' runs no draft weights.*applies to draft, "):
+        drafter_spec("ngram-tree:max@q4_0")  # a format that would change nothing is refused, not ignored
 
 
 def test_generate_help_shows_defaults():

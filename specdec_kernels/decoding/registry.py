@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 class DrafterInfo(NamedTuple):
     schedule: str  # default speculation-length schedule (SpecSchedule.KINDS)
     description: str  # one line, shown by --help
+    draft_weights: bool = False  # runs weights of its own that --draft-weights formats (a draft model, a head)
 
 
 DRAFTER_INFO = {
@@ -33,16 +34,17 @@ DRAFTER_INFO = {
     "medusa-untrained": DrafterInfo("constant", "untrained Medusa heads on a static small tree (for comparison)"),
     "draft": DrafterInfo("max", "the distilled draft model shipped for the model (or --draft-model: a draft file, "
                                 "or a model of the same vocabulary such as qwen2.5-coder-0.5b) drafts a chain sized "
-                                "by the measured step cost"),
-    "draft-tree": DrafterInfo("max", "the draft model's chain plus its next-best first tokens (top 3 at the root)"),
+                                "by the measured step cost", True),
+    "draft-tree": DrafterInfo("max", "the draft model's chain plus its next-best first tokens (top 3 at the "
+                                     "root)", True),
     "draft+ngram": DrafterInfo("max", "the draft model's chain plus the prompt-lookup tries; a request whose tries "
-                                      "promise more runs no draft forward that step"),
+                                      "promise more runs no draft forward that step", True),
     "draft-untrained": DrafterInfo("max", "the distilled draft's architecture before distillation: the target's "
                                           "first layers, norm and LM head (for comparison)"),
     "eagle": DrafterInfo("max", "the EAGLE-style head shipped for the model (or --eagle-checkpoint) drafts a "
-                                "dynamic tree sized by the measured step cost"),
-    "eagle+ngram": DrafterInfo("max", "the EAGLE tree plus the prompt-lookup chain as one more branch"),
-    "eagle-untrained": DrafterInfo("max", "an untrained EAGLE head (for comparison)"),
+                                "dynamic tree sized by the measured step cost", True),
+    "eagle+ngram": DrafterInfo("max", "the EAGLE tree plus the prompt-lookup chain as one more branch", True),
+    "eagle-untrained": DrafterInfo("max", "an untrained EAGLE head (for comparison)", True),
 }
 DRAFTERS = tuple(DRAFTER_INFO)
 # Drafters that run a trained file: (what it is, the flag that gives one, the drafter that
