@@ -422,6 +422,25 @@ def test_sampling_distribution_equals_target(temperature, fmt):
     assert pvalue > 1e-3, pvalue
 
 
+def test_sampled_lookup_chains_keep_the_distribution():
+    """eagle+ngram at T = 1: requests whose prompt repeats draft the lookup's chain (one-hot q
+    rows), in the same batch as requests drafting head trees; the first two tokens of each
+    prompt still follow the target's exact joint distribution (chi-square, fixed seeds)."""
+    m = Llama.random(tiny_config(vocab_size=8, num_layers=2), seed=3)
+    drafter = EagleDrafter(m, make_head(m, seed=5, vocab=6), sample_width=2, max_depth=3, step_cost=FREE,
+                           step_seconds=SLOW_STEP, lookup=NgramTreeDrafter(step_cost=FREE))
+    drafter.SAMPLED_CHAIN_MIN_ACCEPTED = 0.5  # two new tokens: a chain of one node (p ~0.9) at most
+    copying, fresh, n = (3, 1, 4, 5, 2) * 3, (3, 1, 4), 1200
+    prompts = [list(copying if i % 2 else fresh) for i in range(2 * n)]
+    sampling = [SamplingParams(seed=s, temperature=1.0) for s in range(2 * n)]
+    reqs = Generator(m, drafter, SpecSchedule("max", 3, max_k=3)).generate(prompts, 2, sampling)
+    assert drafter.stats["sampled_lookup_chains"] >= n and drafter.stats["nodes"] > 0  # both kinds drafted
+    for parity, prompt in ((1, copying), (0, fresh)):
+        pairs = [tuple(r.output) for i, r in enumerate(reqs) if i % 2 == parity]
+        pvalue = pair_chisquare_pvalue(pairs, exact_pair_probs(m, 1.0, prompt))
+        assert pvalue > 1e-3, (prompt, pvalue)
+
+
 def test_save_load_round_trip(model, tmp_path):
     head = make_head(model, vocab=32)
     path = tmp_path / "h.safetensors"

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+import torch
 
 from ..decoding.cost_model import best_node_count
 from ..decoding.drafter import Draft, Drafter, SizedDrafter
@@ -84,6 +85,19 @@ class Candidates(NamedTuple):
             parents.append(new[self.parents[i]])
             ids.append(self.tokens[i])
         return parents, ids
+
+
+def one_hot_chain(draft: Draft, vocab_size: int) -> Draft:
+    """A chain ``draft`` with its q rows: row i one-hot on node i + 1's token (its one
+    deterministic child; ``tree_rejection_sample`` accepts it with probability p'(x), as it
+    does a draft without q rows), the leaf's row zero. For a sampled request in a batch whose
+    other drafts carry q rows."""
+    if any(p != i - 1 for i, p in enumerate(draft.parents)):
+        raise ValueError(f"one_hot_chain needs a chain, got parents {draft.parents}")
+    probs = torch.zeros(len(draft.tokens), vocab_size, dtype=torch.float32)
+    for i, t in enumerate(draft.tokens[1:]):
+        probs[i, t] = 1.0
+    return Draft(draft.parents, draft.tokens, probs)
 
 
 class NgramTables(NamedTuple):
@@ -360,6 +374,21 @@ class NgramTreeDrafter(SizedDrafter):
         looked-up node does not have). For a drafter that merges the tries into its own drafts."""
         return [self.request_candidates(r, k) if k > 0 and r.sampling.temperature <= 0 else None
                 for r, k in zip(reqs, caps)]
+
+    def chain_candidates(self, r, k: int) -> Candidates:
+        """Request ``r``'s trie (:meth:`request_candidates`) reduced to its most probable path:
+        for a sampled request whose tree cannot mix the lookup's deterministic children with
+        another drafter's drawn ones. Each node of a chain has one child, whose deterministic
+        proposal is exactly a one-hot q row (:func:`one_hot_chain`)."""
+        c = self.request_candidates(r, k)
+        best_child = {}
+        for p, i in c.ranked:  # most probable first: the first child seen of a node is its best
+            best_child.setdefault(c.parents[i], (p, i))
+        path, node = [], 0
+        while node in best_child:
+            path.append(best_child[node])
+            node = best_child[node][1]
+        return c._replace(ranked=path)
 
     def merge_into(self, reqs, drafts: list, cands: list, keep: list) -> list:
         """Each request's ``keep[b]`` best nodes of ``cands[b]`` merged into ``drafts[b]`` (another

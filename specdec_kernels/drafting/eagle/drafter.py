@@ -57,6 +57,9 @@ candidates: the most probable nodes of both kinds, while they pay for their rows
 (``NgramTreeDrafter.merge_into``). The lookup's probabilities follow the request's evidence
 (``NgramTreeDrafter.verified_merged``), fed only the accepted tokens on its own nodes. Where
 the head has no tree (a backed-off step) the tries alone are drafted, sized the same way.
+A sampled request drafts the head's tree or, when it promises a token, the lookup's best chain
+with one-hot q rows (``_lookup_chains``): a node's q row covers all its children, so drawn and
+deterministic children cannot share a node.
 """
 from __future__ import annotations
 
@@ -68,6 +71,7 @@ from ...decoding.cost_model import best_node_count, best_size, chain_tokens, pay
 from .head import EagleHead, eagle_head_for
 from ...kv_cache import PagedKVCache
 from ...tree import eagle_tree_from_expansions
+from ..ngram import one_hot_chain
 from ...decoding.drafter import Draft, SizedDrafter, draft_uniforms, sample_rows
 
 
@@ -94,6 +98,10 @@ class EagleDrafter(SizedDrafter):
     # pseudo-trials, then each observation weighs 1 and older ones fade by SAMPLED_DECAY
     # (about the last 20 steps count), so a request that stops paying is noticed quickly.
     SAMPLED_PRIOR, SAMPLED_PRIOR_WEIGHT, SAMPLED_DECAY = 0.5, 2.0, 0.95
+    # eagle+ngram, sampled requests: the lookup's chain replaces the head's tree for a step when
+    # it is expected to be accepted for at least this many tokens. The head's sampled trees
+    # accept fewer than one token a step on the 1.5B (mean accepted length 1.4-1.6 at T = 0.7).
+    SAMPLED_CHAIN_MIN_ACCEPTED = 1.0
 
     name = "eagle"
     uses_hidden = True  # the head's entries are built from the target's features
@@ -114,7 +122,8 @@ class EagleDrafter(SizedDrafter):
         self._own_step_cost(step_cost, step_seconds)
         self._depth_seconds = None  # measured: moving average of one expansion depth
         # Drafting statistics: tree sizes and depths, accepted lengths (see ``summary``).
-        self.stats = {"steps": 0, "nodes": 0, "depth_hist": {}, "accepted_hist": {}, "skipped_steps": 0}
+        self.stats = {"steps": 0, "nodes": 0, "depth_hist": {}, "accepted_hist": {}, "skipped_steps": 0,
+                      "sampled_lookup_chains": 0}
         self._empty_run, self._skip = 0, 0  # back-off after empty trees (propose)
         self._probe = False  # the next head step after a sampled back-off draws at least one depth
         # Sampled requests: realised acceptance per depth (decayed counts: accepted, trials)
@@ -192,6 +201,7 @@ class EagleDrafter(SizedDrafter):
         s = self.stats
         return {"steps": s["steps"], "skipped_steps": s["skipped_steps"], "mean_tree_nodes": s["nodes"] / max(1, s["steps"]),
                 "tree_depth_hist": dict(sorted(s["depth_hist"].items())),
+                "sampled_lookup_chains": s["sampled_lookup_chains"],
                 "sampled_acceptance_per_depth": [round(a, 3) for a in self._sampled_rates()],
                 "accepted_length_hist": dict(sorted(s["accepted_hist"].items()))}
 
@@ -262,6 +272,17 @@ class EagleDrafter(SizedDrafter):
 
     @torch.inference_mode()
     def propose(self, gen, reqs, lengths):
+        # Sampled requests whose output is copying draft the lookup's chain instead of a
+        # head tree this step (no head forward for them; the head catches up next step).
+        chains = self._lookup_chains(reqs, lengths)
+        if not chains:
+            return self._propose(reqs, lengths)
+        drafts = self._propose(reqs, [0 if b in chains else k for b, k in enumerate(lengths)])
+        for b, draft in chains.items():
+            drafts[b] = draft
+        return drafts
+
+    def _propose(self, reqs, lengths):
         t_start = time.perf_counter()
         drafts = [Draft.root_only(r.tokens[-1]) for r in reqs]
         if self._skip > 0:  # back-off after empty trees: no head forward this step
@@ -613,6 +634,28 @@ class EagleDrafter(SizedDrafter):
         if self.lookup is None:
             return [None] * len(reqs)
         return self.lookup.greedy_candidates(reqs, lengths)
+
+    def _lookup_chains(self, reqs, lengths) -> dict:
+        """{batch row: Draft} for the sampled requests whose prompt-lookup chain
+        (``NgramTreeDrafter.chain_candidates``, sized by the step-cost curve) is expected to
+        be accepted for at least SAMPLED_CHAIN_MIN_ACCEPTED tokens: a chain with one-hot q rows
+        (``one_hot_chain``), exact under ``tree_rejection_sample``. A head tree and the lookup's
+        deterministic children cannot share a sampled node (its q row is the one its children
+        were drawn from), so a sampled request drafts one or the other."""
+        out = {}
+        if self.lookup is None:
+            return out
+        for b, (r, k) in enumerate(zip(reqs, lengths)):
+            if k <= 0 or r.sampling.temperature <= 0:
+                continue
+            c = self.lookup.chain_candidates(r, k)
+            n = self.lookup.select([c.ranked])[0]
+            if n == 0 or sum(p for p, _ in c.ranked[:n]) < self.SAMPLED_CHAIN_MIN_ACCEPTED:
+                continue
+            (chain,) = self.lookup.merge_into([r], [Draft.root_only(r.tokens[-1])], [c], [n])
+            out[b] = one_hot_chain(chain, self.target.config.vocab_size)
+        self.stats["sampled_lookup_chains"] += len(out)
+        return out
 
     def _lookup_only(self, reqs, lengths, drafts) -> list:
         """A step without head trees (backed off, or no request with a draft state): the
