@@ -198,6 +198,32 @@ def test_sampling_distribution_equals_target(tmp_path, temperature, source):
     assert pvalue > 1e-3, pvalue
 
 
+def test_draft_plus_ngram_sampled_lookup_chains_keep_the_distribution(tmp_path):
+    """``draft+ngram`` at T = 1: requests whose prompt repeats draft the lookup's chain
+    (one-hot q rows) where it promises more than the draft's drawn chain, in the same batch
+    as requests drafting drawn chains; the first two tokens of each prompt still follow the
+    target's exact joint distribution (chi-square, fixed seeds)."""
+    m = Llama.random(tiny_config(vocab_size=8, num_layers=2), seed=3)
+    lookup = NgramTreeDrafter(step_cost=FREE)
+    chains = []
+    sampled_chains = lookup.sampled_chains
+    lookup.sampled_chains = lambda *a: chains.append(sampled_chains(*a)) or chains[-1]
+    drafter = ModelDrafter(with_draft_vocab(Llama.random(tiny_config(vocab_size=8, num_layers=1), seed=5),
+                                            torch.tensor([0, 2, 3, 5, 7])),
+                           step_cost=FREE, acceptance=0.5, sized=True, lookup=lookup)
+    copying, fresh, n = (3, 1, 4, 5, 2) * 3, (3, 1, 4), 1200
+    prompts = [list(copying if i % 2 else fresh) for i in range(2 * n)]
+    sampling = [SamplingParams(seed=s, temperature=1.0) for s in range(2 * n)]
+    reqs = Generator(m, drafter, SpecSchedule("max", 2, max_k=2)).generate(prompts, 2, sampling)
+    used = sum(len(c) for c in chains)
+    assert n <= used < 2 * n  # the copying prompts' first steps, not the fresh ones'
+    assert sum(r.stats.drafted for i, r in enumerate(reqs) if i % 2 == 0) > 0  # drawn chains beside them
+    for parity, prompt in ((1, copying), (0, fresh)):
+        pairs = [tuple(r.output) for i, r in enumerate(reqs) if i % 2 == parity]
+        pvalue = pair_chisquare_pvalue(pairs, exact_pair_probs(m, 1.0, prompt))
+        assert pvalue > 1e-3, (prompt, pvalue)
+
+
 def test_draft_plus_ngram_weighs_the_lookup_against_the_chain(model):
     """``draft+ngram``: a request's lookup tries are weighed against its draft chain (expected
     tokens per unit time, the chain's drafting time included)."""

@@ -390,6 +390,25 @@ class NgramTreeDrafter(SizedDrafter):
             node = best_child[node][1]
         return c._replace(ranked=path)
 
+    def sampled_chains(self, reqs, caps, wins, vocab_size: int) -> dict:
+        """{batch row: Draft} for the sampled requests (a cap > 0) whose chain
+        (:meth:`chain_candidates`, sized by :meth:`select`) ``wins(b, c, n)`` says to draft
+        this step instead of the other drafter's: the chain with one-hot q rows
+        (:func:`one_hot_chain`), promised and remembered as :meth:`merge_into` does. For a
+        drafter whose sampled drafts carry q rows: a node's q row is the one all its children
+        were drawn from, so drawn and looked-up children cannot share a node."""
+        out = {}
+        for b, (r, k) in enumerate(zip(reqs, caps)):
+            if k <= 0 or r.sampling.temperature <= 0:
+                continue
+            c = self.chain_candidates(r, k)
+            n = self.select([c.ranked])[0]
+            if n == 0 or not wins(b, c, n):
+                continue
+            (chain,) = self.merge_into([r], [Draft.root_only(r.tokens[-1])], [c], [n])
+            out[b] = one_hot_chain(chain, vocab_size)
+        return out
+
     def merge_into(self, reqs, drafts: list, cands: list, keep: list) -> list:
         """Each request's ``keep[b]`` best nodes of ``cands[b]`` merged into ``drafts[b]`` (another
         drafter's; paths shared where they agree). They are promised (:meth:`promise`) and

@@ -4,7 +4,8 @@
   vocabulary) with its own paged cache, as a chain or a "top-k tree" (the greedy chain plus
   the next-best tokens at the first level as extra leaves), optionally with prompt lookup
   (``draft+ngram``: a request whose lookup tries promise more than the draft's chain runs no
-  draft forward that step; the tries are merged into every greedy request's draft);
+  draft forward that step; the tries are merged into every greedy request's draft, and a
+  sampled request drafts the lookup's best chain instead of its drawn one where it promises more);
 - :class:`SelfSpecDrafter` — self-speculation: the target's first L layers and its own LM
   head (or a trained exit head), writing into the target's cache (layers < L of the draft
   positions are rewritten by the verification forward, so no extra cache and no catch-up
@@ -73,7 +74,9 @@ class ModelDrafter(SizedDrafter):
         name (``make_drafter``) run this way with the ``max`` schedule. ``sized=False``:
         exactly the schedule's length.
 
-        ``lookup`` (``draft+ngram``, sized drafters): prompt-lookup tries for greedy requests.
+        ``lookup`` (``draft+ngram``, sized drafters): prompt-lookup tries for greedy requests;
+        a sampled request drafts either its drawn chain or the lookup's best chain (one-hot q
+        rows, ``NgramTreeDrafter.sampled_chains``), whichever promises more.
         Each step a request's tries (the lookup's trie, sized by its own tables and the cost
         curve) are weighed against its draft chain, both as expected tokens per unit time at
         batch 1 (the chain's drafting time included); where the tries promise at least as
@@ -168,11 +171,18 @@ class ModelDrafter(SizedDrafter):
         if self.lookup is None:
             return self._draft_chains(reqs, lengths, drafts)
         lookups = self.lookup.greedy_candidates(reqs, caps)
-        lengths = [0 if c is not None and self._lookup_wins(r.rid, c, k) else k
-                   for r, c, k in zip(reqs, lookups, lengths)]
+        # Sampled requests: the lookup's chain (one-hot q rows) or the draft's drawn chain, never both.
+        chains = self.lookup.sampled_chains(
+            reqs, caps, lambda b, c, n: lengths[b] <= 0 or self._lookup_wins(reqs[b].rid, c, lengths[b]),
+            self.vocab_size)
+        lengths = [0 if b in chains or (c is not None and self._lookup_wins(r.rid, c, k)) else k
+                   for b, (r, c, k) in enumerate(zip(reqs, lookups, lengths))]
         drafts = self._draft_chains(reqs, lengths, drafts)
         keep = self.lookup.select([c.ranked if c is not None else [] for c in lookups])  # the batch's tries that pay
-        return self.lookup.merge_into(reqs, drafts, lookups, keep)
+        drafts = self.lookup.merge_into(reqs, drafts, lookups, keep)
+        for b, chain in chains.items():
+            drafts[b] = chain
+        return drafts
 
     def _draft_chains(self, reqs, lengths, drafts) -> list:
         """The draft model's chains (or top-k trees) of ``lengths[b]`` tokens into ``drafts``."""

@@ -71,7 +71,6 @@ from ...decoding.cost_model import best_node_count, best_size, chain_tokens, pay
 from .head import EagleHead, eagle_head_for
 from ...kv_cache import PagedKVCache
 from ...tree import eagle_tree_from_expansions
-from ..ngram import one_hot_chain
 from ...decoding.drafter import Draft, SizedDrafter, draft_uniforms, sample_rows
 
 
@@ -636,24 +635,14 @@ class EagleDrafter(SizedDrafter):
         return self.lookup.greedy_candidates(reqs, lengths)
 
     def _lookup_chains(self, reqs, lengths) -> dict:
-        """{batch row: Draft} for the sampled requests whose prompt-lookup chain
-        (``NgramTreeDrafter.chain_candidates``, sized by the step-cost curve) is expected to
-        be accepted for at least SAMPLED_CHAIN_MIN_ACCEPTED tokens: a chain with one-hot q rows
-        (``one_hot_chain``), exact under ``tree_rejection_sample``. A head tree and the lookup's
-        deterministic children cannot share a sampled node (its q row is the one its children
-        were drawn from), so a sampled request drafts one or the other."""
-        out = {}
+        """{batch row: Draft}: the sampled requests whose prompt-lookup chain is expected to be
+        accepted for at least SAMPLED_CHAIN_MIN_ACCEPTED tokens draft it (one-hot q rows,
+        ``NgramTreeDrafter.sampled_chains``) instead of a head tree this step."""
         if self.lookup is None:
-            return out
-        for b, (r, k) in enumerate(zip(reqs, lengths)):
-            if k <= 0 or r.sampling.temperature <= 0:
-                continue
-            c = self.lookup.chain_candidates(r, k)
-            n = self.lookup.select([c.ranked])[0]
-            if n == 0 or sum(p for p, _ in c.ranked[:n]) < self.SAMPLED_CHAIN_MIN_ACCEPTED:
-                continue
-            (chain,) = self.lookup.merge_into([r], [Draft.root_only(r.tokens[-1])], [c], [n])
-            out[b] = one_hot_chain(chain, self.target.config.vocab_size)
+            return {}
+        out = self.lookup.sampled_chains(
+            reqs, lengths, lambda b, c, n: sum(p for p, _ in c.ranked[:n]) >= self.SAMPLED_CHAIN_MIN_ACCEPTED,
+            self.target.config.vocab_size)
         self.stats["sampled_lookup_chains"] += len(out)
         return out
 
