@@ -416,7 +416,8 @@ def _run_ours(s: Session, method: str, ids: list, max_batch, row: dict):
     else:
         reqs, dt = s.ours(None if method == "ours-ar" else method, ids, max_batch=max_batch)
     outs = [r.output for r in reqs]
-    # Our prefill caches the prompt but its last token, which the first step processes.
+    # Our prefill caches the prompt but its last token, which the first step processes; its
+    # time includes the drafter's own prompt work (a draft model's prefill).
     pre = sum(r.stats.time_prefill for r in reqs)
     row.update(prefill_tokens=sum(len(i) - 1 for i in ids), prefill_seconds=pre,
                decode_forwards=sum(len(o) for o in outs), decode_seconds=dt - pre)

@@ -265,6 +265,20 @@ def test_stats():
     assert "mean accepted length 2.00" in st.format()
 
 
+def test_a_drafters_prompt_work_is_prefill_time(model, prompts):
+    """What a drafter does on admitting requests (a draft model's prefill of the prompt) is
+    counted as prefill, shared by the requests admitted, not as a decode step's time."""
+    import time
+
+    class SlowAdmit(NgramDrafter):
+        def admit(self, gen, reqs):
+            time.sleep(1.0)
+
+    reqs = Generator(model, SlowAdmit()).generate(prompts[:2], 4)
+    for r in reqs:  # half the sleep each; the steps of a random tiny model take milliseconds
+        assert r.stats.time_prefill >= 0.5 and r.stats.total_time < 0.5, r.stats.summary()
+
+
 def test_cli_drafters_by_name(model, prompts):
     from specdec_kernels.cli import main
     from specdec_kernels.decoding import DRAFTERS as NAMES, make_drafter

@@ -242,10 +242,15 @@ class Generator:
             admitted.append(r)
             hidden.append(h)
         if self.drafter and (admitted or first):
+            t0 = time.perf_counter()
             (self.drafter.start if first else self.drafter.admit)(self, admitted)
             if self.drafter.uses_hidden:
                 for r, h in zip(admitted, hidden):  # row t produced prompt token t + 1
                     self.drafter.hidden_states(self, r, h, r.prompt[1:])
+            # The drafter's own work on the prompts (a draft model's prefill) is prefill time,
+            # shared by the requests it admitted: the decode phase is the steps alone.
+            for r in admitted:
+                r.stats.time_prefill += (time.perf_counter() - t0) / len(admitted)
         return admitted
 
     @torch.inference_mode()

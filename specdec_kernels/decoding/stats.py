@@ -13,7 +13,7 @@ class RequestStats:
     drafted_per_pos: list = field(default_factory=list)  # steps whose tree reached depth d+1
     accepted_per_pos: list = field(default_factory=list)  # steps that accepted a token at depth d+1
     prefill_tokens: int = 0  # prompt tokens the prefill forward ran (all but the last, the first root)
-    time_prefill: float = 0.0
+    time_prefill: float = 0.0  # the target's prefill of the prompt and the drafter's (a draft model's prefill)
     time_draft: float = 0.0
     time_verify: float = 0.0
     time_sample: float = 0.0
@@ -52,7 +52,8 @@ class RequestStats:
 
     @property
     def prefill_tokens_per_s(self) -> float:
-        """Prompt tokens per second of the prefill forward (the prompt-processing rate)."""
+        """Prompt tokens per second of the prefill (the prompt-processing rate): the target's
+        forward and the drafter's own work on the prompt (a draft model's prefill)."""
         return self.prefill_tokens / self.time_prefill if self.time_prefill > 0 else 0.0
 
     def summary(self) -> dict:
