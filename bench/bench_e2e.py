@@ -45,7 +45,7 @@ import torch  # noqa: E402  (loads libtorch before the extension)
 from bench.common import RESULTS_DIR, code_prompts, print_table, write_results  # noqa: E402
 from specdec_kernels.cli import Parser  # noqa: E402
 from specdec_kernels.decoding import Generator, SamplingParams, SpecSchedule, make_drafter  # noqa: E402
-from specdec_kernels.decoding.registry import DRAFTER_INFO, default_schedule  # noqa: E402
+from specdec_kernels.decoding.registry import DRAFTER_INFO, WITH_DRAFT_WEIGHTS, default_schedule  # noqa: E402
 from specdec_kernels.drafting.draft_model.model import DRAFT_VOCAB_SIZE, DRAFT_WEIGHTS  # noqa: E402
 from specdec_kernels.models import load_model  # noqa: E402
 from specdec_kernels.models.registry import WEIGHT_FORMATS  # noqa: E402
@@ -73,9 +73,9 @@ def drafter_spec(text: str) -> str:
     if name not in DRAFTER_INFO or name == "none":
         raise argparse.ArgumentTypeError(f"unknown drafter {name!r}: choose from {', '.join(n for n in DRAFTER_INFO if n != 'none')} "
                                          "(ours-ar, the autoregressive baseline, always runs)")
-    if weights is not None and not DRAFTER_INFO[name].draft_weights:
+    if weights is not None and name not in WITH_DRAFT_WEIGHTS:
         raise argparse.ArgumentTypeError(f"{name!r} runs no draft weights, so {text!r} has nothing to format: @WEIGHTS "
-                                         "applies to " + ", ".join(n for n, i in DRAFTER_INFO.items() if i.draft_weights))
+                                         f"applies to {', '.join(WITH_DRAFT_WEIGHTS)}")
     if schedule and schedule not in SpecSchedule.KINDS:
         raise argparse.ArgumentTypeError(f"unknown schedule {schedule!r} in {text!r}: choose from "
                                          f"{', '.join(SpecSchedule.KINDS)}")

@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 
 from ._platform import restore_ctrl_c, user_cache_dir
-from .decoding.registry import DEFAULT_DRAFTER, DRAFTER_INFO, DRAFTERS, default_drafter, default_schedule, make_drafter
+from .decoding.registry import (DEFAULT_DRAFTER, DRAFTER_INFO, DRAFTERS, WITH_DRAFT_WEIGHTS, default_drafter,
+                                default_schedule, make_drafter)
 from .drafting.draft_model.model import DRAFT_VOCAB_SIZE, DRAFT_WEIGHTS
 from .models.registry import WEIGHT_FORMATS
 
@@ -152,9 +153,9 @@ def context_error(prompt_tokens: int, max_new_tokens: int, context: int) -> str:
 
 def check_draft_weights(drafter: str, draft_weights: str) -> None:
     """A --draft-weights format for a drafter without draft weights would change nothing: refused."""
-    if draft_weights != "stored" and not DRAFTER_INFO[drafter].draft_weights:
+    if draft_weights != "stored" and drafter not in WITH_DRAFT_WEIGHTS:
         raise UsageError(f"--draft-weights {draft_weights}: --drafter {drafter} runs no draft weights (it applies to "
-                         + ", ".join(n for n, i in DRAFTER_INFO.items() if i.draft_weights) + ")")
+                         f"{', '.join(WITH_DRAFT_WEIGHTS)})")
 
 
 def cmd_generate(args) -> int:
@@ -169,7 +170,8 @@ def cmd_generate(args) -> int:
     if tok is None:
         raise UsageError(f"{path} has no tokenizer.json: add the checkpoint's tokenizer files to the folder")
     name = args.drafter or default_drafter(model.name)
-    check_draft_weights(name, args.draft_weights)
+    if args.drafter is None:
+        check_draft_weights(name, args.draft_weights)
     schedule = args.schedule or default_schedule(name)
     if args.recalibrate:
         from .decoding.cost_model import step_cost_for

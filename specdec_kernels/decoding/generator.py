@@ -249,8 +249,9 @@ class Generator:
                     self.drafter.hidden_states(self, r, h, r.prompt[1:])
             # The drafter's own work on the prompts (a draft model's prefill) is prefill time,
             # shared by the requests it admitted: the decode phase is the steps alone.
+            share = (time.perf_counter() - t0) / max(1, len(admitted))
             for r in admitted:
-                r.stats.time_prefill += (time.perf_counter() - t0) / len(admitted)
+                r.stats.time_prefill += share
         return admitted
 
     @torch.inference_mode()

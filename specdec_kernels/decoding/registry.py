@@ -47,6 +47,7 @@ DRAFTER_INFO = {
     "eagle-untrained": DrafterInfo("max", "an untrained EAGLE head (for comparison)", True),
 }
 DRAFTERS = tuple(DRAFTER_INFO)
+WITH_DRAFT_WEIGHTS = tuple(n for n, i in DRAFTER_INFO.items() if i.draft_weights)  # what --draft-weights applies to
 # Drafters that run a trained file: (what it is, the flag that gives one, the drafter that
 # needs none). Without the flag they take the file the package ships for the model, and a
 # model without one is an error, never a silent fallback to an untrained drafter.
