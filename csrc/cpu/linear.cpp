@@ -211,7 +211,7 @@ struct Buffer {
 struct Workspace {
   Buffer<int8_t> q, qa;
   Buffer<float> d, s;
-  Buffer<int32_t> sq, sqh;
+  Buffer<int32_t> sq, sqh, sqp, sqhp;
 };
 
 // Per calling thread: concurrent calls from several threads each get their own.
@@ -276,6 +276,14 @@ void int8_activation_linear_cpu(const at::Tensor& x, const at::Tensor& packed_we
     quantize(x_f.data_ptr<float>() + r0 * H, r1 - r0, nb, per, q + r0 * H, d + r0 * nd, s + r0 * nb, sq + r0 * nb,
              sqh + 2 * r0 * nb);
   });
+  int32_t *sqp = nullptr, *sqhp = nullptr;
+#if defined(SPECDEC_GGUF_X86)
+  if (run == &i8act::run_avx2) {
+    sqp = ws.sqp.at_least(M * nb / 2 + 1);
+    sqhp = ws.sqhp.at_least(M * nb);
+    i8act::int16_pairs(M * nb, sq, sqh, sqp, sqhp);
+  }
+#endif
   // Threads split the groups, at least ~64 KiB of weight bytes per task.
   const int64_t group_bytes = H / rw * bb;
   const int64_t grain = std::max<int64_t>(1, (int64_t(64) << 10) / std::max<int64_t>(1, group_bytes));
@@ -286,6 +294,7 @@ void int8_activation_linear_cpu(const at::Tensor& x, const at::Tensor& packed_we
     i8act::Problem p{q + m0 * H, d + m0 * nd, s + m0 * nb, sq + m0 * nb, sqh + 2 * m0 * nb, rows, nb,
                      packed_weight.data_ptr<uint8_t>(), bb, N, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
                      out.data_ptr<float>() + m0 * N};
+    if (sqp) p.sqp = sqp + m0 * nb / 2, p.sqhp = sqhp + m0 * nb;  // m0 * nb is even (row_chunk)
     auto run_chunk = run;
     if (has_amx && i8act::amx_pays(block_type, rows)) {
       // The AMX path's block-major copy of the chunk (each block's 16-row A tiles contiguous,
