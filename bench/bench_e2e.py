@@ -45,7 +45,7 @@ import torch  # noqa: E402  (loads libtorch before the extension)
 from bench.common import RESULTS_DIR, code_prompts, print_table, write_results  # noqa: E402
 from specdec_kernels.cli import Parser  # noqa: E402
 from specdec_kernels.decoding import Generator, SamplingParams, SpecSchedule, make_drafter  # noqa: E402
-from specdec_kernels.decoding.registry import DRAFTER_INFO, WITH_DRAFT_WEIGHTS, default_schedule  # noqa: E402
+from specdec_kernels.decoding.registry import DRAFTER_INFO, WITH_DRAFT_WEIGHTS, default_schedule, load_draft  # noqa: E402
 from specdec_kernels.drafting.draft_model.model import DRAFT_VOCAB_SIZE, DRAFT_WEIGHTS  # noqa: E402
 from specdec_kernels.models import load_model  # noqa: E402
 from specdec_kernels.models.registry import WEIGHT_FORMATS  # noqa: E402
@@ -307,6 +307,7 @@ class Session:
         self.llama_spec = None  # the bench.llama_cpp_speculative module with --llama-bin
         self.spec_binary = self.gguf = self.draft_gguf = None
         self.hf: HFRunner | None = None
+        self.drafts: dict = {}  # (target id, draft weights) -> the draft model of the draft drafters, loaded once
 
     def ours(self, drafter: str | None, batch_ids: list, target=None, max_batch=None, new_tokens=None):
         """Our generation of ``batch_ids`` with ``drafter`` (``name[:schedule]``, None: autoregressive)
@@ -314,9 +315,16 @@ class Session:
         target = target or self.model
         new_tokens = self.args.max_new_tokens if new_tokens is None else new_tokens
         name, schedule, weights = split_method(drafter or "none")
-        made = make_drafter(name, target, self_spec_layers=self.args.self_spec_layers, max_k=16,
-                            draft_model=self.args.draft_model, draft_weights=weights or self.args.draft_weights,
-                            draft_vocab=self.args.draft_vocab, eagle_checkpoint=self.args.eagle_checkpoint)
+        weights = weights or self.args.draft_weights
+        draft = self.args.draft_model
+        if name in ("draft", "draft-tree", "draft+ngram"):  # its draft model loaded once (seconds), not every run
+            key = (id(target), weights)
+            if key not in self.drafts:
+                self.drafts[key] = load_draft(target, draft, weights, self.args.draft_vocab)
+            draft = self.drafts[key]
+        made = make_drafter(name, target, self_spec_layers=self.args.self_spec_layers, max_k=16, draft_model=draft,
+                            draft_weights=weights, draft_vocab=self.args.draft_vocab,
+                            eagle_checkpoint=self.args.eagle_checkpoint)
         gen = Generator(target, made, SpecSchedule(schedule or default_schedule(name), self.args.k))
         t = time.perf_counter()
         sampling = [SamplingParams(temperature=self.args.temperature, seed=1000 + i) for i in range(len(batch_ids))]

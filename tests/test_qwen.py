@@ -283,6 +283,26 @@ def test_a_draft_model_by_path_must_share_the_vocabulary(tiny_gguf, tiny_vocab_m
         make_drafter("draft", target, draft_model=str(smaller))
 
 
+def test_a_loaded_draft_model_serves_several_drafters(tiny_gguf):
+    """``load_draft`` once, then ``make_drafter(..., draft_model=<that Llama>)`` for each of the
+    draft drafters (the benchmark loads a whole draft model once, not every run): each drafts
+    with that same model, greedy output stays exact; draft-untrained takes no draft model."""
+    from specdec_kernels.decoding.registry import load_draft
+
+    path, _ = tiny_gguf
+    target, _ = load_model(str(path), weights="native")
+    dm = load_draft(target, str(path), "stored", 0)
+    assert dm.weight_format == "native" and dm.draft_vocab is None
+    prompts = [[5, 6, 7, 8, 9, 5, 6, 7], [40, 41]]
+    ar = [r.output for r in Generator(target).generate(prompts, 10)]
+    for name in ("draft", "draft-tree", "draft+ngram"):
+        drafter = make_drafter(name, target, draft_model=dm)
+        assert drafter.model is dm, name
+        assert [r.output for r in Generator(target, drafter).generate(prompts, 10)] == ar, name
+    with pytest.raises(ValueError, match="draft-untrained .* takes no draft_model"):
+        make_drafter("draft-untrained", target, draft_model=dm)
+
+
 # ---- the real Qwen2.5-Coder-0.5B-Instruct ---------------------------------------------------
 needs_qwen = pytest.mark.real_model  # tests.helpers.require_real_model: under CI=true a skip fails
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
+    from ..models.llama import Llama
     from .drafter import Drafter
 
 
@@ -96,14 +97,15 @@ def trained_file(kind: str, model, given: str | None, shipped: str | None, shipp
     return shipped
 
 
-def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: str | None = None,
+def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: str | Llama | None = None,
                  medusa_checkpoint: str | None = None, max_k: int = 16,
                  eagle_checkpoint: str | None = None, draft_weights: str = "stored",
                  exit_head: str | None = None, draft_vocab: int | None = None) -> Drafter | None:
     """A drafter by name for ``model`` (None for plain autoregressive decoding).
 
     ``draft_model``: a draft file of ``specdec train-draft`` (.safetensors) or a model name /
-    checkpoint of the same vocabulary; None = the distilled draft shipped for the model.
+    checkpoint of the same vocabulary; None = the distilled draft shipped for the model; or a
+    draft already loaded by :func:`load_draft` (a ``Llama``), used as it is.
     ``draft_weights``: how a draft file's linears run ("stored", "fp32", "q8_0", "q4_0"); for
     an EAGLE head "stored" means Q4_0 blocks on a GGUF-block target, dense otherwise.
     ``draft_vocab``: the tokens a whole model drafting by name drafts from, its most frequent
@@ -154,26 +156,41 @@ def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: st
         return EagleDrafter(model, head, lookup=NgramTreeDrafter(max_k=max_k) if name == "eagle+ngram" else None,
                             name=name)
     if name in ("draft", "draft-tree", "draft+ngram", "draft-untrained"):
-        from ..drafting.draft_model.model import (SHIPPED_DRAFTS, default_draft_checkpoint, draft_model_for,
-                                                  load_draft_model, truncated_draft)
+        from ..models.llama import Llama
 
         if name == "draft-untrained":  # the shipped draft's layers and vocabulary, before distillation
+            if isinstance(draft_model, Llama):
+                raise ValueError("draft-untrained builds its draft from the shipped one: it takes no draft_model")
+            from ..drafting.draft_model.model import default_draft_checkpoint, draft_model_for, truncated_draft
+
             shipped = default_draft_checkpoint(model.name)
             if shipped is None:
                 dm = model.truncated(self_spec_layers)
             else:
                 d = draft_model_for(model, shipped)
                 dm = truncated_draft(model, d.config.num_layers, d.draft_vocab)
+        elif isinstance(draft_model, Llama):  # loaded before (load_draft), e.g. once for many runs
+            dm = draft_model
         else:
-            draft_model = trained_file("draft", model, draft_model, default_draft_checkpoint(model.name),
-                                       SHIPPED_DRAFTS)
-            if str(draft_model).endswith(".safetensors"):  # a draft file (given or shipped)
-                dm = load_draft_model(draft_model, model, draft_weights)
-            else:  # a model of the target's vocabulary, by name or path
-                dm = draft_by_name(model, draft_model, draft_weights, draft_vocab)
+            dm = load_draft(model, draft_model, draft_weights, draft_vocab)
         return ModelDrafter(dm, tree_width=3 if name == "draft-tree" else 1, max_k=max_k, name=name, sized=True,
                             lookup=NgramTreeDrafter(max_k=max_k) if name == "draft+ngram" else None)
     raise ValueError(f"unknown drafter {name!r}; choose from {DRAFTERS}")
+
+
+def load_draft(target, draft_model: str | None = None, draft_weights: str = "stored", draft_vocab: int | None = None):
+    """The draft model of the ``draft`` drafters (make_drafter's ``draft_model``,
+    ``draft_weights`` and ``draft_vocab``) for ``target``: a draft file of ``specdec
+    train-draft`` (.safetensors), a model of the target's vocabulary by name or path
+    (:func:`draft_by_name`), or None for the distilled draft shipped for the target (a
+    ValueError naming the target where none ships). Loading a whole model takes seconds:
+    pass the result to make_drafter as ``draft_model`` to make several drafters of it."""
+    from ..drafting.draft_model.model import SHIPPED_DRAFTS, default_draft_checkpoint, load_draft_model
+
+    draft_model = trained_file("draft", target, draft_model, default_draft_checkpoint(target.name), SHIPPED_DRAFTS)
+    if str(draft_model).endswith(".safetensors"):  # a draft file (given or shipped)
+        return load_draft_model(draft_model, target, draft_weights)
+    return draft_by_name(target, draft_model, draft_weights, draft_vocab)  # a model of the target's vocabulary
 
 
 def draft_by_name(target, name_or_path: str, draft_weights: str = "stored", draft_vocab: int | None = None):
