@@ -45,7 +45,8 @@ import torch  # noqa: E402  (loads libtorch before the extension)
 from bench.common import RESULTS_DIR, code_prompts, print_table, write_results  # noqa: E402
 from specdec_kernels.cli import Parser  # noqa: E402
 from specdec_kernels.decoding import Generator, SamplingParams, SpecSchedule, make_drafter  # noqa: E402
-from specdec_kernels.decoding.registry import DRAFTER_INFO, WITH_DRAFT_WEIGHTS, default_schedule, load_draft  # noqa: E402
+from specdec_kernels.decoding.registry import (DRAFT_MODEL_DRAFTERS, DRAFTER_INFO, WITH_DRAFT_WEIGHTS,  # noqa: E402
+                                               default_schedule, load_draft)
 from specdec_kernels.drafting.draft_model.model import DRAFT_VOCAB_SIZE, DRAFT_WEIGHTS  # noqa: E402
 from specdec_kernels.models import load_model  # noqa: E402
 from specdec_kernels.models.registry import WEIGHT_FORMATS  # noqa: E402
@@ -317,7 +318,7 @@ class Session:
         name, schedule, weights = split_method(drafter or "none")
         weights = weights or self.args.draft_weights
         draft = self.args.draft_model
-        if name in ("draft", "draft-tree", "draft+ngram"):  # its draft model loaded once (seconds), not every run
+        if name in DRAFT_MODEL_DRAFTERS:  # its draft model loaded once (seconds), not every run
             key = (id(target), weights)
             if key not in self.drafts:
                 self.drafts[key] = load_draft(target, draft, weights, self.args.draft_vocab)

@@ -287,7 +287,7 @@ def test_a_loaded_draft_model_serves_several_drafters(tiny_gguf):
     """``load_draft`` once, then ``make_drafter(..., draft_model=<that Llama>)`` for each of the
     draft drafters (the benchmark loads a whole draft model once, not every run): each drafts
     with that same model, greedy output stays exact; draft-untrained takes no draft model."""
-    from specdec_kernels.decoding.registry import load_draft
+    from specdec_kernels.decoding.registry import DRAFT_MODEL_DRAFTERS, load_draft
 
     path, _ = tiny_gguf
     target, _ = load_model(str(path), weights="native")
@@ -295,7 +295,8 @@ def test_a_loaded_draft_model_serves_several_drafters(tiny_gguf):
     assert dm.weight_format == "native" and dm.draft_vocab is None
     prompts = [[5, 6, 7, 8, 9, 5, 6, 7], [40, 41]]
     ar = [r.output for r in Generator(target).generate(prompts, 10)]
-    for name in ("draft", "draft-tree", "draft+ngram"):
+    assert DRAFT_MODEL_DRAFTERS == ("draft", "draft-tree", "draft+ngram")
+    for name in DRAFT_MODEL_DRAFTERS:
         drafter = make_drafter(name, target, draft_model=dm)
         assert drafter.model is dm, name
         assert [r.output for r in Generator(target, drafter).generate(prompts, 10)] == ar, name

@@ -49,6 +49,7 @@ DRAFTER_INFO = {
 }
 DRAFTERS = tuple(DRAFTER_INFO)
 WITH_DRAFT_WEIGHTS = tuple(n for n, i in DRAFTER_INFO.items() if i.draft_weights)  # what --draft-weights applies to
+DRAFT_MODEL_DRAFTERS = ("draft", "draft-tree", "draft+ngram")  # drafting with a draft model of load_draft
 # Drafters that run a trained file: (what it is, the flag that gives one, the drafter that
 # needs none). Without the flag they take the file the package ships for the model, and a
 # model without one is an error, never a silent fallback to an untrained drafter.
@@ -155,7 +156,7 @@ def make_drafter(name: str, model, *, self_spec_layers: int = 8, draft_model: st
         head = eagle_head_for(model, checkpoint, weights=draft_weights)
         return EagleDrafter(model, head, lookup=NgramTreeDrafter(max_k=max_k) if name == "eagle+ngram" else None,
                             name=name)
-    if name in ("draft", "draft-tree", "draft+ngram", "draft-untrained"):
+    if name in DRAFT_MODEL_DRAFTERS or name == "draft-untrained":
         from ..models.llama import Llama
 
         if name == "draft-untrained":  # the shipped draft's layers and vocabulary, before distillation
