@@ -279,9 +279,9 @@ void int8_activation_linear_cpu(const at::Tensor& x, const at::Tensor& packed_we
   int32_t *sqp = nullptr, *sqhp = nullptr;
 #if defined(SPECDEC_GGUF_X86)
   if (run == &i8act::run_avx2) {
-    sqp = ws.sqp.at_least(M * nb / 2 + 1);
-    sqhp = ws.sqhp.at_least(M * nb);
-    i8act::int16_pairs(M * nb, sq, sqh, sqp, sqhp);
+    if (i8act::reads_sqp(block_type)) sqp = ws.sqp.at_least(M * nb / 2 + 1);
+    if (i8act::reads_sqhp(block_type)) sqhp = ws.sqhp.at_least(M * nb);
+    i8act::int16_pairs(block_type, M * nb, sq, sqh, sqp, sqhp);
   }
 #endif
   // Threads split the groups, at least ~64 KiB of weight bytes per task.
@@ -294,7 +294,8 @@ void int8_activation_linear_cpu(const at::Tensor& x, const at::Tensor& packed_we
     i8act::Problem p{q + m0 * H, d + m0 * nd, s + m0 * nb, sq + m0 * nb, sqh + 2 * m0 * nb, rows, nb,
                      packed_weight.data_ptr<uint8_t>(), bb, N, bias_f.defined() ? bias_f.data_ptr<float>() : nullptr,
                      out.data_ptr<float>() + m0 * N};
-    if (sqp) p.sqp = sqp + m0 * nb / 2, p.sqhp = sqhp + m0 * nb;  // m0 * nb is even (row_chunk)
+    if (sqp) p.sqp = sqp + m0 * nb / 2;  // m0 * nb is even (row_chunk)
+    if (sqhp) p.sqhp = sqhp + m0 * nb;
     auto run_chunk = run;
     if (has_amx && i8act::amx_pays(block_type, rows)) {
       // The AMX path's block-major copy of the chunk (each block's 16-row A tiles contiguous,
