@@ -575,7 +575,10 @@ def report_targets(s: Session, summary: list, runs: list) -> dict:
     if best:
         targets["best_drafter"] = best["method"]
         targets["best_drafter_speedup"] = best["speedup_vs_ours_ar"]
-        print(f"best drafter at batch 1: {best['method']} {best['speedup_vs_ours_ar']:.2f}x our autoregressive (target >= 1.5x)")
+        # No target printed: the issues' targets depend on the model and the prompts (docs/benchmarks.md).
+        decode = best.get("decode_speedup_vs_ours_ar")
+        print(f"best drafter at batch 1: {best['method']} {best['speedup_vs_ours_ar']:.2f}x our autoregressive with the "
+              "prefills" + (f", {decode:.2f}x in the decode phase" if decode is not None else ""))
     b1 = {r["method"]: r for r in summary if r["batch"] == 1}
     if "fp32-ar" in b1:
         targets["ours_ar_vs_fp32_ar"] = b1["ours-ar"]["tokens_per_s"] / b1["fp32-ar"]["tokens_per_s"]
