@@ -84,27 +84,26 @@ def drafter_spec(text: str) -> str:
 
 
 def load_prompts(path: str | None, max_prompts: int, tokenizer, categories=None) -> list[dict]:
-    """[{id, category, text, ids}] from the package's prompt file, a Spec-Bench jsonl
+    """[{id, category, text, ids, row}] from the package's prompt file, a Spec-Bench jsonl
     (``turns``: the first turn is used) or a jsonl of code tasks ({task_id, prompt,
     canonical_solution, entry_point}: each row gives a "completion" and an "edit" prompt,
-    :func:`bench.common.code_prompts`); only those of ``categories`` when given."""
+    :func:`bench.common.code_prompts`); ``row``: the prompt's row of the file (0-based, blank
+    lines not counted); only those of ``categories`` when given."""
     if path is None:
         lines = resources.files("specdec_kernels").joinpath("data/prompts.jsonl").read_text().splitlines()
     else:
         lines = Path(path).read_text().splitlines()
     out = []
-    for line in lines:
-        if not line.strip():
-            continue
+    for i, line in enumerate(line for line in lines if line.strip()):
         row = json.loads(line)
         if "canonical_solution" in row:  # a HumanEval-format row: a completion and an edit prompt
             for category, text in code_prompts(row):
                 out.append({"id": f"{row['task_id']}:{category}", "category": category, "text": text,
-                            "ids": tokenizer.chat_prompt(text)})
+                            "ids": tokenizer.chat_prompt(text), "row": i})
             continue
         text = row["turns"][0] if "turns" in row else row["prompt"]
         out.append({"id": row.get("question_id", row.get("id")), "category": row.get("category", "all"),
-                    "text": text, "ids": tokenizer.chat_prompt(text)})
+                    "text": text, "ids": tokenizer.chat_prompt(text), "row": i})
     if categories:
         out = [p for p in out if p["category"] in categories]
     if max_prompts:

@@ -45,10 +45,18 @@ import torch  # noqa: E402  (loads libtorch before the extension)
 
 from bench.common import RESULTS_DIR  # noqa: E402
 from specdec_kernels.decoding.cost_model import StepCost  # noqa: E402
+from specdec_kernels.models.registry import WEIGHT_FORMATS  # noqa: E402
 from specdec_kernels.drafting.ngram import NGRAM_TABLES_PATH, NgramTables, NgramTreeDrafter, ngram_tables_for
 
 RANKS = 4  # RANK entries: ranks 0..RANKS-1 (the last pools the rest)
 SHRINKS = (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4)
+
+
+def held_out_prompts(prompts: list, skip_rows: int, max_prompts: int) -> list:
+    """The first ``max_prompts`` of ``prompts`` (``load_prompts``'s, in file order) from rows
+    ``skip_rows`` on: rows of the file, whether a row gives one prompt (Spec-Bench) or two (a
+    code task's completion and edit)."""
+    return [p for p in prompts if p["row"] >= skip_rows][:max_prompts]
 
 
 def greedy_outputs(args, path: Path) -> dict:
@@ -61,8 +69,8 @@ def greedy_outputs(args, path: Path) -> dict:
     from specdec_kernels.threads import apply_threads
 
     threads = apply_threads(args.threads).threads
-    model, tok = load_model(args.model)
-    prompts = load_prompts(args.prompts, 0, tok)[2 * args.skip_rows:][: args.max_prompts]
+    model, tok = load_model(args.model, weights=args.weights)
+    prompts = held_out_prompts(load_prompts(args.prompts, 0, tok), args.skip_rows, args.max_prompts)
     cost = step_cost_for(model)
     seqs = []
     data = {"model": model.name, "registry_name": args.model, "weights": model.weight_format, "threads": threads,
@@ -171,6 +179,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", required=True, help="jsonl of prompts (bench_e2e's --prompts formats)")
     p.add_argument("--skip-rows", type=int, default=40, help="rows of the file left for the benchmark")
     p.add_argument("--max-prompts", type=int, default=12, help="prompts whose greedy outputs are measured")
+    p.add_argument("--weights", default="native", choices=WEIGHT_FORMATS,
+                   help="the model's weight format, as for specdec generate: the step-cost curve the shrink is "
+                        "fitted against is this format's (native-int8act for the benchmarks' runs)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: the cores not busy)")
     p.add_argument("--max-ngram", type=int, default=8, help="match lengths measured (the table's bins)")

@@ -5,7 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.fit_ngram_tables import count_matches, simulate, tables_from_counts
+from bench.bench_e2e import load_prompts
+from bench.fit_ngram_tables import count_matches, held_out_prompts, simulate, tables_from_counts
 from specdec_kernels.decoding.cost_model import StepCost
 from specdec_kernels.drafting.ngram import NGRAM_TABLES_PATH, NgramTables, NgramTreeDrafter, ngram_tables_for
 
@@ -59,3 +60,22 @@ def test_counts_and_simulation_on_a_copied_sequence():
     sim = simulate(NgramTables((0.9,), (0.9,), (1.0,)), seqs, free)
     # One step accepts 11 12 13 14 and emits 99 after them: 5 tokens in one step of cost 1.
     assert sim["steps"] == 1 and sim["mean_accepted_length"] == 5 and sim["tokens_per_cost"] == 5
+
+
+def test_held_out_prompts_skip_rows_of_the_file(tmp_path):
+    """``--skip-rows`` counts rows of the file: two prompts a code-task row (completion, edit),
+    one a Spec-Bench row; blank lines are not rows."""
+    class Chat:
+        def chat_prompt(self, text):
+            return [len(text)]
+
+    spec = tmp_path / "spec.jsonl"
+    spec.write_text("\n".join(json.dumps({"question_id": 10 + i, "category": "qa", "turns": [f"q{i}"]})
+                               for i in range(5)) + "\n\n")
+    code = tmp_path / "code.jsonl"
+    code.write_text("\n".join(json.dumps({"task_id": f"T/{i}", "prompt": "def f():\n", "canonical_solution": "  pass\n",
+                                          "entry_point": "f"}) for i in range(4)))
+    assert [p["row"] for p in load_prompts(str(spec), 0, Chat())] == [0, 1, 2, 3, 4]
+    assert [p["id"] for p in held_out_prompts(load_prompts(str(spec), 0, Chat()), 2, 2)] == [12, 13]
+    assert [p["id"] for p in held_out_prompts(load_prompts(str(code), 0, Chat()), 3, 9)] == ["T/3:completion", "T/3:edit"]
+    assert held_out_prompts(load_prompts(str(spec), 0, Chat()), 9, 4) == []
