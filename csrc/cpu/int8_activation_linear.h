@@ -230,14 +230,15 @@ inline int32_t int16_pair(int32_t lo, int32_t hi) {
 
 // The AVX2 path's int16 pairs of n blocks' sums (Problem::sqp, sqhp): built once per call, not
 // in scalar code once per group of 16 weight rows, which cost 2-4% of a 16-64-row K-quant
-// product on a Zen 3 core. Only the types that read them need them: sqp (n / 2) for Q4_K / Q5_K,
-// sqhp (n) for Q6_K; the others leave both unwritten. (|sq| <= 32 * 127 and |sqh| <= 16 * 127 fit int16.)
+// product on a Zen 3 core. Only the types that read them need them (reads_sqp: sqp, n / 2, for
+// Q4_K / Q5_K; reads_sqhp: sqhp, n, for Q6_K); the caller passes null for an array its type does
+// not read, and a null array is left unwritten. (|sq| <= 32 * 127 and |sqh| <= 16 * 127 fit int16.)
 constexpr bool reads_sqp(int64_t t) { return has_k_min(t); }
 constexpr bool reads_sqhp(int64_t t) { return t == kQ6_K; }
-inline void int16_pairs(int64_t type, int64_t n, const int32_t* sq, const int32_t* sqh, int32_t* sqp, int32_t* sqhp) {
-  if (reads_sqp(type))
+inline void int16_pairs(int64_t n, const int32_t* sq, const int32_t* sqh, int32_t* sqp, int32_t* sqhp) {
+  if (sqp)
     for (int64_t i = 0; i < n / 2; ++i) sqp[i] = int16_pair(sq[2 * i], sq[2 * i + 1]);
-  if (reads_sqhp(type))
+  if (sqhp)
     for (int64_t i = 0; i < n; ++i) sqhp[i] = int16_pair(sqh[2 * i], sqh[2 * i + 1]);
 }
 

@@ -281,7 +281,7 @@ void int8_activation_linear_cpu(const at::Tensor& x, const at::Tensor& packed_we
   if (run == &i8act::run_avx2) {
     if (i8act::reads_sqp(block_type)) sqp = ws.sqp.at_least(M * nb / 2 + 1);
     if (i8act::reads_sqhp(block_type)) sqhp = ws.sqhp.at_least(M * nb);
-    i8act::int16_pairs(block_type, M * nb, sq, sqh, sqp, sqhp);
+    i8act::int16_pairs(M * nb, sq, sqh, sqp, sqhp);
   }
 #endif
   // Threads split the groups, at least ~64 KiB of weight bytes per task.
