@@ -223,40 +223,51 @@ def run_guarded(launch, inputs: list, outputs: list) -> tuple:
 
 
 # ---------------------------------------------------------------------------------------
-# Decode-loop distribution tests: the target's exact joint distribution of two tokens.
+# Decode-loop distribution tests: the target's exact joint distribution of its first tokens.
 # ---------------------------------------------------------------------------------------
 
 
-def exact_pair_probs(model, temperature, prompt):
-    """fp64 [V, V]: P(first two sampled tokens = (a, b)) of ``model`` after ``prompt`` at
-    ``temperature`` (exact: one forward per first token)."""
+def exact_joint_probs(model, temperature, prompt, length: int = 2):
+    """fp64 [V] * length: P(first ``length`` sampled tokens = (a, b, ...)) of ``model`` after
+    ``prompt`` at ``temperature`` (exact: one forward per prefix)."""
     def probs(ids):
         cache = model.new_cache(1, 16, block_size=16)
         slot = cache.add_request(len(ids))
-        return (model.logits(model.prefill(torch.tensor(ids), cache, slot))[-1] / temperature).softmax(-1)
+        return (model.logits(model.prefill(torch.tensor(ids), cache, slot))[-1] / temperature).softmax(-1).double()
 
-    p1 = probs(list(prompt))
-    V = p1.shape[0]
-    joint = torch.zeros(V, V, dtype=torch.float64)
-    for a in range(V):
-        joint[a] = p1[a].double() * probs(list(prompt) + [a]).double()
-    return joint
+    def joint(prefix, n):
+        p = probs(list(prompt) + prefix)
+        if n == 1:
+            return p
+        return torch.stack([p[a] * joint(prefix + [a], n - 1) for a in range(p.shape[0])])
+
+    return joint([], length)
 
 
-def pair_chisquare_pvalue(pairs, joint):
-    """Chi-square p-value of sampled (a, b) pairs against ``joint`` [V, V] (cells expecting
-    fewer than 5 counts pooled into one)."""
+def exact_pair_probs(model, temperature, prompt):
+    """fp64 [V, V]: P(first two sampled tokens = (a, b)) (:func:`exact_joint_probs`)."""
+    return exact_joint_probs(model, temperature, prompt, 2)
+
+
+def joint_chisquare_pvalue(samples, joint):
+    """Chi-square p-value of sampled token tuples against ``joint`` [V] * len(tuple) (cells
+    expecting fewer than 5 counts pooled into one)."""
     from scipy.stats import chisquare
 
-    V, n = joint.shape[0], len(pairs)
-    joint = joint.flatten()
+    n = len(samples)
     counts = torch.zeros_like(joint)
-    for a, b in pairs:
-        counts[a * V + b] += 1
+    for s in samples:
+        counts[tuple(s)] += 1
+    joint, counts = joint.flatten(), counts.flatten()
     keep = joint * n >= 5
     f_obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
     f_exp = torch.cat([joint[keep] * n, (joint[~keep] * n).sum()[None]])
     return chisquare(f_obs.numpy(), f_exp.numpy() * f_obs.sum().item() / f_exp.sum().item())[1]
+
+
+def pair_chisquare_pvalue(pairs, joint):
+    """:func:`joint_chisquare_pvalue` of sampled (a, b) pairs against ``joint`` [V, V]."""
+    return joint_chisquare_pvalue(pairs, joint)
 
 
 # ---------------------------------------------------------------------------------------

@@ -11,17 +11,18 @@ import torch
 
 from specdec_kernels.decoding import Generator, SamplingParams, SpecSchedule
 from specdec_kernels.decoding.cost_model import StepCost
-from specdec_kernels.drafting.draft_model.drafter import ModelDrafter, SelfSpecDrafter
+from specdec_kernels.drafting.draft_model.drafter import AcceptanceByConfidence, ModelDrafter, SelfSpecDrafter
 from specdec_kernels.drafting.ngram import NgramTreeDrafter
 from specdec_kernels.drafting.draft_model import model as draft_model
 from specdec_kernels.drafting.draft_model.model import (corpus_files, corpus_token_counts, exit_model, fold_exit_head,
                                                         frequency_ranked_vocab, load_draft_model, save_draft_model,
                                                         save_exit_head, truncated_draft, with_draft_vocab)
 from specdec_kernels.models import Llama, tiny_config
-from specdec_kernels.models.llama import dense
+from specdec_kernels.models.llama import LlamaConfig, dense
 from specdec_kernels.drafting.draft_model.training import DraftLM, ExitHead, Sequences, agreement, distill_loss, train
 
-from tests.helpers import exact_pair_probs, pair_chisquare_pvalue, real_model, require_real_model
+from tests.helpers import (exact_joint_probs, exact_pair_probs, joint_chisquare_pvalue, pair_chisquare_pvalue,
+                           real_model, require_real_model)
 
 FREE = StepCost({1: {1: 1.0, 64: 1.0}, 4: {4: 1.0, 256: 1.0}})  # extra verified rows cost nothing
 TOL = {None: 1e-4, "Q8_0": 0.05}  # logits: fp32 exact up to summation order; Q8_0 within its rounding
@@ -252,9 +253,9 @@ def test_draft_plus_ngram_runs_no_draft_forward_where_the_lookup_wins(model, pro
         def _lookup_wins(self, rid, c, k):
             return lookup_wins
 
-        def _draft_chains(self, reqs, lengths, drafts):
+        def _draft_chains(self, reqs, lengths, confident, drafts):
             forwards.extend(k for k in lengths if k > 0)
-            return super()._draft_chains(reqs, lengths, drafts)
+            return super()._draft_chains(reqs, lengths, confident, drafts)
 
     drafter = Counting(model.truncated(2), step_cost=FREE, acceptance=0.9, sized=True,
                        lookup=NgramTreeDrafter(step_cost=FREE))
@@ -295,6 +296,86 @@ def test_a_too_low_prior_is_probed_not_kept(model, prompts):
     other = ModelDrafter(Llama.random(tiny_config(num_layers=1), seed=11), step_cost=cost, acceptance=0.05, sized=True)
     (r,) = Generator(model, other, SpecSchedule("max", 6, max_k=6)).generate(prompts[1:2], 24)
     assert r.output == ar and 1 <= r.stats.drafted <= PROBE_TOKENS
+
+
+def sharpened(model, num_layers: int, factor: float) -> Llama:
+    """The target's first layers with its logits scaled by ``factor`` (its final norm's
+    weight): the same greedy tokens as ``model.truncated``, more sure of them."""
+    cfg = LlamaConfig(**{**model.config.__dict__, "num_layers": num_layers})
+    return Llama(cfg, dict(embed=model.embed, norm=model.norm * factor, lm_head=model.lm_head, draft_vocab=None,
+                           layers=model.layers[:num_layers]))
+
+
+class RecordingStops(ModelDrafter):
+    """A draft drafter whose drafting time is a fixed tenth of a step (so that the test does
+    not depend on this machine's timing) and that records each confidence-stopping decision:
+    (chain length before the token, the token's probability under the draft, p, go on)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.decisions = []
+
+    def relative_cost(self, seconds, batch=1):
+        return 0.1
+
+    def _keep_drafting(self, run, confidence, batch, sampled):
+        p, more = super()._keep_drafting(run, confidence, batch, sampled)
+        self.decisions.append((len(run.chain), run.length, confidence, p, more))
+        return p, more
+
+
+ROW_PRICED = StepCost({1: {1: 1.0, 2: 1.25, 16: 4.0}})  # a verified row past the first costs a quarter step
+
+
+def test_acceptance_by_confidence_starts_halfway_and_learns():
+    """A bin's estimate starts halfway between its midpoint and the request's running
+    acceptance, with two tokens of weight, and moves to what the bin's tokens showed."""
+    est = AcceptanceByConfidence(bins=10, prior_tokens=2.0)
+    assert est(0.93, 0.5) == pytest.approx(0.5 * (0.95 + 0.5))
+    assert est(0.0, 1.0) == pytest.approx(0.5 * (0.05 + 1.0)) and est(1.0, 0.0) == pytest.approx(0.475)
+    for i in range(98):
+        est.observe(0.31, i % 4 != 0)
+    assert est(0.35, 0.2) == pytest.approx((73 + 2 * 0.5 * (0.35 + 0.2)) / 100)  # 73 of 98 accepted
+    assert est(0.55, 0.2) == pytest.approx(0.5 * (0.55 + 0.2))  # other bins untouched
+
+
+def test_confidence_stopped_chains_equal_autoregressive(model, prompts):
+    """Sized chains stop where the draft's confidence says the next token does not pay:
+    chains of several lengths, some ended before the schedule's cap by a token left out and
+    some after a kept one, and greedy output is the target's."""
+    drafter = RecordingStops(sharpened(model, 2, 8.0), step_cost=ROW_PRICED, acceptance=0.8, sized=True)
+    reqs = Generator(model, drafter, SpecSchedule("max", 6, max_k=6)).generate(prompts, 24)
+    for p, r in zip(prompts, reqs):
+        assert r.output == greedy_reference(model, p, 24)
+    d = drafter.decisions
+    assert any(p is None for _, _, _, p, _ in d)  # a greedy token left out
+    assert any(p is not None and not more and k + 1 < cap for k, cap, _, p, more in d)  # stopped after a kept one
+    assert any(more for *_, more in d) and sum(r.stats.drafted for r in reqs) > 0
+    left_out = [c for _, _, c, p, _ in d if p is None]
+    kept_first = [c for k, _, c, p, _ in d if p is not None and k == 0]
+    assert min(kept_first) > min(left_out)  # the sure tokens are the ones kept
+    assert sum(drafter.by_confidence.seen) > 0  # the verified tokens calibrate the estimates
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_confidence_stopped_sampled_chains_keep_the_distribution(temperature):
+    """Sampled chains keep every token they draw and stop on the confidence of the ones drawn
+    so far: the first three sampled tokens follow the target's exact joint distribution
+    (chi-square, fixed seeds), with chains that went on after their first token and chains
+    that stopped there (before the schedule's cap), which decides whether the third token is
+    a draft's or the target's own."""
+    m = Llama.random(tiny_config(vocab_size=8, num_layers=2), seed=3)
+    rows_priced = StepCost({8: {8: 1.0, 16: 1.25, 32: 2.0}})  # 8 requests: a row past each one's first costs 1/32 step
+    drafter = RecordingStops(sharpened(m, 1, 2.0), step_cost=rows_priced, acceptance=0.6, sized=True)
+    n, prompt = 3000, (3, 1, 4)
+    sampling = [SamplingParams(seed=s, temperature=temperature) for s in range(n)]
+    reqs = Generator(m, drafter, SpecSchedule("max", 3, max_k=3)).generate([list(prompt)] * n, 5, sampling,
+                                                                           max_batch=8)
+    d = drafter.decisions
+    assert all(p is not None for *_, p, _ in d)  # a drawn token is never left out
+    assert any(more and k == 0 for k, *_, more in d) and any(not more and k == 0 and cap > 1 for k, cap, *_, more in d)
+    pvalue = joint_chisquare_pvalue([tuple(r.output[:3]) for r in reqs], exact_joint_probs(m, temperature, prompt, 3))
+    assert pvalue > 1e-3, pvalue
 
 
 def _distill_data(target, n_seqs=24, length=24, seed=0, layers=None):

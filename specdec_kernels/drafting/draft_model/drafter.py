@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ...decoding.cost_model import best_chain_length, best_node_count
+from ...decoding.cost_model import best_chain_length, best_node_count, payoff
 from ...decoding.drafter import Draft, SizedDrafter, draft_uniforms, draw_tokens
 from ...models.llama import Batch, Llama
 from ..ngram import NgramTreeDrafter, accepted_on_tree
@@ -40,10 +40,44 @@ class ChainRun:
     chain: list = field(default_factory=list)  # drafted tokens
     probs: list = field(default_factory=list)  # q each drafted token was drawn from (None: greedy)
     alts: list = field(default_factory=list)  # tree_width > 1: the root's other children
+    confidence: list = field(default_factory=list)  # the draft's probability of each drafted token
+    forwards: int = 0  # draft forwards run (a stopped chain's last one may have drawn a token it left out)
+    expected: float = 1.0  # expected tokens of the step with the chain so far (the target's own included)
+    path: float = 1.0  # the estimated probability that the whole chain so far is accepted
+    confident: bool = False  # whether it stops on the draft's confidence (else it drafts ``length``)
 
 
 PRIOR_TOKENS = 4  # how many drafted tokens' worth of evidence a request's prior acceptance counts as
 PROBE_TOKENS = 4  # drafted tokens a request probes with before its sizing may keep drafting off
+
+
+class AcceptanceByConfidence:
+    """P(a drafted token is accepted | the ones before it were) as a function of the draft's
+    own probability of the token, learnt online over every request in ``bins`` equal bins of
+    that probability. A bin's estimate starts, with ``prior_tokens`` tokens of weight, halfway
+    between its midpoint (what a calibrated draft would accept) and the request's running
+    acceptance: a draft less sure of itself than it is right still drafts, and so gets
+    measured, where the midpoint alone would keep it off for good."""
+
+    def __init__(self, bins: int = 10, prior_tokens: float = 2.0):
+        self.bins, self.prior_tokens = bins, prior_tokens
+        self.accepted = [0.0] * bins
+        self.seen = [0.0] * bins
+
+    def _bin(self, confidence: float) -> int:
+        return min(self.bins - 1, max(0, int(confidence * self.bins)))
+
+    def __call__(self, confidence: float, acceptance: float) -> float:
+        """The estimate for a token the draft gave probability ``confidence``, in a request
+        whose running acceptance is ``acceptance``."""
+        i = self._bin(confidence)
+        prior = 0.5 * ((i + 0.5) / self.bins + acceptance)
+        return (self.accepted[i] + self.prior_tokens * prior) / (self.seen[i] + self.prior_tokens)
+
+    def observe(self, confidence: float, accepted: bool) -> None:
+        i = self._bin(confidence)
+        self.accepted[i] += bool(accepted)
+        self.seen[i] += 1
 
 
 class ModelDrafter(SizedDrafter):
@@ -53,7 +87,8 @@ class ModelDrafter(SizedDrafter):
     of the root (deterministic drafts, verified without draft probabilities). With a chain
     and sampling, drafts are drawn from the draft model's q and verified with it.
     ``share_target_cache`` (self-speculation): ``model`` is the target truncated to its first
-    layers and writes into the target's cache. A model with a ``draft_vocab`` (a distilled
+    layers and writes into the target's cache. A sized chain stops where the draft's
+    confidence says the next token no longer pays (:meth:`_keep_drafting`). A model with a ``draft_vocab`` (a distilled
     draft or an exit head, ``drafting.draft_model.model``) drafts ids of that vocabulary,
     mapped to the target's; its q is zero outside it, which rejection sampling handles exactly.
     """
@@ -73,6 +108,13 @@ class ModelDrafter(SizedDrafter):
         one request's rejections do not switch drafting off for the next); the drafters by
         name (``make_drafter``) run this way with the ``max`` schedule. ``sized=False``:
         exactly the schedule's length.
+
+        A sized chain (``tree_width`` 1) drafts up to the schedule's length wherever its
+        sizing drafts at all, token by token, and stops where the next token does not pay
+        (:meth:`_keep_drafting`): a token's chance of acceptance is estimated from the draft's
+        own probability of it (:class:`AcceptanceByConfidence`, learnt from the verified
+        tokens), so chains run long through text the draft is sure of and stop at the first
+        guess. The stopping depends on the draft's side alone, so sampled output stays exact.
 
         ``lookup`` (``draft+ngram``, sized drafters): prompt-lookup tries for greedy requests;
         a sampled request drafts either its drawn chain or the lookup's best chain (one-hot q
@@ -99,6 +141,8 @@ class ModelDrafter(SizedDrafter):
         self._seen: dict = {}
         self._token_s = None  # measured seconds of one draft depth (batch of this step), EMA
         self._drafted: dict = {}
+        self.by_confidence = AcceptanceByConfidence() if sized and tree_width == 1 else None
+        self._confidence: dict = {}  # request -> the draft's probability of each token of its last chain
 
     # ---- sizing ---------------------------------------------------------------------------
     def acceptance(self, rid=None) -> float:
@@ -169,7 +213,7 @@ class ModelDrafter(SizedDrafter):
         if self.sized and self._token_s is not None:
             lengths = [self._sized_length(r.rid, n, len(reqs)) for r, n in zip(reqs, lengths)]
         if self.lookup is None:
-            return self._draft_chains(reqs, lengths, drafts)
+            return self._draft_chains(reqs, *self._limits(reqs, lengths, caps), drafts)
         lookups = self.lookup.greedy_candidates(reqs, caps)
         # Sampled requests: the lookup's chain (one-hot q rows) or the draft's drawn chain, never both.
         chains = self.lookup.sampled_chains(
@@ -177,15 +221,57 @@ class ModelDrafter(SizedDrafter):
             self.vocab_size)
         lengths = [0 if b in chains or (c is not None and self._lookup_wins(r.rid, c, k)) else k
                    for b, (r, c, k) in enumerate(zip(reqs, lookups, lengths))]
-        drafts = self._draft_chains(reqs, lengths, drafts)
+        drafts = self._draft_chains(reqs, *self._limits(reqs, lengths, caps), drafts)
         keep = self.lookup.select([c.ranked if c is not None else [] for c in lookups])  # the batch's tries that pay
         drafts = self.lookup.merge_into(reqs, drafts, lookups, keep)
         for b, chain in chains.items():
             drafts[b] = chain
         return drafts
 
-    def _draft_chains(self, reqs, lengths, drafts) -> list:
-        """The draft model's chains (or top-k trees) of ``lengths[b]`` tokens into ``drafts``."""
+    def _limits(self, reqs, lengths, caps) -> tuple[list, list]:
+        """(the most tokens each request may draft this step, whether its chain stops on the
+        draft's confidence): the schedule's cap, on confidence, where the sizing drafts a
+        chain; its sized length where it drafts none or a one-token probe
+        (:meth:`_sized_length`), or where chains do not stop on confidence."""
+        if self.by_confidence is None or self._token_s is None:
+            return lengths, [False] * len(lengths)
+        confident = [k > 0 and self.chain_length(len(reqs), cap, self.acceptance(r.rid)) > 0
+                     for r, k, cap in zip(reqs, lengths, caps)]
+        return [cap if c else k for c, k, cap in zip(confident, lengths, caps)], confident
+
+    def _keep_drafting(self, run: ChainRun, confidence: float, batch: int, sampled: bool) -> tuple:
+        """(p, run another forward) for the token just drawn in a confidence-stopped chain:
+        p the estimated probability that the chain up to it is accepted, None to leave it out.
+        A greedy token is kept if its expected tokens (the chain's path probability times its
+        own estimated acceptance) raise the step's expected tokens per unit time, with the
+        forwards already run counted as spent. A sampled token is kept whatever it is: leaving
+        a drawn token out for its own probability would make the proposals differ from q, and
+        rejection sampling against q exact only for them; whether to draw another depends on
+        the tokens drawn so far, which keeps it exact. Drafting goes on if some further m
+        tokens, at the request's running acceptance, would raise the pay-off again (their
+        forwards counted)."""
+        a = self.acceptance(run.request.rid)
+        p = run.path * self.by_confidence(confidence, a)
+        k = len(run.chain)
+
+        def value(expected, tokens, forwards):
+            return payoff(expected, batch * (tokens + 1), self.cost, batch=batch,
+                          draft_cost=forwards * self.relative_cost(self._token_s, batch))
+
+        if not sampled and value(run.expected + p, k + 1, run.forwards) < value(run.expected, k, run.forwards):
+            return None, False
+        now = value(run.expected + p, k + 1, run.forwards)
+        more, expected = p, run.expected + p
+        for m in range(1, run.length - k):
+            more *= a
+            expected += more
+            if value(expected, k + 1 + m, run.forwards + m) > now:
+                return p, True
+        return p, False
+
+    def _draft_chains(self, reqs, lengths, confident, drafts) -> list:
+        """The draft model's chains (or top-k trees) of ``lengths[b]`` tokens into ``drafts``;
+        where ``confident[b]``, at most ``lengths[b]``, stopped by :meth:`_keep_drafting`."""
         model, cache = self.model, self.cache
         runs = []
         for b, (r, k) in enumerate(zip(reqs, lengths)):
@@ -197,13 +283,15 @@ class ModelDrafter(SizedDrafter):
             committed = cache.length(slot)
             pending = r.tokens[committed:]
             cache.reserve([slot], [len(pending) + k])
-            runs.append(ChainRun(b, r, slot, k, committed, pending, feed=pending, pos=committed))
+            runs.append(ChainRun(b, r, slot, k, committed, pending, feed=pending, pos=committed, confident=confident[b]))
         if not runs:
             return drafts
         uniforms = draft_uniforms([run.request for run in runs], max(run.length for run in runs))
         for step in range(max(run.length for run in runs)):
             t_step = time.perf_counter()
             live = [i for i, run in enumerate(runs) if step < run.length]
+            if not live:  # every chain stopped on confidence
+                break
             rows = [runs[i] for i in live]
             row_positions = [torch.arange(run.pos, run.pos + len(run.feed)) for run in rows]
             indptr = torch.tensor([0] + list(np.cumsum([len(run.feed) for run in rows])), dtype=torch.int32)
@@ -215,8 +303,22 @@ class ModelDrafter(SizedDrafter):
             logits = model.logits(h[indptr[1:].long() - 1])
             vocab = model.draft_vocab  # None, or the target ids of a draft-vocabulary head's rows
             drawn, drawn_q = draw_tokens(logits, [run.request for run in rows], uniforms[live, step])
+            if self.by_confidence is not None:  # the draft's probability of each drawn token (q of a sampled one)
+                greedy = logits.softmax(-1).amax(-1).tolist()
+                conf = [float(q[t]) if q is not None else g for t, q, g in zip(drawn, drawn_q, greedy)]
             for i, run in enumerate(rows):
                 tok, q = drawn[i], drawn_q[i]
+                run.forwards += 1
+                if run.confident:
+                    p, more = self._keep_drafting(run, conf[i], len(runs), q is not None)
+                    if p is None:
+                        run.length = len(run.chain)
+                        continue
+                    run.path, run.expected = p, run.expected + p
+                    if not more:
+                        run.length = len(run.chain) + 1
+                if self.by_confidence is not None:  # probes too: what they find calibrates the estimates
+                    run.confidence.append(conf[i])
                 if step == 0 and self.tree_width > 1:
                     best = logits[i].topk(self.tree_width).indices.tolist()
                     tok, q = best[0], None
@@ -233,20 +335,27 @@ class ModelDrafter(SizedDrafter):
                 run.feed = [tok]
             if step > 0 and self._token_s is not None:  # step 0 also feeds the catch-up tokens
                 self._token_s = 0.8 * self._token_s + 0.2 * (time.perf_counter() - t_step)
+        return self._chains_into(runs, drafts)
+
+    def _chains_into(self, runs: list, drafts: list) -> list:
+        """The finished runs' chains (or top-k trees) into ``drafts``, with what verification
+        and the draft cache's bookkeeping need of them."""
         for run in runs:
             r = run.request
             self._drafted[r.rid] = run.chain
+            self._confidence[r.rid] = run.confidence
             if self.tree_width > 1:
                 k = len(run.chain)
                 drafts[run.index] = Draft(list(range(-1, k)) + [0] * len(run.alts), [r.tokens[-1]] + run.chain + run.alts)
-            else:
+            elif run.chain:  # (a chain stopped before its first token leaves the root alone)
                 q = None
                 if run.probs[0] is not None:
                     q = torch.stack(run.probs + [torch.zeros_like(run.probs[0])])
                 drafts[run.index] = Draft.chain(r.tokens[-1], run.chain, q)
             if not self.share:
-                # What the draft cache holds after this step (committed + written, in order).
-                self.fed[r.rid] = r.tokens[:run.committed] + run.pending + run.chain[:-1]
+                # What the draft cache holds after this step (committed + written, in order): the
+                # chain's tokens that a forward fed (a stopped chain's last forward fed its last token).
+                self.fed[r.rid] = r.tokens[:run.committed] + run.pending + run.chain[:run.forwards - 1]
         return drafts
 
     # ---- prompt lookup (draft+ngram) ---------------------------------------------------------
@@ -266,6 +375,7 @@ class ModelDrafter(SizedDrafter):
             self.lookup.verified_merged(gen, reqs, num_accepted)
         for r, n in zip(reqs, num_accepted):  # the running acceptance rate (chain_length)
             chain = self._drafted.pop(r.rid, [])
+            confidence = self._confidence.pop(r.rid, [])
             k = len(chain)
             if k > 0 and r.rid in self._seen:
                 total = int(n)
@@ -275,6 +385,8 @@ class ModelDrafter(SizedDrafter):
                                          r.tokens[len(r.tokens) - (total + 1): len(r.tokens) - 1])
                 self._seen[r.rid][0] += n
                 self._seen[r.rid][1] += n < k
+                for i, c in enumerate(confidence[:n + 1] if total >= 0 else []):  # verified: accepted, then the first rejected
+                    self.by_confidence.observe(c, i < n)
         if self.share:
             return
         for r in reqs:
