@@ -88,9 +88,10 @@ class ModelDrafter(SizedDrafter):
     and sampling, drafts are drawn from the draft model's q and verified with it.
     ``share_target_cache`` (self-speculation): ``model`` is the target truncated to its first
     layers and writes into the target's cache. A sized chain stops where the draft's
-    confidence says the next token no longer pays (:meth:`_keep_drafting`). A model with a ``draft_vocab`` (a distilled
-    draft or an exit head, ``drafting.draft_model.model``) drafts ids of that vocabulary,
-    mapped to the target's; its q is zero outside it, which rejection sampling handles exactly.
+    confidence says the next token no longer pays (:meth:`_keep_drafting`). A model with a
+    ``draft_vocab`` (a distilled draft or an exit head, ``drafting.draft_model.model``) drafts
+    ids of that vocabulary, mapped to the target's; its q is zero outside it, which rejection
+    sampling handles exactly.
     """
 
     name = "draft"
@@ -245,11 +246,11 @@ class ModelDrafter(SizedDrafter):
         A greedy token is kept if its expected tokens (the chain's path probability times its
         own estimated acceptance) raise the step's expected tokens per unit time, with the
         forwards already run counted as spent. A sampled token is kept whatever it is: leaving
-        a drawn token out for its own probability would make the proposals differ from q, and
-        rejection sampling against q exact only for them; whether to draw another depends on
-        the tokens drawn so far, which keeps it exact. Drafting goes on if some further m
-        tokens, at the request's running acceptance, would raise the pay-off again (their
-        forwards counted)."""
+        a drawn token out because of its own probability would make the proposals follow
+        another distribution than the q they are verified against, while stopping on the
+        tokens drawn before it keeps rejection sampling exact. Drafting goes on if some
+        further m tokens, at the request's running acceptance, would raise the pay-off again
+        (their forwards counted)."""
         a = self.acceptance(run.request.rid)
         p = run.path * self.by_confidence(confidence, a)
         k = len(run.chain)
@@ -283,7 +284,8 @@ class ModelDrafter(SizedDrafter):
             committed = cache.length(slot)
             pending = r.tokens[committed:]
             cache.reserve([slot], [len(pending) + k])
-            runs.append(ChainRun(b, r, slot, k, committed, pending, feed=pending, pos=committed, confident=confident[b]))
+            runs.append(ChainRun(b, r, slot, k, committed, pending, feed=pending, pos=committed,
+                                 confident=confident[b]))
         if not runs:
             return drafts
         uniforms = draft_uniforms([run.request for run in runs], max(run.length for run in runs))
@@ -385,7 +387,8 @@ class ModelDrafter(SizedDrafter):
                                          r.tokens[len(r.tokens) - (total + 1): len(r.tokens) - 1])
                 self._seen[r.rid][0] += n
                 self._seen[r.rid][1] += n < k
-                for i, c in enumerate(confidence[:n + 1] if total >= 0 else []):  # verified: accepted, then the first rejected
+                # The verified tokens (the accepted ones, then the first rejected) calibrate the estimates.
+                for i, c in enumerate(confidence[:n + 1] if total >= 0 else []):
                     self.by_confidence.observe(c, i < n)
         if self.share:
             return
