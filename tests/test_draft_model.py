@@ -355,6 +355,8 @@ def test_confidence_stopped_chains_equal_autoregressive(model, prompts):
     kept_first = [c for k, _, c, p, _ in d if p is not None and k == 0]
     assert min(kept_first) > min(left_out)  # the sure tokens are the ones kept
     assert sum(drafter.by_confidence.seen) > 0  # the verified tokens calibrate the estimates
+    with_lookup = ModelDrafter(sharpened(model, 2, 8.0), step_cost=ROW_PRICED, sized=True, lookup=NgramTreeDrafter())
+    assert with_lookup.by_confidence is None  # draft+ngram keeps its sized length (benchmarks.md)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

@@ -110,12 +110,13 @@ class ModelDrafter(SizedDrafter):
         name (``make_drafter``) run this way with the ``max`` schedule. ``sized=False``:
         exactly the schedule's length.
 
-        A sized chain (``tree_width`` 1) drafts up to the schedule's length wherever its
-        sizing drafts at all, token by token, and stops where the next token does not pay
-        (:meth:`_keep_drafting`): a token's chance of acceptance is estimated from the draft's
-        own probability of it (:class:`AcceptanceByConfidence`, learnt from the verified
-        tokens), so chains run long through text the draft is sure of and stop at the first
-        guess. The stopping depends on the draft's side alone, so sampled output stays exact.
+        A sized chain (``tree_width`` 1, no ``lookup``) drafts up to the schedule's length
+        wherever its sizing drafts at all, token by token, and stops where the next token does
+        not pay (:meth:`_keep_drafting`): a token's chance of acceptance is estimated from the
+        draft's own probability of it (:class:`AcceptanceByConfidence`, learnt from the
+        verified tokens), so chains run long through text the draft is sure of and stop at the
+        first guess. The stopping depends on the draft's side alone, so sampled output stays
+        exact.
 
         ``lookup`` (``draft+ngram``, sized drafters): prompt-lookup tries for greedy requests;
         a sampled request drafts either its drawn chain or the lookup's best chain (one-hot q
@@ -142,7 +143,9 @@ class ModelDrafter(SizedDrafter):
         self._seen: dict = {}
         self._token_s = None  # measured seconds of one draft depth (batch of this step), EMA
         self._drafted: dict = {}
-        self.by_confidence = AcceptanceByConfidence() if sized and tree_width == 1 else None
+        # Only chains drafted alone stop on confidence: beside lookup tries (draft+ngram), long
+        # confident chains spend draft forwards on tokens the tries give for free (slower on code).
+        self.by_confidence = AcceptanceByConfidence() if sized and tree_width == 1 and lookup is None else None
         self._confidence: dict = {}  # request -> the draft's probability of each token of its last chain
 
     # ---- sizing ---------------------------------------------------------------------------
