@@ -309,7 +309,8 @@ def sharpened(model, num_layers: int, factor: float) -> Llama:
 class RecordingStops(ModelDrafter):
     """A draft drafter whose drafting time is a fixed tenth of a step (so that the test does
     not depend on this machine's timing) and that records each confidence-stopping decision:
-    (chain length before the token, the token's probability under the draft, p, go on)."""
+    (chain length before the token, the chain's limit, the token's probability under the
+    draft, p, go on)."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
