@@ -9,8 +9,8 @@
   its inputs checked unchanged;
 - ``real_model`` / ``require_real_model``: the marker and the skip of tests on a real
   checkpoint (tests/conftest.py turns their skips into failures under ``CI=true``);
-- ``exact_pair_probs`` / ``pair_chisquare_pvalue``: the decode loop's sampled output
-  against the target's exact distribution of its first two tokens;
+- ``exact_joint_probs`` / ``joint_chisquare_pvalue``: the decode loop's sampled output
+  against the target's exact distribution of its first tokens;
 - ``assert_cpu_paths_agree``: a script's results on the default, AVX2 and portable CPU
   kernel paths (one process each) are bit-identical.
 
@@ -244,11 +244,6 @@ def exact_joint_probs(model, temperature, prompt, length: int = 2):
     return joint([], length)
 
 
-def exact_pair_probs(model, temperature, prompt):
-    """fp64 [V, V]: P(first two sampled tokens = (a, b)) (:func:`exact_joint_probs`)."""
-    return exact_joint_probs(model, temperature, prompt, 2)
-
-
 def joint_chisquare_pvalue(samples, joint):
     """Chi-square p-value of sampled token tuples against ``joint`` [V] * len(tuple) (cells
     expecting fewer than 5 counts pooled into one)."""
@@ -263,11 +258,6 @@ def joint_chisquare_pvalue(samples, joint):
     f_obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
     f_exp = torch.cat([joint[keep] * n, (joint[~keep] * n).sum()[None]])
     return chisquare(f_obs.numpy(), f_exp.numpy() * f_obs.sum().item() / f_exp.sum().item())[1]
-
-
-def pair_chisquare_pvalue(pairs, joint):
-    """:func:`joint_chisquare_pvalue` of sampled (a, b) pairs against ``joint`` [V, V]."""
-    return joint_chisquare_pvalue(pairs, joint)
 
 
 # ---------------------------------------------------------------------------------------

@@ -21,8 +21,7 @@ from specdec_kernels.models import Llama, tiny_config
 from specdec_kernels.models.llama import LlamaConfig, dense
 from specdec_kernels.drafting.draft_model.training import DraftLM, ExitHead, Sequences, agreement, distill_loss, train
 
-from tests.helpers import (exact_joint_probs, exact_pair_probs, joint_chisquare_pvalue, pair_chisquare_pvalue,
-                           real_model, require_real_model)
+from tests.helpers import exact_joint_probs, joint_chisquare_pvalue, real_model, require_real_model
 
 FREE = StepCost({1: {1: 1.0, 64: 1.0}, 4: {4: 1.0, 256: 1.0}})  # extra verified rows cost nothing
 TOL = {None: 1e-4, "Q8_0": 0.05}  # logits: fp32 exact up to summation order; Q8_0 within its rounding
@@ -195,7 +194,7 @@ def test_sampling_distribution_equals_target(tmp_path, temperature, source):
     sampling = [SamplingParams(seed=s, temperature=temperature) for s in range(n)]
     reqs = Generator(m, drafter, SpecSchedule("constant", 2)).generate([list(prompt)] * n, 2, sampling)
     assert sum(r.stats.drafted for r in reqs) > 0
-    pvalue = pair_chisquare_pvalue([tuple(r.output) for r in reqs], exact_pair_probs(m, temperature, prompt))
+    pvalue = joint_chisquare_pvalue([tuple(r.output) for r in reqs], exact_joint_probs(m, temperature, prompt, 2))
     assert pvalue > 1e-3, pvalue
 
 
@@ -221,7 +220,7 @@ def test_draft_plus_ngram_sampled_lookup_chains_keep_the_distribution(tmp_path):
     assert sum(r.stats.drafted for i, r in enumerate(reqs) if i % 2 == 0) > 0  # drawn chains beside them
     for parity, prompt in ((1, copying), (0, fresh)):
         pairs = [tuple(r.output) for i, r in enumerate(reqs) if i % 2 == parity]
-        pvalue = pair_chisquare_pvalue(pairs, exact_pair_probs(m, 1.0, prompt))
+        pvalue = joint_chisquare_pvalue(pairs, exact_joint_probs(m, 1.0, prompt, 2))
         assert pvalue > 1e-3, (prompt, pvalue)
 
 
@@ -253,9 +252,9 @@ def test_draft_plus_ngram_runs_no_draft_forward_where_the_lookup_wins(model, pro
         def _lookup_wins(self, rid, c, k):
             return lookup_wins
 
-        def _draft_chains(self, reqs, lengths, confident, drafts):
+        def _draft_chains(self, reqs, lengths, stops, drafts):
             forwards.extend(k for k in lengths if k > 0)
-            return super()._draft_chains(reqs, lengths, confident, drafts)
+            return super()._draft_chains(reqs, lengths, stops, drafts)
 
     drafter = Counting(model.truncated(2), step_cost=FREE, acceptance=0.9, sized=True,
                        lookup=NgramTreeDrafter(step_cost=FREE))

@@ -13,7 +13,7 @@ from specdec_kernels.drafting.eagle.drafter import EagleDrafter
 from specdec_kernels.drafting.eagle.head import EagleHead, attention_reference, load_eagle_head, save_eagle_head
 from specdec_kernels.models import Llama, tiny_config
 
-from tests.helpers import exact_pair_probs, pair_chisquare_pvalue, real_model, require_real_model
+from tests.helpers import exact_joint_probs, joint_chisquare_pvalue, real_model, require_real_model
 
 FREE = {r: 1.0 for r in range(1, 129)}  # verification cost table: every row free (keep all nodes)
 SLOW_STEP = 1e6  # seconds of a one-row verification: drafting is free next to it (expand every depth)
@@ -418,7 +418,7 @@ def test_sampling_distribution_equals_target(temperature, fmt):
     n, prompt = 1500, (3, 1, 4)
     pairs = _sampled_pairs(m, drafter, n, dict(temperature=temperature), prompt)
     assert drafter.stats["nodes"] > 0
-    pvalue = pair_chisquare_pvalue(pairs, exact_pair_probs(m, temperature, prompt))
+    pvalue = joint_chisquare_pvalue(pairs, exact_joint_probs(m, temperature, prompt, 2))
     assert pvalue > 1e-3, pvalue
 
 
@@ -437,7 +437,7 @@ def test_sampled_lookup_chains_keep_the_distribution():
     assert drafter.stats["sampled_lookup_chains"] >= n and drafter.stats["nodes"] > 0  # both kinds drafted
     for parity, prompt in ((1, copying), (0, fresh)):
         pairs = [tuple(r.output) for i, r in enumerate(reqs) if i % 2 == parity]
-        pvalue = pair_chisquare_pvalue(pairs, exact_pair_probs(m, 1.0, prompt))
+        pvalue = joint_chisquare_pvalue(pairs, exact_joint_probs(m, 1.0, prompt, 2))
         assert pvalue > 1e-3, (prompt, pvalue)
 
 

@@ -44,7 +44,7 @@ class ChainRun:
     forwards: int = 0  # draft forwards run (a stopped chain's last one may have drawn a token it left out)
     expected: float = 1.0  # expected tokens of the step with the chain so far (the target's own included)
     path: float = 1.0  # the estimated probability that the whole chain so far is accepted
-    confident: bool = False  # whether it stops on the draft's confidence (else it drafts ``length``)
+    stops: bool = False  # whether it stops on the draft's confidence (else it drafts ``length``)
 
 
 PRIOR_TOKENS = 4  # how many drafted tokens' worth of evidence a request's prior acceptance counts as
@@ -142,11 +142,10 @@ class ModelDrafter(SizedDrafter):
         # Per request: [accepted draft tokens, rejections] seen, seeded with the prior.
         self._seen: dict = {}
         self._token_s = None  # measured seconds of one draft depth (batch of this step), EMA
-        self._drafted: dict = {}
+        self._drafted: dict = {}  # request -> (its last chain, the draft's probability of each of its tokens)
         # Only chains drafted alone stop on confidence: beside lookup tries (draft+ngram), long
         # confident chains spend draft forwards on tokens the tries give for free (slower on code).
         self.by_confidence = AcceptanceByConfidence() if sized and tree_width == 1 and lookup is None else None
-        self._confidence: dict = {}  # request -> the draft's probability of each token of its last chain
 
     # ---- sizing ---------------------------------------------------------------------------
     def acceptance(self, rid=None) -> float:
@@ -167,17 +166,18 @@ class ModelDrafter(SizedDrafter):
                                  draft_cost=self.relative_cost(self._token_s, batch))
         return k
 
-    def _sized_length(self, rid, cap: int, batch: int) -> int:
-        """Request ``rid``'s chain length this step: :meth:`chain_length` at its running
-        acceptance, or a one-token probe while it has fewer than PROBE_TOKENS drafted tokens of
-        its own seen and a chain would pay at full acceptance — so a prior that is too low
-        (a whole model by name has no recorded agreement: 0.5) cannot keep a draft that agrees
-        97% of the time off for good, and one that does not pay stops after a few probes."""
+    def _sized_length(self, rid, cap: int, batch: int) -> tuple[int, bool]:
+        """(request ``rid``'s chain length this step, whether it is a probe): :meth:`chain_length`
+        at its running acceptance, or a one-token probe while it has fewer than PROBE_TOKENS
+        drafted tokens of its own seen and a chain would pay at full acceptance — so a prior
+        that is too low (a whole model by name has no recorded agreement: 0.5) cannot keep a
+        draft that agrees 97% of the time off for good, and one that does not pay stops after
+        a few probes."""
         k = self.chain_length(batch, cap, self.acceptance(rid))
         acc, rej = self._seen.get(rid, (self.prior_tokens, 0.0))
         if k == 0 and cap > 0 and acc + rej < self.prior_tokens + PROBE_TOKENS and self.chain_length(batch, cap, 1.0) > 0:
-            return 1
-        return k
+            return 1, True
+        return k, False
 
     def start(self, gen, reqs):
         if self.lookup is not None:
@@ -214,10 +214,15 @@ class ModelDrafter(SizedDrafter):
     def propose(self, gen, reqs, lengths):
         drafts = [Draft.root_only(r.tokens[-1]) for r in reqs]
         caps = list(lengths)
+        stops = [False] * len(reqs)  # chains that stop on the draft's confidence, drafted up to the cap
         if self.sized and self._token_s is not None:
-            lengths = [self._sized_length(r.rid, n, len(reqs)) for r, n in zip(reqs, lengths)]
+            sized = [self._sized_length(r.rid, n, len(reqs)) for r, n in zip(reqs, lengths)]
+            lengths = [k for k, _ in sized]
+            if self.by_confidence is not None:  # where the sizing drafts a chain, not a one-token probe
+                stops = [k > 0 and not probe for k, probe in sized]
         if self.lookup is None:
-            return self._draft_chains(reqs, *self._limits(reqs, lengths, caps), drafts)
+            return self._draft_chains(reqs, [cap if stop else k for stop, k, cap in zip(stops, lengths, caps)],
+                                      stops, drafts)
         lookups = self.lookup.greedy_candidates(reqs, caps)
         # Sampled requests: the lookup's chain (one-hot q rows) or the draft's drawn chain, never both.
         chains = self.lookup.sampled_chains(
@@ -225,23 +230,12 @@ class ModelDrafter(SizedDrafter):
             self.vocab_size)
         lengths = [0 if b in chains or (c is not None and self._lookup_wins(r.rid, c, k)) else k
                    for b, (r, c, k) in enumerate(zip(reqs, lookups, lengths))]
-        drafts = self._draft_chains(reqs, *self._limits(reqs, lengths, caps), drafts)
+        drafts = self._draft_chains(reqs, lengths, stops, drafts)  # (no stops beside lookup: by_confidence None)
         keep = self.lookup.select([c.ranked if c is not None else [] for c in lookups])  # the batch's tries that pay
         drafts = self.lookup.merge_into(reqs, drafts, lookups, keep)
         for b, chain in chains.items():
             drafts[b] = chain
         return drafts
-
-    def _limits(self, reqs, lengths, caps) -> tuple[list, list]:
-        """(the most tokens each request may draft this step, whether its chain stops on the
-        draft's confidence): the schedule's cap, on confidence, where the sizing drafts a
-        chain; its sized length where it drafts none or a one-token probe
-        (:meth:`_sized_length`), or where chains do not stop on confidence."""
-        if self.by_confidence is None or self._token_s is None:
-            return lengths, [False] * len(lengths)
-        confident = [k > 0 and self.chain_length(len(reqs), cap, self.acceptance(r.rid)) > 0
-                     for r, k, cap in zip(reqs, lengths, caps)]
-        return [cap if c else k for c, k, cap in zip(confident, lengths, caps)], confident
 
     def _keep_drafting(self, run: ChainRun, confidence: float, batch: int, sampled: bool) -> tuple:
         """(p, run another forward) for the token just drawn in a confidence-stopped chain:
@@ -262,9 +256,9 @@ class ModelDrafter(SizedDrafter):
             return payoff(expected, batch * (tokens + 1), self.cost, batch=batch,
                           draft_cost=forwards * self.relative_cost(self._token_s, batch))
 
-        if not sampled and value(run.expected + p, k + 1, run.forwards) < value(run.expected, k, run.forwards):
-            return None, False
         now = value(run.expected + p, k + 1, run.forwards)
+        if not sampled and now < value(run.expected, k, run.forwards):
+            return None, False
         more, expected = p, run.expected + p
         for m in range(1, run.length - k):
             more *= a
@@ -273,9 +267,9 @@ class ModelDrafter(SizedDrafter):
                 return p, True
         return p, False
 
-    def _draft_chains(self, reqs, lengths, confident, drafts) -> list:
+    def _draft_chains(self, reqs, lengths, stops, drafts) -> list:
         """The draft model's chains (or top-k trees) of ``lengths[b]`` tokens into ``drafts``;
-        where ``confident[b]``, at most ``lengths[b]``, stopped by :meth:`_keep_drafting`."""
+        where ``stops[b]``, at most ``lengths[b]``, stopped by :meth:`_keep_drafting`."""
         model, cache = self.model, self.cache
         runs = []
         for b, (r, k) in enumerate(zip(reqs, lengths)):
@@ -288,7 +282,7 @@ class ModelDrafter(SizedDrafter):
             pending = r.tokens[committed:]
             cache.reserve([slot], [len(pending) + k])
             runs.append(ChainRun(b, r, slot, k, committed, pending, feed=pending, pos=committed,
-                                 confident=confident[b]))
+                                 stops=stops[b]))
         if not runs:
             return drafts
         uniforms = draft_uniforms([run.request for run in runs], max(run.length for run in runs))
@@ -314,7 +308,7 @@ class ModelDrafter(SizedDrafter):
             for i, run in enumerate(rows):
                 tok, q = drawn[i], drawn_q[i]
                 run.forwards += 1
-                if run.confident:
+                if run.stops:
                     p, more = self._keep_drafting(run, conf[i], len(runs), q is not None)
                     if p is None:
                         run.length = len(run.chain)
@@ -347,8 +341,7 @@ class ModelDrafter(SizedDrafter):
         and the draft cache's bookkeeping need of them."""
         for run in runs:
             r = run.request
-            self._drafted[r.rid] = run.chain
-            self._confidence[r.rid] = run.confidence
+            self._drafted[r.rid] = (run.chain, run.confidence)
             if self.tree_width > 1:
                 k = len(run.chain)
                 drafts[run.index] = Draft(list(range(-1, k)) + [0] * len(run.alts), [r.tokens[-1]] + run.chain + run.alts)
@@ -379,8 +372,7 @@ class ModelDrafter(SizedDrafter):
         if self.lookup is not None:
             self.lookup.verified_merged(gen, reqs, num_accepted)
         for r, n in zip(reqs, num_accepted):  # the running acceptance rate (chain_length)
-            chain = self._drafted.pop(r.rid, [])
-            confidence = self._confidence.pop(r.rid, [])
+            chain, confidence = self._drafted.pop(r.rid, ([], []))
             k = len(chain)
             if k > 0 and r.rid in self._seen:
                 total = int(n)
