@@ -227,26 +227,36 @@ def run_guarded(launch, inputs: list, outputs: list) -> tuple:
 # ---------------------------------------------------------------------------------------
 
 
-def exact_joint_probs(model, temperature, prompt, length: int = 2):
+def exact_joint_probs(model, temperature, prompt, length: int = 2, top_k: int = 0, top_p: float = 1.0):
     """fp64 [V] * length: P(first ``length`` sampled tokens = (a, b, ...)) of ``model`` after
-    ``prompt`` at ``temperature`` (exact: one forward per prefix)."""
+    ``prompt`` at ``temperature``, with the sampler's top-k / top-p filtering (exact: one
+    forward per prefix of positive probability)."""
+    from specdec_kernels import ops
+
     def probs(ids):
         cache = model.new_cache(1, 16, block_size=16)
         slot = cache.add_request(len(ids))
-        return (model.logits(model.prefill(torch.tensor(ids), cache, slot))[-1] / temperature).softmax(-1).double()
+        logits = model.logits(model.prefill(torch.tensor(ids), cache, slot))[-1:] / temperature
+        if top_k or top_p < 1:
+            logits = ops.apply_top_k_top_p(logits.contiguous(), torch.tensor([top_k], dtype=torch.int32),
+                                           torch.tensor([top_p]))
+        return logits[0].softmax(-1).double()
 
     def joint(prefix, n):
         p = probs(list(prompt) + prefix)
         if n == 1:
             return p
-        return torch.stack([p[a] * joint(prefix + [a], n - 1) for a in range(p.shape[0])])
+        rest = (p.shape[0],) * (n - 1)
+        return torch.stack([p[a] * joint(prefix + [a], n - 1) if p[a] > 0 else torch.zeros(rest, dtype=p.dtype)
+                            for a in range(p.shape[0])])
 
     return joint([], length)
 
 
 def joint_chisquare_pvalue(samples, joint):
     """Chi-square p-value of sampled token tuples against ``joint`` [V] * len(tuple) (cells
-    expecting fewer than 5 counts pooled into one)."""
+    expecting fewer than 5 counts pooled into one). Asserts first that no sample fell in a cell
+    of probability 0, which a p-value would not show."""
     from scipy.stats import chisquare
 
     n = len(samples)
@@ -254,9 +264,12 @@ def joint_chisquare_pvalue(samples, joint):
     for s in samples:
         counts[tuple(s)] += 1
     joint, counts = joint.flatten(), counts.flatten()
+    assert counts[joint == 0].sum() == 0, "sampled a token sequence of probability 0"
     keep = joint * n >= 5
-    f_obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
-    f_exp = torch.cat([joint[keep] * n, (joint[~keep] * n).sum()[None]])
+    f_obs, f_exp = counts[keep], joint[keep] * n
+    if joint[~keep].sum() > 0:
+        f_obs = torch.cat([f_obs, counts[~keep].sum()[None]])
+        f_exp = torch.cat([f_exp, (joint[~keep] * n).sum()[None]])
     return chisquare(f_obs.numpy(), f_exp.numpy() * f_obs.sum().item() / f_exp.sum().item())[1]
 
 

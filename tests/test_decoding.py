@@ -3,7 +3,6 @@ distribution, EOS / max_new_tokens, schedules and statistics (small random model
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from specdec_kernels.decoding import Generator, SamplingParams, SpecSchedule
 from specdec_kernels.drafting.medusa.drafter import MedusaDrafter
@@ -12,6 +11,7 @@ from specdec_kernels.drafting.ngram import NgramDrafter, NgramTreeDrafter
 from specdec_kernels.decoding.cost_model import StepCost
 from specdec_kernels.decoding.stats import RequestStats
 from specdec_kernels.models import Llama, tiny_config
+from tests.helpers import exact_joint_probs, joint_chisquare_pvalue
 
 
 @pytest.fixture(scope="module")
@@ -143,28 +143,6 @@ def _sampled_pairs(model, drafter, n, params, prompt=(3, 1, 4)):
     return [tuple(r.output) for r in reqs]
 
 
-def _exact_pair_probs(model, params, prompt=(3, 1, 4)):
-    """The target's distribution of (x1, x2) after the prompt, with the same filtering."""
-    from specdec_kernels import ops
-
-    def probs(ids):
-        cache = model.new_cache(1, 8, block_size=8)
-        slot = cache.add_request(len(ids))
-        logits = model.logits(model.prefill(torch.tensor(ids), cache, slot))[-1:] / params["temperature"]
-        if params.get("top_k", 0) or params.get("top_p", 1.0) < 1:
-            logits = ops.apply_top_k_top_p(logits.contiguous(), torch.tensor([params.get("top_k", 0)], dtype=torch.int32),
-                                           torch.tensor([params.get("top_p", 1.0)]))
-        return logits[0].softmax(-1)
-
-    p1 = probs(list(prompt))
-    V = p1.shape[0]
-    joint = torch.zeros(V, V, dtype=torch.float64)
-    for a in range(V):
-        if p1[a] > 0:
-            joint[a] = p1[a].double() * probs(list(prompt) + [a]).double()
-    return joint
-
-
 @pytest.mark.parametrize("drafter,params", [
     ("ngram", dict(temperature=1.0)),
     ("ngram-tree", dict(temperature=1.0)),
@@ -186,17 +164,8 @@ def test_sampling_distribution_equals_target(drafter, params):
     n = 1500
     prompt = (1, 2, 1, 3, 1, 4, 1) if drafter == "ngram-tree" else (3, 1, 4)
     pairs = _sampled_pairs(m, make(), n, params, prompt)
-    joint = _exact_pair_probs(m, params, prompt).flatten()
-    counts = torch.zeros_like(joint)
-    for a, b in pairs:
-        counts[a * 8 + b] += 1
-    assert counts[joint == 0].sum() == 0, "sampled a token the target gives probability 0"
-    keep = joint * n >= 5  # merge rare cells
-    f_obs = torch.cat([counts[keep], counts[~keep].sum()[None]])
-    f_exp = torch.cat([joint[keep] * n, (joint[~keep] * n).sum()[None]])
-    if f_exp[-1] == 0:
-        f_obs, f_exp = f_obs[:-1], f_exp[:-1]
-    _, pvalue = chisquare(f_obs.numpy(), f_exp.numpy() * f_obs.sum().item() / f_exp.sum().item())
+    joint = exact_joint_probs(m, params["temperature"], prompt, 2, params.get("top_k", 0), params.get("top_p", 1.0))
+    pvalue = joint_chisquare_pvalue(pairs, joint)
     assert pvalue > 1e-3, (drafter, pvalue)
 
 
