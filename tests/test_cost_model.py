@@ -37,6 +37,20 @@ def test_step_cost_interpolates_rows_and_batches():
         StepCost({})
 
 
+def test_a_curve_taken_in_place_is_seen_at_once():
+    """A refresh puts the new table into the object every drafter holds (StepCost.take):
+    the next query answers from it, not from what was worked out before (live refinements
+    dropped unless kept)."""
+    c = StepCost({1: {1: 1.0, 4: 2.0}})
+    for _ in range(StepCost.LIVE_MIN):
+        c.observe(2, 1, 2.0)
+    assert c.seconds(2) == pytest.approx(2.0) and c(2) == pytest.approx(2.0)
+    c.take(StepCost({1: {1: 0.5, 4: 0.5}}), keep_live=True)
+    assert c.seconds(2) == pytest.approx(0.5 * 2.0 / (4 / 3))  # the new table, the live ratio kept
+    c.take(StepCost({1: {1: 0.5, 4: 0.5}}))
+    assert c.seconds(2) == 0.5 and c.live == {}
+
+
 def test_live_steps_refine_the_curve():
     """Observed steps correct the table per row count once seen LIVE_MIN times: a three-row
     step observed at 1.5x a one-row one gives cost(3) = 1.5 where the table says 1.1; row

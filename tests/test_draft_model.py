@@ -6,6 +6,8 @@ chain sizing by the step-cost curve, training that raises agreement, the shipped
 on the real model, and the frequency-ranked draft vocabulary of a whole model drafting by name
 (FR-Spec)."""
 
+import time
+
 import pytest
 import torch
 
@@ -133,9 +135,10 @@ def test_exit_head_folds_into_one_product(model, tmp_path):
     with torch.no_grad():
         head.up.normal_(0, 0.1)
     path = tmp_path / "e.safetensors"
-    save_exit_head(head.norm, head.down, head.up, vocab, 2, path)
+    save_exit_head(head.norm, head.down, head.up, vocab, 2, path, metadata={"top1": 0.25})
     d = exit_model(model, path)
     assert d.config.num_layers == 2 and torch.equal(d.draft_vocab, vocab)
+    assert ModelDrafter(d, share_target_cache=True, sized=True).prior == 0.25  # an exit file's agreement: its prior
     toks = torch.randint(0, 64, (7,), generator=torch.Generator().manual_seed(4))
     cache = d.new_cache(1, 16, block_size=16)
     h = d.prefill(toks, cache, cache.add_request(0))
@@ -280,6 +283,22 @@ def test_chain_length_follows_the_step_cost(model, prompts):
     assert r.stats.drafted == 0 and r.stats.steps == 6
 
 
+def test_drafting_is_priced_at_what_a_call_takes(model, prompts):
+    """A drafting call's time beyond its forwards (here 30 ms of bookkeeping a call) is
+    measured and priced once a call: one-token chains come to cost it, and a longer chain
+    pays it once, not once a token."""
+    class SlowBookkeeping(ModelDrafter):
+        def _chains_into(self, runs, drafts):
+            time.sleep(0.03)
+            return super()._chains_into(runs, drafts)
+
+    d = SlowBookkeeping(truncated_draft(model, 1), step_cost=FREE, acceptance=0.9, sized=True)
+    Generator(model, d, SpecSchedule("max", 1, max_k=1)).generate(prompts[1:2], 12)
+    assert d._call_s > 0.015 and d._token_s < 0.01
+    one, four = d.drafting_cost(1, 1), d.drafting_cost(4, 1)
+    assert four - one == pytest.approx(3 * (d.drafting_cost(2, 1) - one)) and four < 2 * one
+
+
 def test_a_too_low_prior_is_probed_not_kept(model, prompts):
     """A draft that equals the target, sized from a prior of 0.05 and verification rows that
     pay only at high acceptance: it probes one token a step, finds it accepted and drafts
@@ -315,8 +334,8 @@ class RecordingStops(ModelDrafter):
         super().__init__(*a, **kw)
         self.decisions = []
 
-    def relative_cost(self, seconds, batch=1):
-        return 0.1
+    def drafting_cost(self, forwards, batch):
+        return 0.1 * forwards
 
     def _keep_drafting(self, run, confidence, batch, sampled):
         p, more = super()._keep_drafting(run, confidence, batch, sampled)
@@ -441,6 +460,9 @@ def test_shipped_drafts_on_the_real_model(drafter_name, floor):
         pytest.fail(f"no {drafter_name} file ships for smollm2-135m")
     model, tok = load_model("smollm2-135m")
     trained = make_drafter(drafter_name, model)
+    # Its sizing starts from the held-out agreement its file records, whichever key holds it.
+    recorded = trained.model.metadata.get("held_out_top1", trained.model.metadata.get("top1"))
+    assert trained.prior == pytest.approx(float(recorded)) and trained.prior_tokens > 1
     untrained = (make_drafter("draft-untrained", model) if drafter_name == "draft"
                  else SelfSpecDrafter(model, trained.model.config.num_layers))  # plain early exit, same L
     mal = {}

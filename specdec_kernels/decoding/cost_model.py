@@ -115,6 +115,17 @@ class StepCost:
         self.table = parsed
         self.meta = dict(meta or {})
         self.live = {}  # (batch, row bucket) -> [decayed sum of observed / table ratios, decayed count, count]
+        # (rows, batch) -> seconds, until the next observation or a new table: a step's
+        # sizing weighs the same few row counts many times over.
+        self._seconds = {}
+
+    def take(self, fresh: "StepCost", *, keep_live: bool = False) -> None:
+        """Takes ``fresh``'s table and metadata in place (a refresh: every holder of this
+        object sees them); its live refinements too unless ``keep_live``."""
+        self.table, self.meta = fresh.table, fresh.meta
+        if not keep_live:
+            self.live = {}
+        self._seconds = {}
 
     @staticmethod
     def _interp(points: list, rows: float) -> float:
@@ -136,7 +147,10 @@ class StepCost:
     def seconds(self, rows: int, batch: int = 1) -> float:
         """Seconds of a step verifying ``rows`` rows in all over ``batch`` requests: the
         table's, refined by the live steps observed (class docstring)."""
-        return self.curve_seconds(rows, batch) * self.live_ratio(rows, batch)
+        seconds = self._seconds.get((rows, batch))
+        if seconds is None:
+            seconds = self._seconds[rows, batch] = self.curve_seconds(rows, batch) * self.live_ratio(rows, batch)
+        return seconds
 
     @staticmethod
     def _row_bucket(rows: int) -> int:
@@ -145,6 +159,7 @@ class StepCost:
 
     def observe(self, rows: int, batch: int, seconds: float) -> None:
         """Record a live step: ``rows`` rows in all for ``batch`` requests took ``seconds``."""
+        self._seconds = {}
         entry = self.live.setdefault((batch, self._row_bucket(rows)), [0.0, 0.0, 0])
         entry[0] = self.LIVE_DECAY * entry[0] + seconds / self.curve_seconds(rows, batch)
         entry[1] = self.LIVE_DECAY * entry[1] + 1.0
@@ -494,7 +509,7 @@ def step_cost_for(model, *, recalibrate: bool = False, progress=None) -> StepCos
         if cost is None:
             cost = fresh
         else:  # keep the object others hold
-            cost.table, cost.meta = fresh.table, fresh.meta
+            cost.take(fresh, keep_live=True)
     _MEMO[key] = cost
     return cost
 
@@ -550,7 +565,7 @@ class LiveCheck:
         fresh = calibrate(self.model, progress=None)
         fresh.meta["refreshed_because"] = f"live steps took {ratio:.2f}x the curve's time (curve made {made})"
         fresh.meta["cached"] = _save(fresh, cache_path(self.model))
-        self.cost.table, self.cost.meta, self.cost.live = fresh.table, fresh.meta, {}
+        self.cost.take(fresh)
         self.ratios, self.agreed, self.refreshed_at = [], False, time.monotonic()
         self.refreshes += 1
         return True
@@ -648,15 +663,20 @@ def chain_tokens(acceptance, length: int | None = None) -> float:
 
 
 def chain_payoffs(acceptance: float, cap: int, cost, *, batch: int = 1, width: int = 1,
-                  draft_cost: float = 0.0) -> list:
+                  draft_cost=0.0) -> list:
     """Pay-off per request of chains of k = 0..cap drafted tokens (list index k) at batch
     ``batch``, every request drafting k: ``chain_tokens(acceptance, k) / (cost(batch (k +
     width), batch) + k draft_cost)``. ``width``: rows per request besides the chain (1: the
     root; a top-k tree's extra root children add to it and count as cost only);
-    ``draft_cost``: one drafted token's time (:func:`relative_cost`). k = 0 drafts nothing
-    (no drafting runs): 1.0. ``cost``: as in :func:`payoff`."""
-    return [1.0] + [payoff(chain_tokens(acceptance, k), batch * (k + width), cost, batch=batch, draft_cost=k * draft_cost)
-                    for k in range(1, cap + 1)]
+    ``draft_cost``: one drafted token's time (:func:`relative_cost`), or a function of k
+    giving the time of drafting k tokens (a fixed part per drafting call, say). k = 0 drafts
+    nothing (no drafting runs): 1.0. ``cost``: as in :func:`payoff`."""
+    drafting = draft_cost if callable(draft_cost) else (lambda k: k * draft_cost)
+    payoffs, tokens = [1.0], 1.0
+    for k in range(1, cap + 1):
+        tokens += acceptance ** k  # chain_tokens(acceptance, k), the same sum in the same order
+        payoffs.append(payoff(tokens, batch * (k + width), cost, batch=batch, draft_cost=drafting(k)))
+    return payoffs
 
 
 def tree_payoffs(probs, cost, *, batch: int = 1, draft_cost: float = 0.0) -> list:
@@ -686,7 +706,7 @@ def best_size(payoffs: list) -> tuple[int, float]:
 
 
 def best_chain_length(acceptance: float, cap: int, cost, *, batch: int = 1, width: int = 1,
-                      draft_cost: float = 0.0) -> tuple[int, float]:
+                      draft_cost=0.0) -> tuple[int, float]:
     """(k, its pay-off per request): the chain length 0..cap with the best pay-off
     (:func:`chain_payoffs`)."""
     return best_size(chain_payoffs(acceptance, cap, cost, batch=batch, width=width, draft_cost=draft_cost))

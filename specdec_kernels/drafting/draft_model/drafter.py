@@ -141,7 +141,8 @@ class ModelDrafter(SizedDrafter):
         self.prior_tokens = PRIOR_TOKENS if measured is not None else 1
         # Per request: [accepted draft tokens, rejections] seen, seeded with the prior.
         self._seen: dict = {}
-        self._token_s = None  # measured seconds of one draft depth (batch of this step), EMA
+        self._token_s = None  # measured seconds of one draft forward and its drawing (batch of this step), EMA
+        self._call_s = None  # measured seconds a drafting call takes outside its forwards, EMA
         self._drafted: dict = {}  # request -> (its last chain, the draft's probability of each of its tokens)
         # Only chains drafted alone stop on confidence: beside lookup tries (draft+ngram), long
         # confident chains spend draft forwards on tokens the tries give for free (slower on code).
@@ -156,15 +157,26 @@ class ModelDrafter(SizedDrafter):
 
     def chain_length(self, batch: int, cap: int, acceptance: float | None = None) -> int:
         """The chain length (0..cap) maximising expected tokens per unit time at this batch:
-        ``B * sum_{i<=k} a^i / (cost(B (k + w)) + k * t_draft / t_step)`` with ``a`` the running
-        acceptance, ``cost`` the target's step-cost curve (relative to a one-row-per-request
-        step), ``w`` the tree width (the root's extra children count as cost only) and
-        ``t_draft / t_step`` the measured draft-depth time over a target step
-        (``cost_model.best_chain_length``; ``acceptance``: default the prior)."""
+        ``B * sum_{i<=k} a^i / (cost(B (k + w)) + d(k))`` with ``a`` the running acceptance,
+        ``cost`` the target's step-cost curve (relative to a one-row-per-request step), ``w``
+        the tree width (the root's extra children count as cost only) and ``d(k)`` the
+        measured time of drafting k tokens over a target step (:meth:`drafting_cost`;
+        ``cost_model.best_chain_length``; ``acceptance``: default the prior)."""
         a = self.prior if acceptance is None else acceptance
         k, _ = best_chain_length(a, cap, self._cost, batch=batch, width=self.tree_width,
-                                 draft_cost=self.relative_cost(self._token_s, batch))
+                                 draft_cost=lambda forwards: self.drafting_cost(forwards, batch))
         return k
+
+    def drafting_cost(self, forwards: int, batch: int) -> float:
+        """A drafting call of ``forwards`` draft forwards relative to a one-row-per-request step
+        of ``batch`` requests (0 for none): the call's measured fixed part plus a forward's
+        time each, both measured in the drafting calls (:meth:`_draft_chains`). A forward's
+        time includes feeding it and drawing its token, which on a small draft cost more than
+        the forward itself; the fixed part (the batch's setup, the chains' bookkeeping) is
+        priced once a call, not once a token, so it does not cut long chains that pay."""
+        if forwards <= 0 or self._token_s is None:
+            return 0.0
+        return self.relative_cost((self._call_s or 0.0) + forwards * self._token_s, batch)
 
     def _sized_length(self, rid, cap: int, batch: int) -> tuple[int, bool]:
         """(request ``rid``'s chain length this step, whether it is a probe): :meth:`chain_length`
@@ -254,7 +266,7 @@ class ModelDrafter(SizedDrafter):
 
         def value(expected, tokens, forwards):
             return payoff(expected, batch * (tokens + 1), self.cost, batch=batch,
-                          draft_cost=forwards * self.relative_cost(self._token_s, batch))
+                          draft_cost=self.drafting_cost(forwards, batch))
 
         now = value(run.expected + p, k + 1, run.forwards)
         if not sampled and now < value(run.expected, k, run.forwards):
@@ -271,6 +283,7 @@ class ModelDrafter(SizedDrafter):
         """The draft model's chains (or top-k trees) of ``lengths[b]`` tokens into ``drafts``;
         where ``stops[b]``, at most ``lengths[b]``, stopped by :meth:`_keep_drafting`."""
         model, cache = self.model, self.cache
+        t_start = time.perf_counter()
         runs = []
         for b, (r, k) in enumerate(zip(reqs, lengths)):
             if k <= 0:
@@ -286,6 +299,7 @@ class ModelDrafter(SizedDrafter):
         if not runs:
             return drafts
         uniforms = draft_uniforms([run.request for run in runs], max(run.length for run in runs))
+        in_forwards = 0.0
         for step in range(max(run.length for run in runs)):
             t_step = time.perf_counter()
             live = [i for i, run in enumerate(runs) if step < run.length]
@@ -332,9 +346,16 @@ class ModelDrafter(SizedDrafter):
                 run.probs.append(q)
                 run.pos += len(run.feed)
                 run.feed = [tok]
-            if step > 0 and self._token_s is not None:  # step 0 also feeds the catch-up tokens
-                self._token_s = 0.8 * self._token_s + 0.2 * (time.perf_counter() - t_step)
-        return self._chains_into(runs, drafts)
+            # Step 0 also feeds the tokens the draft cache lacks (one or two after a verification).
+            dt = time.perf_counter() - t_step
+            in_forwards += dt
+            if self._token_s is not None:
+                self._token_s = 0.8 * self._token_s + 0.2 * dt
+        drafts = self._chains_into(runs, drafts)
+        if self._token_s is not None:  # the call's fixed part (drafting_cost)
+            rest = time.perf_counter() - t_start - in_forwards
+            self._call_s = rest if self._call_s is None else 0.8 * self._call_s + 0.2 * rest
+        return drafts
 
     def _chains_into(self, runs: list, drafts: list) -> list:
         """The finished runs' chains (or top-k trees) into ``drafts``, with what verification
@@ -365,7 +386,7 @@ class ModelDrafter(SizedDrafter):
         _, tries = best_node_count([p for p, _ in c.ranked], self.cost)
         a = self.acceptance(rid)
         _, chain = best_chain_length(a, k, self._cost, width=self.tree_width,
-                                     draft_cost=self.relative_cost(self._token_s, 1) if self._token_s else 0.0)
+                                     draft_cost=lambda forwards: self.drafting_cost(forwards, 1))
         return tries >= chain
 
     def verified(self, gen, reqs, num_accepted):
