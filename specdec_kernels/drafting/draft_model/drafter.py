@@ -346,7 +346,8 @@ class ModelDrafter(SizedDrafter):
                 run.probs.append(q)
                 run.pos += len(run.feed)
                 run.feed = [tok]
-            # Step 0 also feeds the tokens the draft cache lacks (one or two after a verification).
+            # Every forward is timed, the first too, though it also feeds the one or two tokens
+            # the draft cache lacks after a verification.
             dt = time.perf_counter() - t_step
             in_forwards += dt
             if self._token_s is not None:

@@ -296,7 +296,7 @@ def exit_model(target: Llama, path) -> Llama:
     d.lm_head = quantize(head.contiguous(), "Q8_0") if is_block_weight(target.lm_head) else head.to(target.dtype)
     d.name = f"{target.name}[:{L}]+exit"
     # The drafter's prior acceptance reads held_out_top1, as draft files record it; exit files
-    # written before they recorded it too hold the same number as top1.
+    # record the same held-out agreement as top1.
     d.metadata = {"held_out_top1": meta["top1"], **meta} if "top1" in meta else meta
     return d
 

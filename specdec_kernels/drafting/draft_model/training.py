@@ -396,7 +396,7 @@ def train_exit_head(c: SimpleNamespace, args, out: str, error) -> None:
             os.remove(tmp)
     print(f"picked L={best_L} (best measured speed x acceptance)")
     final = {"rank": args.rank, "lr": lr, "sweep": json.dumps(results), **{
-        k: v for k, v in results[best_L].items()}, "held_out_top1": results[best_L]["top1"]}  # the drafter's prior
+        k: v for k, v in results[best_L].items()}}
     if c.prompts:
         drafter = ModelDrafter(exit_model(model, out), share_target_cache=True, name="self-spec")
         before = model.truncated(best_L)
