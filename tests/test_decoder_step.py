@@ -330,7 +330,8 @@ def test_eagle_head_layer_in_one_call_gives_the_python_bits(base, fmt, int8):
     assert all(torch.equal(a, b) for a, b in zip(results["fused"], results["python"]))
 
 
-@pytest.mark.parametrize("name,weights", [("smollm2-135m", "native-int8act"), ("qwen2.5-coder-0.5b", "native"),
+@pytest.mark.parametrize("name,weights", [("smollm2-135m", "native"), ("smollm2-135m", "native-int8act"),
+                                          ("qwen2.5-coder-0.5b", "native"),
                                           ("qwen2.5-coder-0.5b", "native-int8act")])
 def test_real_models_fused_step_gives_the_python_bits(name, weights):
     """The real files' own mixes of block types (the 0.5B: Q5_0, Q8_0, Q6_K and Q4_K, Qwen2's

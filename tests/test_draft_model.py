@@ -299,6 +299,60 @@ def test_drafting_is_priced_at_what_a_call_takes(model, prompts):
     assert four - one == pytest.approx(3 * (d.drafting_cost(2, 1) - one)) and four < 2 * one
 
 
+def test_catching_up_a_lagging_draft_is_not_priced(model, prompts):
+    """A drafting call whose first forward also feeds the tokens the draft missed while it did
+    not draft (here it drafts every third step, and such forwards are slowed by 50 ms) does not
+    price that catch-up as a drafted token: the price stays what a one- or two-token forward
+    costs. (Priced, each catch-up would raise it by 40%: a dozen of them, 50x.)"""
+    class EveryThirdStep(ModelDrafter):
+        calls = 0
+
+        def propose(self, gen, reqs, lengths):
+            self.calls += 1
+            return super().propose(gen, reqs, lengths if self.calls % 3 == 0 else [0] * len(lengths))
+
+    draft = model.truncated(model.config.num_layers)
+    forward = draft.forward
+
+    def slow_catch_up(tokens, *a, **kw):
+        if tokens.numel() > 2:
+            time.sleep(0.05)
+        return forward(tokens, *a, **kw)
+
+    d = EveryThirdStep(draft, step_cost=FREE, sized=True, acceptance=0.9)
+    gen = Generator(model, d, SpecSchedule("max", 2, max_k=2))
+    gen.generate(prompts[1:2], 4)  # start(): the price measured alone
+    price = d._token_s
+    draft.forward = slow_catch_up
+    (r,) = gen.generate(prompts[1:2], 48)
+    assert r.output == greedy_reference(model, prompts[1], 48)
+    assert d.calls >= 30 and r.stats.drafted >= 10  # it drafted after lagging, a dozen times
+    assert d._token_s < 5 * price
+
+
+def test_an_inflated_price_is_measured_again(model, prompts):
+    """A price that says no chain pays even if every token were accepted (here five steps a
+    drafted token, as a busy moment of the machine can leave it) does not keep drafting off
+    for good: each new request probes once, which times a forward and brings the price
+    down, until chains pay again. Greedy output stays the target's throughout."""
+    d = ModelDrafter(model.truncated(model.config.num_layers), step_cost=FREE, sized=True)
+    Generator(model, d, SpecSchedule("max", 4, max_k=4)).generate(prompts[1:2], 4)
+    assert d.chain_length(1, 4, 1.0) > 0
+    d._token_s = 5.0  # seconds; a step is one second (FREE)
+    assert d.chain_length(1, 4, 1.0) == 0
+    ar = greedy_reference(model, prompts[1], 8)
+    prices, drafted = [d._token_s], []
+    for _ in range(40):
+        (r,) = Generator(model, d, SpecSchedule("max", 4, max_k=4)).generate(prompts[1:2], 8)
+        assert r.output == ar
+        prices.append(d._token_s)
+        drafted.append(r.stats.drafted)
+        if r.stats.drafted > 2:
+            break
+    assert all(n >= 1 for n in drafted) and all(b < a for a, b in zip(prices, prices[1:]))
+    assert drafted[-1] > 2 and d._token_s < 1.0
+
+
 def test_a_too_low_prior_is_probed_not_kept(model, prompts):
     """A draft that equals the target, sized from a prior of 0.05 and verification rows that
     pay only at high acceptance: it probes one token a step, finds it accepted and drafts

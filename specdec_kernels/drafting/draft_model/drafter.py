@@ -143,6 +143,8 @@ class ModelDrafter(SizedDrafter):
         self._seen: dict = {}
         self._token_s = None  # measured seconds of one draft forward and its drawing (batch of this step), EMA
         self._call_s = None  # measured seconds a drafting call takes outside its forwards, EMA
+        self._price_samples = 0  # forwards timed into _token_s so far
+        self._admitted_at: dict = {}  # request -> _price_samples when it was admitted
         self._drafted: dict = {}  # request -> (its last chain, the draft's probability of each of its tokens)
         # Only chains drafted alone stop on confidence: beside lookup tries (draft+ngram), long
         # confident chains spend draft forwards on tokens the tries give for free (slower on code).
@@ -184,12 +186,21 @@ class ModelDrafter(SizedDrafter):
         drafted tokens of its own seen and a chain would pay at full acceptance — so a prior
         that is too low (a whole model by name has no recorded agreement: 0.5) cannot keep a
         draft that agrees 97% of the time off for good, and one that does not pay stops after
-        a few probes."""
+        a few probes. Likewise for the price: where only the price of drafting keeps every chain
+        off (one would pay at full acceptance if drafting were free), a request probes once
+        while no draft forward has been timed since it was admitted — a price is measured only
+        by drafting, so one inflated by a busy moment would otherwise keep drafting off for
+        every later request, with nothing left to measure it again."""
         k = self.chain_length(batch, cap, self.acceptance(rid))
         acc, rej = self._seen.get(rid, (self.prior_tokens, 0.0))
-        if k == 0 and cap > 0 and acc + rej < self.prior_tokens + PROBE_TOKENS and self.chain_length(batch, cap, 1.0) > 0:
+        if k > 0 or cap <= 0 or acc + rej >= self.prior_tokens + PROBE_TOKENS:
+            return k, False
+        if self.chain_length(batch, cap, 1.0) > 0:
             return 1, True
-        return k, False
+        stale = self._price_samples == self._admitted_at.get(rid)
+        if stale and best_chain_length(1.0, cap, self._cost, batch=batch, width=self.tree_width, draft_cost=0.0)[0] > 0:
+            return 1, True
+        return 0, False
 
     def start(self, gen, reqs):
         if self.lookup is not None:
@@ -212,6 +223,7 @@ class ModelDrafter(SizedDrafter):
             self.lookup.admit(gen, reqs)
         for r in reqs:
             self._seen[r.rid] = [self.prior_tokens * self.prior, self.prior_tokens * (1 - self.prior)]
+            self._admitted_at[r.rid] = self._price_samples
         if self.share:
             return
         for r in reqs:
@@ -306,6 +318,10 @@ class ModelDrafter(SizedDrafter):
             if not live:  # every chain stopped on confidence
                 break
             rows = [runs[i] for i in live]
+            # A forward that also catches up a draft cache lagging by more than the one or two
+            # tokens a verification leaves (steps this request did not draft, lookup tokens
+            # accepted) costs that lag once; it is not the price of a drafted token.
+            priced = all(len(run.feed) <= 2 for run in rows)
             row_positions = [torch.arange(run.pos, run.pos + len(run.feed)) for run in rows]
             indptr = torch.tensor([0] + list(np.cumsum([len(run.feed) for run in rows])), dtype=torch.int32)
             block_table, _ = cache.batch_view([run.slot for run in rows])
@@ -347,11 +363,14 @@ class ModelDrafter(SizedDrafter):
                 run.pos += len(run.feed)
                 run.feed = [tok]
             # Every forward is timed, the first too, though it also feeds the one or two tokens
-            # the draft cache lacks after a verification.
+            # the draft cache lacks after a verification. One sample moves the price by at most
+            # 40% (a sample at most 3x the price): a stall of the machine is not the draft's cost,
+            # and a lasting change still shows within a few forwards.
             dt = time.perf_counter() - t_step
             in_forwards += dt
-            if self._token_s is not None:
-                self._token_s = 0.8 * self._token_s + 0.2 * dt
+            if self._token_s is not None and priced:
+                self._token_s = 0.8 * self._token_s + 0.2 * min(dt, 3 * self._token_s)
+                self._price_samples += 1
         drafts = self._chains_into(runs, drafts)
         if self._token_s is not None:  # the call's fixed part (drafting_cost)
             rest = time.perf_counter() - t_start - in_forwards
@@ -423,6 +442,7 @@ class ModelDrafter(SizedDrafter):
         if self.lookup is not None:
             self.lookup.finish(gen, req)
         self._seen.pop(req.rid, None)
+        self._admitted_at.pop(req.rid, None)
         if not self.share:
             self.cache.free(self.slot[req.rid])
 
