@@ -157,16 +157,17 @@ class ModelDrafter(SizedDrafter):
         acc, rej = self._seen.get(rid, (self.prior_tokens * self.prior, self.prior_tokens * (1 - self.prior)))
         return acc / max(1e-9, acc + rej)
 
-    def chain_length(self, batch: int, cap: int, acceptance: float | None = None) -> int:
+    def chain_length(self, batch: int, cap: int, acceptance: float | None = None, priced: bool = True) -> int:
         """The chain length (0..cap) maximising expected tokens per unit time at this batch:
         ``B * sum_{i<=k} a^i / (cost(B (k + w)) + d(k))`` with ``a`` the running acceptance,
         ``cost`` the target's step-cost curve (relative to a one-row-per-request step), ``w``
         the tree width (the root's extra children count as cost only) and ``d(k)`` the
         measured time of drafting k tokens over a target step (:meth:`drafting_cost`;
-        ``cost_model.best_chain_length``; ``acceptance``: default the prior)."""
+        ``cost_model.best_chain_length``; ``acceptance``: default the prior; ``priced=False``:
+        drafting taken as free, d = 0)."""
         a = self.prior if acceptance is None else acceptance
         k, _ = best_chain_length(a, cap, self._cost, batch=batch, width=self.tree_width,
-                                 draft_cost=lambda forwards: self.drafting_cost(forwards, batch))
+                                 draft_cost=(lambda forwards: self.drafting_cost(forwards, batch)) if priced else 0.0)
         return k
 
     def drafting_cost(self, forwards: int, batch: int) -> float:
@@ -198,7 +199,7 @@ class ModelDrafter(SizedDrafter):
         if self.chain_length(batch, cap, 1.0) > 0:
             return 1, True
         stale = self._price_samples == self._admitted_at.get(rid)
-        if stale and best_chain_length(1.0, cap, self._cost, batch=batch, width=self.tree_width, draft_cost=0.0)[0] > 0:
+        if stale and self.chain_length(batch, cap, 1.0, priced=False) > 0:
             return 1, True
         return 0, False
 
@@ -362,10 +363,11 @@ class ModelDrafter(SizedDrafter):
                 run.probs.append(q)
                 run.pos += len(run.feed)
                 run.feed = [tok]
-            # Every forward is timed, the first too, though it also feeds the one or two tokens
-            # the draft cache lacks after a verification. One sample moves the price by at most
-            # 40% (a sample at most 3x the price): a stall of the machine is not the draft's cost,
-            # and a lasting change still shows within a few forwards.
+            # Every forward is timed (the call's fixed part is what lies outside them). Those
+            # that fed one or two tokens a row are price samples, the first included. One sample
+            # moves the price by at most 40% (a sample at most 3x the price): a stall of the
+            # machine is not the draft's cost, and a lasting change still shows within a few
+            # forwards.
             dt = time.perf_counter() - t_step
             in_forwards += dt
             if self._token_s is not None and priced:
