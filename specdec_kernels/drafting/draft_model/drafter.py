@@ -49,6 +49,8 @@ class ChainRun:
 
 PRIOR_TOKENS = 4  # how many drafted tokens' worth of evidence a request's prior acceptance counts as
 PROBE_TOKENS = 4  # drafted tokens a request probes with before its sizing may keep drafting off
+REPROBE_AFTER = 8  # steps without drafting before a request kept off by its own acceptance probes again
+REPROBE_MAX_WAIT = 64  # the longest such wait (it doubles after each rejected re-probe)
 
 
 class AcceptanceByConfidence:
@@ -146,6 +148,10 @@ class ModelDrafter(SizedDrafter):
         self._price_samples = 0  # forwards timed into _token_s so far
         self._admitted_at: dict = {}  # request -> _price_samples when it was admitted
         self._drafted: dict = {}  # request -> (its last chain, the draft's probability of each of its tokens)
+        self._verified: dict = {}  # request -> its drafted tokens verified (the accepted ones and each first rejected)
+        self._idle: dict = {}  # request -> steps in a row its sizing drafted nothing
+        self._reprobe_wait: dict = {}  # request -> the idle steps before its next re-probe (_probe)
+        self._reprobing: dict = {}  # request -> its chain this step is a re-probe (True: after an idle stretch)
         # Only chains drafted alone stop on confidence: beside lookup tries (draft+ngram), long
         # confident chains spend draft forwards on tokens the tries give for free (slower on code).
         self.by_confidence = AcceptanceByConfidence() if sized and tree_width == 1 and lookup is None else None
@@ -182,26 +188,48 @@ class ModelDrafter(SizedDrafter):
         return self.relative_cost((self._call_s or 0.0) + forwards * self._token_s, batch)
 
     def _sized_length(self, rid, cap: int, batch: int) -> tuple[int, bool]:
-        """(request ``rid``'s chain length this step, whether it is a probe): :meth:`chain_length`
-        at its running acceptance, or a one-token probe while it has fewer than PROBE_TOKENS
-        drafted tokens of its own seen and a chain would pay at full acceptance — so a prior
-        that is too low (a whole model by name has no recorded agreement: 0.5) cannot keep a
-        draft that agrees 97% of the time off for good, and one that does not pay stops after
-        a few probes. Likewise for the price: where only the price of drafting keeps every chain
-        off (one would pay at full acceptance if drafting were free), a request probes once
-        while no draft forward has been timed since it was admitted — a price is measured only
-        by drafting, so one inflated by a busy moment would otherwise keep drafting off for
-        every later request, with nothing left to measure it again."""
+        """(request ``rid``'s chain length this step, whether it is a probe: one token, drafted
+        whatever the draft's confidence): :meth:`chain_length` at its running acceptance, or a
+        probe where :meth:`_probe` says so."""
+        if cap <= 0:
+            return 0, False
         k = self.chain_length(batch, cap, self.acceptance(rid))
-        acc, rej = self._seen.get(rid, (self.prior_tokens, 0.0))
-        if k > 0 or cap <= 0 or acc + rej >= self.prior_tokens + PROBE_TOKENS:
-            return k, False
-        if self.chain_length(batch, cap, 1.0) > 0:
-            return 1, True
-        stale = self._price_samples == self._admitted_at.get(rid)
-        if stale and self.chain_length(batch, cap, 1.0, priced=False) > 0:
-            return 1, True
-        return 0, False
+        return (1, True) if self._probe(rid, k, cap, batch) else (k, False)
+
+    def _probe(self, rid, k: int, cap: int, batch: int) -> bool:
+        """Whether request ``rid``, sized to ``k`` tokens, drafts a one-token probe instead:
+        - while its running acceptance keeps every chain off (``k`` 0), it has fewer than
+          PROBE_TOKENS drafted tokens of its own verified, and a chain would pay at full
+          acceptance — so a prior that is too low (a whole model by name has no recorded
+          agreement: 0.5) cannot keep a draft that agrees 97% of the time off for good, and
+          one that does not pay stops after a few probes;
+        - once it has, after REPROBE_AFTER steps in which it drafted nothing, whether its
+          acceptance kept chains off or its chains stopped before their first token on the
+          draft's confidence. Both are measured only by drafting, and an answer's opening (a
+          greeting, a restated question) agrees less than what follows it, so a few early
+          misses would otherwise keep drafting off for the rest of a long answer. The evidence
+          from before the idle stretch then counts half (``verified``: the text has moved on);
+          an accepted re-probe is followed by another the next step that drafts nothing, until
+          chains draft again or one is rejected, which doubles the wait (up to REPROBE_MAX_WAIT);
+        - where only the price of drafting keeps every chain off (one would pay at full
+          acceptance if drafting were free), once while no draft forward has been timed since
+          the request was admitted — a price is measured only by drafting, so one inflated by
+          a busy moment would otherwise keep drafting off for every later request, with
+          nothing left to measure it again."""
+        idle, wait = self._idle.get(rid, 0), self._reprobe_wait.get(rid, REPROBE_AFTER)
+        probing = self._verified.get(rid, 0) < PROBE_TOKENS
+        if k > 0:  # chains pay; only chains that stop on confidence can draft nothing
+            due = self.by_confidence is not None and idle >= max(1, wait)
+        elif self.chain_length(batch, cap, 1.0) > 0:
+            if probing:
+                return True
+            due = idle >= wait
+        else:
+            stale = self._price_samples == self._admitted_at.get(rid)
+            return probing and stale and self.chain_length(batch, cap, 1.0, priced=False) > 0
+        if due:
+            self._reprobing[rid] = idle > 0  # whether it follows an idle stretch
+        return due
 
     def start(self, gen, reqs):
         if self.lookup is not None:
@@ -225,6 +253,8 @@ class ModelDrafter(SizedDrafter):
         for r in reqs:
             self._seen[r.rid] = [self.prior_tokens * self.prior, self.prior_tokens * (1 - self.prior)]
             self._admitted_at[r.rid] = self._price_samples
+            for per_request in (self._verified, self._idle, self._reprobe_wait):
+                per_request.pop(r.rid, None)
         if self.share:
             return
         for r in reqs:
@@ -417,14 +447,26 @@ class ModelDrafter(SizedDrafter):
         for r, n in zip(reqs, num_accepted):  # the running acceptance rate (chain_length)
             chain, confidence = self._drafted.pop(r.rid, ([], []))
             k = len(chain)
+            reprobe = self._reprobing.pop(r.rid, None)
+            if r.rid in self._seen:  # (_probe) steps in a row it drafted nothing
+                self._idle[r.rid] = 0 if k > 0 else self._idle.get(r.rid, 0) + 1
+            if k > 0 and reprobe is None:  # it drafts again: a later idle stretch waits REPROBE_AFTER
+                self._reprobe_wait.pop(r.rid, None)
             if k > 0 and r.rid in self._seen:
                 total = int(n)
                 n = max(0, min(total, k))  # -1: the step failed (NaN logits)
                 if self.lookup is not None and total > 0:  # the accepted tokens may be the lookup's
                     n = accepted_on_tree(list(range(-1, k)), [r.tokens[-1]] + chain,
                                          r.tokens[len(r.tokens) - (total + 1): len(r.tokens) - 1])
-                self._seen[r.rid][0] += n
-                self._seen[r.rid][1] += n < k
+                seen = self._seen[r.rid]
+                if reprobe is not None:  # (_probe)
+                    if reprobe:  # the evidence from before the idle stretch counts half
+                        seen[0], seen[1] = 0.5 * seen[0], 0.5 * seen[1]
+                    wait = self._reprobe_wait.get(r.rid, REPROBE_AFTER)
+                    self._reprobe_wait[r.rid] = 0 if n > 0 else min(max(REPROBE_AFTER, 2 * wait), REPROBE_MAX_WAIT)
+                seen[0] += n
+                seen[1] += n < k
+                self._verified[r.rid] = self._verified.get(r.rid, 0) + n + (n < k)
                 # The verified tokens (the accepted ones, then the first rejected) calibrate the estimates.
                 for i, c in enumerate(confidence[:n + 1] if total >= 0 else []):
                     self.by_confidence.observe(c, i < n)
@@ -443,8 +485,9 @@ class ModelDrafter(SizedDrafter):
     def finish(self, gen, req):
         if self.lookup is not None:
             self.lookup.finish(gen, req)
-        self._seen.pop(req.rid, None)
-        self._admitted_at.pop(req.rid, None)
+        for per_request in (self._seen, self._admitted_at, self._verified, self._idle, self._reprobe_wait,
+                            self._reprobing):
+            per_request.pop(req.rid, None)
         if not self.share:
             self.cache.free(self.slot[req.rid])
 
