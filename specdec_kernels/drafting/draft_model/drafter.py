@@ -49,7 +49,7 @@ class ChainRun:
 
 PRIOR_TOKENS = 4  # how many drafted tokens' worth of evidence a request's prior acceptance counts as
 PROBE_TOKENS = 4  # drafted tokens a request probes with before its sizing may keep drafting off
-REPROBE_AFTER = 8  # steps without drafting before a request kept off by its own acceptance probes again
+REPROBE_AFTER = 8  # steps without a drafted token before a request past its probes probes again (_probe)
 REPROBE_MAX_WAIT = 64  # the longest such wait (it doubles after each rejected re-probe)
 
 
@@ -149,7 +149,7 @@ class ModelDrafter(SizedDrafter):
         self._admitted_at: dict = {}  # request -> _price_samples when it was admitted
         self._drafted: dict = {}  # request -> (its last chain, the draft's probability of each of its tokens)
         self._verified: dict = {}  # request -> its drafted tokens verified (the accepted ones and each first rejected)
-        self._idle: dict = {}  # request -> steps in a row its sizing drafted nothing
+        self._idle: dict = {}  # request -> steps in a row it drafted no token (verified)
         self._reprobe_wait: dict = {}  # request -> the idle steps before its next re-probe (_probe)
         self._reprobing: dict = {}  # request -> its chain this step is a re-probe (True: after an idle stretch)
         # Only chains drafted alone stop on confidence: beside lookup tries (draft+ngram), long
