@@ -373,7 +373,9 @@ def test_a_too_low_prior_is_probed_not_kept(model, prompts):
     (r,) = Generator(model, same, SpecSchedule("max", 6, max_k=6)).generate(prompts[1:2], 24)
     assert r.output == ar and r.stats.drafted > 2 * PROBE_TOKENS and r.stats.steps < 12
     other = ModelDrafter(Llama.random(tiny_config(num_layers=1), seed=11), step_cost=cost, acceptance=0.05, sized=True)
-    n = PROBE_TOKENS + 3 * REPROBE_AFTER + 2 * 2  # room for the probes and two re-probes, not a third
+    # One token a step: the probes, a re-probe after REPROBE_AFTER idle steps, another after twice
+    # that, and two tokens to spare; a third would come 4 * REPROBE_AFTER idle steps later.
+    n = PROBE_TOKENS + (REPROBE_AFTER + 1) + (2 * REPROBE_AFTER + 1) + 2
     (r,) = Generator(model, other, SpecSchedule("max", 6, max_k=6)).generate(prompts[1:2], n)
     assert r.output == greedy_reference(model, prompts[1], n)
     assert r.stats.accepted == 0 and r.stats.drafted == PROBE_TOKENS + 2
