@@ -25,7 +25,16 @@ measured per model, on its own greedy outputs:
 Writes the model's entry of ``specdec_kernels/data/ngram_tables.json`` (other models'
 entries are kept), with the counts, the prompts file's hash and the simulation.
 
+4. the answers' openings (their first ``--opening-tokens`` tokens, keyed by the prompt's last
+   ``--opening-key`` tokens: the chat template's assistant header and the user's last token),
+   counted into the entry's ``openings``, which the drafter drafts at an answer's start,
+   where nothing in the prompt matches yet (``NgramTreeDrafter.opening_tries``).
+   ``--openings-only`` measures them alone, from outputs that long, and keeps the entry's
+   tables.
+
     python bench/fit_ngram_tables.py --model qwen2.5-coder-1.5b --prompts CODE_TASKS.jsonl --threads 1
+    python bench/fit_ngram_tables.py --model qwen2.5-coder-1.5b --prompts CODE_TASKS.jsonl --openings-only \
+        --max-prompts 40 --max-new-tokens 8 --threads 2 --overwrite
 """
 from __future__ import annotations
 
@@ -173,6 +182,39 @@ def shrink(tables: NgramTables, factor: float, long: int) -> NgramTables:
     return NgramTables(first, tables.next, tables.rank)
 
 
+def openings_from(seqs: list, key_tokens: int, opening_tokens: int, min_count: int = 3) -> list:
+    """[[key, opening, count]]: how many outputs after a prompt ending in ``key`` (its last
+    ``key_tokens``) began with ``opening``: each output's first ``opening_tokens`` tokens, cut
+    where fewer than ``min_count`` outputs after the same key share them (an answer's own
+    words — a function's name — are no opening, and stay out of the tables), most common first."""
+    answers = [(tuple(s["prompt"][-key_tokens:]), tuple(s["output"][:opening_tokens]))
+               for s in seqs if len(s["prompt"]) >= key_tokens and s["output"]]
+    shared: dict = {}
+    for key, opening in answers:
+        for d in range(1, len(opening) + 1):
+            shared[key, opening[:d]] = shared.get((key, opening[:d]), 0) + 1
+    counts: dict = {}
+    for key, opening in answers:
+        d = len(opening)
+        while d > 0 and shared[key, opening[:d]] < min_count:
+            d -= 1
+        if d:
+            counts[key, opening[:d]] = counts.get((key, opening[:d]), 0) + 1
+    return [[list(key), list(opening), n] for (key, opening), n in sorted(counts.items(), key=lambda kv: -kv[1])]
+
+
+def update_openings(entry: dict, data: dict, args) -> dict:
+    """``entry`` with the openings of ``data``'s outputs and where they came from."""
+    seqs = data["sequences"]
+    entry = dict(entry, openings=openings_from(seqs, args.opening_key, args.opening_tokens, args.opening_min_count))
+    entry["openings_source"] = (f"bench/fit_ngram_tables.py: the first {args.opening_tokens} tokens of the greedy "
+                                f"outputs of {data['model']} ({data['weights']} weights) to {len(seqs)} prompts of "
+                                f"{data['prompts']} after row {data['skip_rows']}, keyed by the prompt's last "
+                                f"{args.opening_key} tokens, cut where fewer than {args.opening_min_count} "
+                                "outputs share them")
+    return entry
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-coder-1.5b", help="registered name, .gguf file or HF checkpoint folder")
@@ -191,17 +233,33 @@ def main(argv=None) -> int:
     p.add_argument("--reuse", action="store_true", help="refit from the saved greedy outputs")
     p.add_argument("--out", default=str(NGRAM_TABLES_PATH), help="tables file to update")
     p.add_argument("--overwrite", action="store_true", help="replace the key's entry if the file has one")
+    p.add_argument("--opening-tokens", type=int, default=8, help="tokens of each answer's opening counted")
+    p.add_argument("--opening-key", type=int, default=6,
+                   help="the prompt's last tokens an opening is keyed by (the chat template's assistant header, "
+                        "5 tokens for Qwen2.5's, and the user's last token)")
+    p.add_argument("--opening-min-count", type=int, default=3,
+                   help="an opening is cut where fewer outputs than this share it")
+    p.add_argument("--openings-only", action="store_true",
+                   help="measure the answer openings alone and keep the entry's tables")
     args = p.parse_args(argv)
     key = args.key or args.model
     out = Path(args.out)
-    if not args.overwrite and out.exists() and key in json.loads(out.read_text()):
+    tables = json.loads(out.read_text()) if out.exists() else {}
+    if not args.overwrite and key in tables:
         p.error(f"{out} already has tables for {key!r}: pass --overwrite to replace them, or --out / --key")
-    outputs_path = RESULTS_DIR / f"ngram_outputs_{key}.json"
+    if args.openings_only and key not in tables:
+        p.error(f"--openings-only keeps the tables of {key!r}, which {out} does not have: fit them first")
+    outputs_path = RESULTS_DIR / f"ngram_{'openings' if args.openings_only else 'outputs'}_{key}.json"
     if args.reuse:
         data = json.loads(outputs_path.read_text())
     else:
         data = greedy_outputs(args, outputs_path)
         print(f"wrote {outputs_path}")
+    if args.openings_only:
+        tables[key] = update_openings(tables[key], data, args)
+        out.write_text(json.dumps(tables, indent=1) + "\n")
+        print(f"{len(tables[key]['openings'])} openings; wrote {out}")
+        return 0
     seqs, cost = data["sequences"], StepCost.from_json(data["step_cost"])
     prior = ngram_tables_for(key) or NgramTables(NgramTreeDrafter.FIRST, NgramTreeDrafter.NEXT, NgramTreeDrafter.RANK)
     counts = count_matches(seqs, args.max_ngram, depth=16)
@@ -221,8 +279,7 @@ def main(argv=None) -> int:
              "raw": {"first": list(raw.first), "next": list(raw.next), "rank": list(raw.rank)},
              "shrink": best, "simulated": trials, "simulated_by_category": by_category,
              "step_cost": data["step_cost"], "made": time.strftime("%Y-%m-%d", time.gmtime())}
-    tables = json.loads(out.read_text()) if out.exists() else {}
-    tables[key] = entry
+    tables[key] = update_openings(entry, data, args)
     out.write_text(json.dumps(tables, indent=1) + "\n")
     print(json.dumps({k: entry[k] for k in ("first", "next", "rank", "shrink")}))
     for f, r in trials.items():

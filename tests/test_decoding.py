@@ -346,7 +346,7 @@ def test_ngram_tree_merges_matches_into_a_trie():
     assert set(paths) == {(), (4,), (4, 5), (4, 5, 9), (4, 9), (4, 9, 1), (6,), (6, 7), (6, 7, 8)}
     # Node probabilities (noisy-or of FIRST[m] * RANK[rank] * NEXT[m]^(i-1) over its matches):
     # (4,) 0.81, (4, 5) 0.46, (6,) 0.39, (4, 5, 9) 0.33, (4, 9) 0.31, ...
-    _, _, _, ranked = d.candidates(toks, 3)
+    ranked = d.candidates(toks, 3).ranked
     assert [round(p, 2) for p, _ in ranked[:5]] == [0.81, 0.46, 0.39, 0.33, 0.31]
     # Budget per request: the most probable nodes, still a tree, and no deeper than k.
     parents, tokens = _TreeDrafter(max_nodes=4, step_cost=[1.0] * 64).build(toks, 3)

@@ -73,6 +73,7 @@ class Candidates(NamedTuple):
     parents: list  # int, parents[0] = -1
     depths: list  # int, root 0
     ranked: list  # [(p, node)] over the non-root nodes, most probable first (ties: shallower, earlier), at most max_nodes - 1
+    guess: tuple = ()  # (token, unscaled probability) of the lookup's most probable node; () if it has none
 
     def tree(self, n: int) -> tuple[list, list]:
         """(parents, token ids) of the tree of the root and the ``n`` best-ranked nodes (a
@@ -109,6 +110,10 @@ class NgramTables(NamedTuple):
     first: tuple
     next: tuple
     rank: tuple
+    # Answer openings: (key, opening, count) — ``count`` answers to prompts ending in the
+    # tokens ``key`` began with the tokens ``opening`` and went on in ways too rare to keep
+    # (NgramTreeDrafter.opening_tries).
+    openings: tuple = ()
 
 
 # Tables measured per model by bench/fit_ngram_tables.py (its greedy outputs, the counts and
@@ -131,7 +136,15 @@ def ngram_tables_for(model_name: str) -> NgramTables | None:
     entry = next((e for key, e in entries.items() if squash(key) in name), None)
     if entry is None:
         return None
-    tables = NgramTables(tuple(entry["first"]), tuple(entry["next"]), tuple(entry["rank"]))
+    try:
+        openings = tuple((tuple(map(int, key)), tuple(map(int, opening)), int(count))
+                         for key, opening, count in entry.get("openings", ()))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{NGRAM_TABLES_PATH}: the openings of {model_name!r} must be [key ids, opening ids, "
+                         f"count] rows ({e})") from None
+    if any(not key or not opening or count < 1 for key, opening, count in openings):
+        raise ValueError(f"{NGRAM_TABLES_PATH}: every opening of {model_name!r} needs a key, tokens and a count >= 1")
+    tables = NgramTables(tuple(entry["first"]), tuple(entry["next"]), tuple(entry["rank"]), openings)
     if not (tables.first and len(tables.first) == len(tables.next) and tables.rank and tables.rank[0] == 1.0
             and all(0.0 < p < 1.0 for p in tables.first + tables.next) and all(0.0 < p <= 1.0 for p in tables.rank)):
         raise ValueError(f"{NGRAM_TABLES_PATH}: the tables of {model_name!r} must be probabilities in (0, 1), "
@@ -219,6 +232,8 @@ class NgramTreeDrafter(SizedDrafter):
         the longest match length told apart; default: the tables' length."""
         self._given_max_ngram = max_ngram
         self.max_ngram, self.max_k, self.max_matches = max_ngram or len(self.FIRST), max_k, max_matches
+        self.openings: dict = {}  # key (the prompt's last tokens) -> [(opening, count)] (opening_tries)
+        self._opening_len = 0  # the longest opening's tokens
         self._tables_given = tables is not None
         if isinstance(tables, str):
             name, tables = tables, ngram_tables_for(tables)
@@ -235,11 +250,35 @@ class NgramTreeDrafter(SizedDrafter):
         self._paid: dict = {}  # rid -> [accepted drafted tokens, their promised count], decayed
 
     def use_tables(self, tables: NgramTables | None) -> None:
-        """Rate matches with ``tables`` (None: keep the current ones)."""
+        """Rate matches with ``tables`` and draft its answer openings (None: keep the current ones)."""
         if tables is None:
             return
         self.FIRST, self.NEXT, self.RANK = tables.first, tables.next, tables.rank
         self.max_ngram = self._given_max_ngram or len(self.FIRST)
+        self.openings = {}
+        for key, opening, count in tables.openings:
+            self.openings.setdefault(key, []).append((opening, count))
+        self._opening_len = max((len(opening) for _, opening, _ in tables.openings), default=0)
+
+    def opening_tries(self, prompt_end: tuple, answer: tuple, k: int) -> dict:
+        """{continuation prefix: probability} of the answer openings whose key ends the prompt
+        (``prompt_end``: its last tokens, at least the longest key) and which begin with
+        ``answer`` (the tokens generated so far), at most ``k`` deep. Of the n answers known to
+        have begun with ``answer`` (an opening that ends there is one whose continuation was too
+        rare to keep), a prefix that c continued with is accepted with probability c / (n + 1):
+        the counts are a small sample of the model's answers, and an opening seen once is an
+        even bet, not a certainty."""
+        counts, n = {}, 0
+        for key, openings in self.openings.items():
+            if tuple(prompt_end[-len(key):]) != key:
+                continue
+            for opening, count in openings:
+                if len(opening) >= len(answer) and opening[:len(answer)] == answer:
+                    n += count
+                    rest = opening[len(answer): len(answer) + k]
+                    for d in range(1, len(rest) + 1):
+                        counts[rest[:d]] = counts.get(rest[:d], 0) + count
+        return {prefix: c / (n + 1) for prefix, c in counts.items()}
 
     def start(self, gen, reqs):
         self._take_step_cost(gen)
@@ -308,12 +347,19 @@ class NgramTreeDrafter(SizedDrafter):
         order = np.lexsort((-end, -length))[: self.max_matches]
         return end[order], length[order]
 
-    def candidates(self, tokens: list, k: int, scale: float = 1.0) -> Candidates:
+    def candidates(self, tokens: list, k: int, scale: float = 1.0, answer_start: int | None = None) -> Candidates:
         """The trie of a request's matches, at most ``k`` deep, its nodes ranked by
         probability (see :class:`Candidates`), each probability times ``scale`` (the
-        request's, :meth:`scale`; at most 0.99)."""
+        request's, :meth:`scale`; at most 0.99). ``answer_start``: where the answer begins in
+        ``tokens`` (the prompt's length); with it, the tables' answer openings for this prompt
+        (:meth:`opening_tries`) join the trie, their probabilities (not scaled: they are not
+        the lookup's) combined with the matches' as a noisy-or."""
         root = tokens[-1]
-        if k <= 0 or len(tokens) < 2 or self.max_nodes < 2:
+        opening = {}
+        if self.openings and answer_start is not None and k > 0 and len(tokens) - answer_start < self._opening_len:
+            opening = self.opening_tries(tuple(tokens[max(0, answer_start - 64):answer_start]),
+                                         tuple(tokens[answer_start:]), k)
+        if k <= 0 or (len(tokens) < 2 and not opening) or self.max_nodes < 2:
             return Candidates([root], [-1], [0], [])
         arr = np.asarray(tokens, dtype=np.int64)
         ends, lengths = self.matches(arr)
@@ -338,9 +384,31 @@ class NgramTreeDrafter(SizedDrafter):
                 miss[child] *= 1.0 - p
                 p *= self.NEXT[mi]
                 node = child
+        lookup_nodes = len(tok)
+        p_open = [0.0] * len(tok)
+        for prefix in sorted(opening, key=len):  # parents first
+            node = 0
+            for t in prefix[:-1]:
+                node = children[node][t]
+            child = children[node].get(prefix[-1])
+            if child is None:
+                child = len(tok)
+                children[node][prefix[-1]] = child
+                children.append({})
+                tok.append(prefix[-1])
+                par.append(node)
+                miss.append(1.0)
+                p_open.append(0.0)
+            p_open[child] = opening[prefix]
+        prob = [min(0.99, (1.0 - m) * scale) for m in miss]
+        prob = [1.0 - (1.0 - q) * (1.0 - o) if o else q for q, o in zip(prob, p_open)]
         depth = Draft(par, tok).depths()
-        order = sorted(range(1, len(tok)), key=lambda i: (miss[i], depth[i], i))[: self.max_nodes - 1]
-        return Candidates(tok, par, depth, [(min(0.99, (1.0 - miss[i]) * scale), i) for i in order])
+        order = sorted(range(1, len(tok)), key=lambda i: (-min(0.99, prob[i]), miss[i], depth[i], i))
+        ranked = [(min(0.99, prob[i]), i) for i in order[: self.max_nodes - 1]]
+        # The lookup's own most probable node (first-level), what request_candidates scores.
+        best = min(range(1, lookup_nodes), key=lambda i: (miss[i], i), default=None)
+        guess = (tok[best], min(0.99, (1.0 - miss[best]) * scale) / scale) if best is not None else ()
+        return Candidates(tok, par, depth, ranked, guess)
 
     def select(self, ranked: list) -> list:
         """How many of each request's ranked nodes to keep: the most probable nodes of the
@@ -364,8 +432,9 @@ class NgramTreeDrafter(SizedDrafter):
         probability are kept, to be scored against the emitted token in :meth:`verified`:
         what decides whether a step drafts at all."""
         scale = self.scale(r.rid)
-        c = self.candidates(r.tokens, min(k, self.max_k), scale)
-        self._guess[r.rid] = (len(r.tokens), {c.tokens[i]: p / scale for p, i in c.ranked[:1]})
+        prompt = getattr(r, "prompt", None)
+        c = self.candidates(r.tokens, min(k, self.max_k), scale, answer_start=None if prompt is None else len(prompt))
+        self._guess[r.rid] = (len(r.tokens), dict([c.guess]) if c.guess else {})
         return c
 
     def greedy_candidates(self, reqs, caps) -> list:
