@@ -29,7 +29,8 @@ entries are kept), with the counts, the prompts file's hash and the simulation.
    ``--opening-key`` tokens: the chat template's assistant header and the user's last token),
    counted into the entry's ``openings``, which the drafter drafts at an answer's start,
    where nothing in the prompt matches yet (``NgramTreeDrafter.opening_tries``).
-   ``--openings-only`` measures them alone, from outputs that long, and keeps the entry's
+   ``--openings-only`` measures them alone, from outputs that long (each prompt as it is and
+   with a newline after its text: the two end in different tokens), and keeps the entry's
    tables.
 
     python bench/fit_ngram_tables.py --model qwen2.5-coder-1.5b --prompts CODE_TASKS.jsonl --threads 1
@@ -80,6 +81,8 @@ def greedy_outputs(args, path: Path) -> dict:
     threads = apply_threads(args.threads).threads
     model, tok = load_model(args.model, weights=args.weights)
     prompts = held_out_prompts(load_prompts(args.prompts, 0, tok), args.skip_rows, args.max_prompts)
+    if args.openings_only:  # a prompt's text ends as typed, with or without a newline: both keys
+        prompts += [dict(p, id=f"{p['id']}+newline", ids=tok.chat_prompt(p["text"] + "\n")) for p in prompts]
     cost = step_cost_for(model)
     seqs = []
     data = {"model": model.name, "registry_name": args.model, "weights": model.weight_format, "threads": threads,

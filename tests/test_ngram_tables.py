@@ -139,7 +139,11 @@ def test_answer_openings_and_lookup_combine_as_a_noisy_or():
     d.admit(None, [r])
     c = d.request_candidates(r, 4)
     assert c.guess == () and d._guess[0] == (5, {})  # only the openings draft here: no evidence on the tables
-    assert _paths(c)[(20,)] == 0.8
+    assert _paths(c)[(20,)] == 0.8 and {c.tokens[i] for i in c.opened} == {20, 21, 22, 23}
+    d.promise(r, c, 2)
+    assert 0 not in d._promised  # nor on what the drafted nodes deliver
+    d.promise(r, lookup, 1)
+    assert d._promised[0] == pytest.approx(p_lookup / d.scale(0))  # a step of lookup nodes alone is scored
 
 
 def test_answer_openings_keep_greedy_output_exact():

@@ -74,6 +74,7 @@ class Candidates(NamedTuple):
     depths: list  # int, root 0
     ranked: list  # [(p, node)] over the non-root nodes, most probable first (ties: shallower, earlier), at most max_nodes - 1
     guess: tuple = ()  # (token, unscaled probability) of the lookup's most probable node; () if it has none
+    opened: frozenset = frozenset()  # the nodes answer openings predict (NgramTreeDrafter.opening_tries)
 
     def tree(self, n: int) -> tuple[list, list]:
         """(parents, token ids) of the tree of the root and the ``n`` best-ranked nodes (a
@@ -408,7 +409,7 @@ class NgramTreeDrafter(SizedDrafter):
         # The lookup's own most probable node (first-level), what request_candidates scores.
         best = min(range(1, lookup_nodes), key=lambda i: (miss[i], i), default=None)
         guess = (tok[best], min(0.99, (1.0 - miss[best]) * scale) / scale) if best is not None else ()
-        return Candidates(tok, par, depth, ranked, guess)
+        return Candidates(tok, par, depth, ranked, guess, frozenset(i for i, o in enumerate(p_open) if o))
 
     def select(self, ranked: list) -> list:
         """How many of each request's ranked nodes to keep: the most probable nodes of the
@@ -507,8 +508,10 @@ class NgramTreeDrafter(SizedDrafter):
 
     def promise(self, r, c: Candidates, n: int) -> None:
         """The ``n`` best nodes of ``c`` are drafted for ``r``: what they promise (their
-        unscaled probabilities, summed) is scored against its accepted count in :meth:`verified`."""
-        if n > 0:
+        unscaled probabilities, summed) is scored against its accepted count in :meth:`verified`
+        — unless answer openings are among them: what those deliver is no evidence on the
+        lookup's tables."""
+        if n > 0 and not any(i in c.opened for _, i in c.ranked[:n]):
             self._promised[r.rid] = sum(p for p, _ in c.ranked[:n]) / self.scale(r.rid)
 
     def propose(self, gen, reqs, lengths):
