@@ -212,16 +212,14 @@ def run_ours(args, prompts: list) -> list:
 
     for spec in ["ar"] + list(args.ours_drafters):
         name, schedule, weights = split_method(spec)
-        loaded = None  # a drafter running a draft model is made once (the model loads once)
+        # One drafter a method, kept across prompts as a server keeps it: a draft model or a
+        # head loads once, and what a drafter learns online (its step price, back-off) carries on.
+        drafter = make_drafter(None if name == "ar" else name, model, max_k=16, draft_model=draft,
+                               draft_weights=weights or args.draft_weights, draft_vocab=args.draft_vocab)
         for temperature in args.temperatures:
             for bs in args.batch_sizes:
                 outputs, seconds, mal = [], 0.0, []
                 for gi, group in enumerate(groups_of(prompts, bs)):
-                    drafter = loaded or make_drafter(None if name == "ar" else name, model, max_k=16,
-                                                     draft_model=draft, draft_weights=weights or args.draft_weights,
-                                                     draft_vocab=args.draft_vocab)
-                    if name.startswith("draft"):
-                        loaded = drafter
                     gen = Generator(model, drafter, SpecSchedule(schedule or default_schedule(name), args.k))
                     sampling = [SamplingParams(temperature=temperature, seed=1000 * gi + i) for i in range(len(group))]
                     if gi == 0 and bs == args.batch_sizes[0] and temperature == args.temperatures[0]:
