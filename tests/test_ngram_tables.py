@@ -175,9 +175,16 @@ def test_corrupt_openings_are_a_clear_error(tmp_path, monkeypatch):
     import specdec_kernels.drafting.ngram as ngram
 
     entry = {"first": [0.5], "next": [0.5], "rank": [1.0]}
-    for bad in ([[[7], [], 1]], [[[7], [20], 0]], [["x", [20], 1]], [[[7], [20]]]):
+    for bad in ([[[7], [], 1]], [[[7], [20], 0]], [["x", [20], 1]], [[[7], [20]]], [[[7], [-20], 1]]):
         path = tmp_path / "tables.json"
         path.write_text(json.dumps({"mymodel": dict(entry, openings=bad)}))
         monkeypatch.setattr(ngram, "NGRAM_TABLES_PATH", path)
         with pytest.raises(ValueError, match="opening"):
             ngram_tables_for("mymodel")
+
+
+def test_openings_of_another_vocabulary_are_a_clear_error():
+    model = Llama.random(tiny_config(num_layers=1), seed=0)  # 64 tokens
+    d = _with_openings(((((1, 2), (20, 64), 4),)))
+    with pytest.raises(ValueError, match="token id 64, outside the model's vocabulary of 64"):
+        Generator(model, d, SpecSchedule("max")).generate([[3, 1, 2]], 4)

@@ -143,8 +143,9 @@ def ngram_tables_for(model_name: str) -> NgramTables | None:
     except (TypeError, ValueError) as e:
         raise ValueError(f"{NGRAM_TABLES_PATH}: the openings of {model_name!r} must be [key ids, opening ids, "
                          f"count] rows ({e})") from None
-    if any(not key or not opening or count < 1 for key, opening, count in openings):
-        raise ValueError(f"{NGRAM_TABLES_PATH}: every opening of {model_name!r} needs a key, tokens and a count >= 1")
+    if any(not key or not opening or count < 1 or min(key + opening) < 0 for key, opening, count in openings):
+        raise ValueError(f"{NGRAM_TABLES_PATH}: every opening of {model_name!r} needs a key, tokens (ids >= 0) "
+                         "and a count >= 1")
     tables = NgramTables(tuple(entry["first"]), tuple(entry["next"]), tuple(entry["rank"]), openings)
     if not (tables.first and len(tables.first) == len(tables.next) and tables.rank and tables.rank[0] == 1.0
             and all(0.0 < p < 1.0 for p in tables.first + tables.next) and all(0.0 < p <= 1.0 for p in tables.rank)):
@@ -285,6 +286,11 @@ class NgramTreeDrafter(SizedDrafter):
         self._take_step_cost(gen)
         if not self._tables_given:
             self.use_tables(ngram_tables_for(gen.model.name))
+        vocab = getattr(getattr(gen.model, "config", None), "vocab_size", None)
+        largest = max((max(opening) for ops in self.openings.values() for opening, _ in ops), default=-1)
+        if vocab is not None and largest >= vocab:
+            raise ValueError(f"the answer openings draft token id {largest}, outside the model's vocabulary of "
+                             f"{vocab}: tables measured for another model?")
         self.admit(gen, reqs)
 
     def admit(self, gen, reqs):
