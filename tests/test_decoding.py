@@ -7,7 +7,7 @@ import torch
 from specdec_kernels.decoding import Generator, SamplingParams, SpecSchedule
 from specdec_kernels.drafting.medusa.drafter import MedusaDrafter
 from specdec_kernels.drafting.draft_model.drafter import ModelDrafter, SelfSpecDrafter
-from specdec_kernels.drafting.ngram import NgramDrafter, NgramTreeDrafter
+from specdec_kernels.drafting.ngram import NgramDrafter, NgramTables, NgramTreeDrafter
 from specdec_kernels.decoding.cost_model import StepCost
 from specdec_kernels.decoding.stats import RequestStats
 from specdec_kernels.models import Llama, tiny_config
@@ -147,6 +147,7 @@ def _sampled_pairs(model, drafter, n, params, prompt=(3, 1, 4)):
     ("ngram", dict(temperature=1.0)),
     ("ngram-tree", dict(temperature=1.0)),
     ("ngram-tree", dict(temperature=0.7, top_p=0.8)),
+    ("ngram-tree+openings", dict(temperature=1.0)),
     ("draft", dict(temperature=0.8)),
     ("draft-tree", dict(temperature=1.0, top_k=5)),
     ("self-spec", dict(temperature=1.0, top_p=0.9)),
@@ -158,11 +159,16 @@ def test_sampling_distribution_equals_target(drafter, params):
     make = {"ngram": lambda: NgramDrafter(min_ngram=1),
             # Every token of the prompt recurs: the first draft is a tree with 3 children of the root.
             "ngram-tree": lambda: NgramTreeDrafter(step_cost=[1.0] * 32),  # free rows: keep every node
+            # Answer openings after the prompt's last token, merged into the same trie: 2 and 5
+            # join the lookup's 2, 3, 4 at the root, and their children join the lookup's.
+            "ngram-tree+openings": lambda: NgramTreeDrafter(step_cost=[1.0] * 32, tables=NgramTables(
+                NgramTreeDrafter.FIRST, NgramTreeDrafter.NEXT, NgramTreeDrafter.RANK,
+                (((1,), (2, 3), 3), ((1,), (5, 6), 2), ((1,), (2, 7), 1)))),
             "draft": lambda: ModelDrafter(Llama.random(tiny_config(vocab_size=8, num_layers=1), seed=4)),
             "draft-tree": lambda: ModelDrafter(m.truncated(1), tree_width=2),
             "self-spec": lambda: SelfSpecDrafter(m, 1)}[drafter]
     n = 1500
-    prompt = (1, 2, 1, 3, 1, 4, 1) if drafter == "ngram-tree" else (3, 1, 4)
+    prompt = (1, 2, 1, 3, 1, 4, 1) if drafter.startswith("ngram-tree") else (3, 1, 4)
     pairs = _sampled_pairs(m, make(), n, params, prompt)
     joint = exact_joint_probs(m, params["temperature"], prompt, 2, params.get("top_k", 0), params.get("top_p", 1.0))
     pvalue = joint_chisquare_pvalue(pairs, joint)
