@@ -203,6 +203,13 @@ class NgramTreeDrafter(SizedDrafter):
     drafter costs nothing measurable where it cannot help; when the output starts copying,
     the hits raise the scale again.
 
+    Answer openings: at an answer's start nothing in the prompt predicts its first tokens (a
+    chat model's code answer opens with a fence and a language name). Tables with
+    ``openings`` (how the model's answers began after a prompt with the same last tokens,
+    measured by bench/fit_ngram_tables.py) add those that agree with the answer so far to the
+    trie (:meth:`opening_tries`), combined with the matches as a noisy-or; what they deliver
+    is no evidence on the lookup's tables, so it leaves the per-request scale alone.
+
     Deterministic drafts (no ``probs``): greedy decoding is exact, and sampling stays exact
     because ``tree_rejection_sample`` treats deterministic siblings as one-hot proposals
     (the trie has distinct sibling tokens).
