@@ -25,13 +25,13 @@ measured per model, on its own greedy outputs:
 Writes the model's entry of ``specdec_kernels/data/ngram_tables.json`` (other models'
 entries are kept), with the counts, the prompts file's hash and the simulation.
 
-4. the answers' openings (their first ``--opening-tokens`` tokens, keyed by the prompt's last
-   ``--opening-key`` tokens: the chat template's assistant header and the user's last token),
-   counted into the entry's ``openings``, which the drafter drafts at an answer's start,
-   where nothing in the prompt matches yet (``NgramTreeDrafter.opening_tries``).
-   ``--openings-only`` measures them alone, from outputs that long (each prompt as it is and
-   with a newline after its text: the two end in different tokens), and keeps the entry's
-   tables.
+4. ``--openings-only``, a run of its own: the answers' openings (their first
+   ``--opening-tokens`` tokens, keyed by the prompt's last ``--opening-key`` tokens: the chat
+   template's assistant header and the user's last token), counted into the entry's
+   ``openings``, which the drafter drafts at an answer's start, where nothing in the prompt
+   matches yet (``NgramTreeDrafter.opening_tries``). It measures them from outputs that long,
+   each prompt as it is and with a newline after its text (the two end in different tokens),
+   and keeps the entry's tables; a fit of the tables keeps the entry's openings.
 
     python bench/fit_ngram_tables.py --model qwen2.5-coder-1.5b --prompts CODE_TASKS.jsonl --threads 1
     python bench/fit_ngram_tables.py --model qwen2.5-coder-1.5b --prompts CODE_TASKS.jsonl --openings-only \
@@ -282,7 +282,8 @@ def main(argv=None) -> int:
              "raw": {"first": list(raw.first), "next": list(raw.next), "rank": list(raw.rank)},
              "shrink": best, "simulated": trials, "simulated_by_category": by_category,
              "step_cost": data["step_cost"], "made": time.strftime("%Y-%m-%d", time.gmtime())}
-    tables[key] = update_openings(entry, data, args)
+    kept = {k: tables[key][k] for k in ("openings", "openings_source") if k in tables.get(key, {})}
+    tables[key] = dict(entry, **kept)
     out.write_text(json.dumps(tables, indent=1) + "\n")
     print(json.dumps({k: entry[k] for k in ("first", "next", "rank", "shrink")}))
     for f, r in trials.items():

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from bench.bench_e2e import load_prompts
+import bench.fit_ngram_tables as fit
 from bench.fit_ngram_tables import count_matches, held_out_prompts, openings_from, simulate, tables_from_counts
 from specdec_kernels.decoding import Generator, SpecSchedule
 from specdec_kernels.decoding.cost_model import StepCost
@@ -188,3 +189,27 @@ def test_openings_of_another_vocabulary_are_a_clear_error():
     d = _with_openings(((((1, 2), (20, 64), 4),)))
     with pytest.raises(ValueError, match="token id 64, outside the model's vocabulary of 64"):
         Generator(model, d, SpecSchedule("max")).generate([[3, 1, 2]], 4)
+
+
+def test_fits_of_tables_and_of_openings_keep_each_other(tmp_path, monkeypatch):
+    """A refit of the tables keeps the entry's openings, and ``--openings-only`` its tables
+    (both from saved outputs: ``--reuse``)."""
+    monkeypatch.setattr(fit, "RESULTS_DIR", tmp_path)
+    prompt = [1, 10, 11, 12, 13, 14, 15, 16, 17, 2, 10]
+    seqs = [{"id": i, "category": "edit", "prompt": prompt, "output": [11, 12, 13, 14, 99]} for i in range(3)]
+    data = {"model": "M", "weights": "native", "prompts": "p.jsonl", "prompts_sha256": "0", "skip_rows": 40,
+            "max_new_tokens": 5, "step_cost": StepCost({1: {1: 1.0, 64: 1.0}}).to_json(), "sequences": seqs}
+    for name in ("outputs", "openings"):
+        (tmp_path / f"ngram_{name}_m.json").write_text(json.dumps(data))
+    out = tmp_path / "tables.json"
+    args = ["--model", "m", "--prompts", "unused.jsonl", "--reuse", "--out", str(out), "--opening-key", "2"]
+    assert fit.main(args) == 0
+    assert "openings" not in json.loads(out.read_text())["m"]  # tables alone
+    assert fit.main(args + ["--openings-only", "--overwrite"]) == 0
+    entry = json.loads(out.read_text())["m"]
+    assert entry["openings"] == [[[2, 10], [11, 12, 13, 14, 99], 3]] and entry["first"]
+    out.write_text(json.dumps({"m": dict(entry, first=[0.5] * len(entry["first"]))}))
+    assert fit.main(args + ["--overwrite"]) == 0  # a refit of the tables
+    again = json.loads(out.read_text())["m"]
+    assert again["openings"] == entry["openings"] and again["openings_source"] == entry["openings_source"]
+    assert again["first"] == entry["first"]
