@@ -269,17 +269,18 @@ class NgramTreeDrafter(SizedDrafter):
             self.openings.setdefault(key, []).append((opening, count))
         self._opening_len = max((len(opening) for _, opening, _ in tables.openings), default=0)
 
-    def opening_tries(self, prompt_end: tuple, answer: tuple, k: int) -> dict:
+    def opening_tries(self, tokens: list, answer_start: int, k: int) -> dict:
         """{continuation prefix: probability} of the answer openings whose key ends the prompt
-        (``prompt_end``: its last tokens, at least the longest key) and which begin with
-        ``answer`` (the tokens generated so far), at most ``k`` deep. Of the n answers known to
+        (``tokens[:answer_start]``) and which begin with the answer so far
+        (``tokens[answer_start:]``), at most ``k`` deep. Of the n answers known to
         have begun with ``answer`` (an opening that ends there is one whose continuation was too
         rare to keep), a prefix that c continued with is accepted with probability c / (n + 1):
         the counts are a small sample of the model's answers, and an opening seen once is an
         even bet, not a certainty."""
+        answer = tuple(tokens[answer_start:])
         counts, n = {}, 0
         for key, openings in self.openings.items():
-            if tuple(prompt_end[-len(key):]) != key:
+            if answer_start < len(key) or tuple(tokens[answer_start - len(key):answer_start]) != key:
                 continue
             for opening, count in openings:
                 if len(opening) >= len(answer) and opening[:len(answer)] == answer:
@@ -371,14 +372,27 @@ class NgramTreeDrafter(SizedDrafter):
         root = tokens[-1]
         opening = {}
         if self.openings and answer_start is not None and k > 0 and len(tokens) - answer_start < self._opening_len:
-            opening = self.opening_tries(tuple(tokens[max(0, answer_start - 64):answer_start]),
-                                         tuple(tokens[answer_start:]), k)
+            opening = self.opening_tries(tokens, answer_start, k)
         if k <= 0 or (len(tokens) < 2 and not opening) or self.max_nodes < 2:
             return Candidates([root], [-1], [0], [])
         arr = np.asarray(tokens, dtype=np.int64)
         ends, lengths = self.matches(arr)
-        # Trie: children[node] = {token: child}; miss[node] = prod over matches of (1 - p).
-        children, tok, par, miss = [{}], [root], [-1], [1.0]
+        # Trie: children[node] = {token: child}; miss[node] = prod over matches of (1 - p);
+        # p_open[node] = the openings' probability of it.
+        children, tok, par, miss, p_open = [{}], [root], [-1], [1.0], [0.0]
+
+        def child_of(node: int, t: int) -> int:
+            child = children[node].get(t)
+            if child is None:
+                child = len(tok)
+                children[node][t] = child
+                children.append({})
+                tok.append(t)
+                par.append(node)
+                miss.append(1.0)
+                p_open.append(0.0)
+            return child
+
         prev_m, rank = 0, 0
         for e, m in zip(ends.tolist(), lengths.tolist()):
             rank = rank + 1 if m == prev_m else 0
@@ -387,33 +401,15 @@ class NgramTreeDrafter(SizedDrafter):
             p = self.FIRST[mi] * self.RANK[min(rank, len(self.RANK) - 1)]
             node = 0
             for t in arr[e + 1: e + 1 + k].tolist():
-                child = children[node].get(t)
-                if child is None:
-                    child = len(tok)
-                    children[node][t] = child
-                    children.append({})
-                    tok.append(t)
-                    par.append(node)
-                    miss.append(1.0)
-                miss[child] *= 1.0 - p
+                node = child_of(node, t)
+                miss[node] *= 1.0 - p
                 p *= self.NEXT[mi]
-                node = child
         lookup_nodes = len(tok)
-        p_open = [0.0] * len(tok)
         for prefix in sorted(opening, key=len):  # parents first
             node = 0
-            for t in prefix[:-1]:
-                node = children[node][t]
-            child = children[node].get(prefix[-1])
-            if child is None:
-                child = len(tok)
-                children[node][prefix[-1]] = child
-                children.append({})
-                tok.append(prefix[-1])
-                par.append(node)
-                miss.append(1.0)
-                p_open.append(0.0)
-            p_open[child] = opening[prefix]
+            for t in prefix:
+                node = child_of(node, t)
+            p_open[node] = opening[prefix]
         prob = [min(0.99, (1.0 - m) * scale) for m in miss]
         prob = [1.0 - (1.0 - q) * (1.0 - o) if o else q for q, o in zip(prob, p_open)]
         depth = Draft(par, tok).depths()
