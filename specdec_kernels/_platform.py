@@ -10,16 +10,29 @@ import sys
 REQUIRED_X86_FEATURES = ("avx2", "fma", "f16c")
 
 
-def missing_cpu_features(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
-    """The x86-64 features the compiled kernels use that this CPU lacks ([] elsewhere)."""
-    if platform.machine() != "x86_64" or not os.path.exists(cpuinfo):
-        return []
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str] | None:
+    """The first CPU's feature flags (x86 "flags", Arm "Features"); None where unreadable."""
+    if not os.path.exists(cpuinfo):
+        return None
     with open(cpuinfo) as f:
         for line in f:
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                return [feat for feat in REQUIRED_X86_FEATURES if feat not in flags]
-    return []
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
+    return None
+
+
+def missing_cpu_features(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
+    """The x86-64 features the compiled kernels use that this CPU lacks ([] elsewhere)."""
+    flags = cpu_flags(cpuinfo) if platform.machine() == "x86_64" else None
+    return [] if flags is None else [feat for feat in REQUIRED_X86_FEATURES if feat not in flags]
+
+
+def has_bf16_products(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16 on x86-64, BF16 on
+    Arm). Without it torch's bf16 matrix products on CPU widen every element in software: on
+    an AVX2 Zen 3 a [2048, 1536] x [1536, 1536] product took 12 s in bf16 against 0.07 s in fp32."""
+    flags = cpu_flags(cpuinfo) or set()
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def check_cpu_features() -> None:

@@ -590,6 +590,31 @@ def test_bf16_training_loss_follows_fp32(model):
         losses(head, batch, 1, feat_scale=1.0, precision="fp16")
 
 
+def test_training_precision_follows_the_cpu(tmp_path, capsys):
+    """``--precision auto`` trains in bf16 only where the CPU multiplies bf16 in hardware (torch
+    widens bf16 products in software elsewhere, ~100x slower than fp32); an explicit bf16 there
+    is kept and warned about."""
+    from specdec_kernels._platform import has_bf16_products
+    from specdec_kernels.drafting.eagle.training import build_parser, training_precision
+
+    cpuinfo = tmp_path / "cpuinfo"
+    for flags, has in (("flags\t\t: fpu avx2 fma f16c avx512f avx512_vnni", False),
+                       ("flags\t\t: fpu avx2 avx512f avx512_bf16", True),
+                       ("flags\t\t: fpu avx2 amx_bf16 amx_tile amx_int8", True),
+                       ("Features\t: fp asimd bf16 i8mm", True), ("Features\t: fp asimd", False)):
+        cpuinfo.write_text(f"processor\t: 0\n{flags}\n")
+        assert has_bf16_products(str(cpuinfo)) is has, flags
+    assert has_bf16_products(str(tmp_path / "absent")) is False
+    assert build_parser().parse_args([]).precision == "auto"
+    assert training_precision("auto", bf16_in_hardware=False) == "fp32"
+    assert training_precision("auto", bf16_in_hardware=True) == "bf16"
+    assert training_precision("fp32", bf16_in_hardware=True) == "fp32"
+    capsys.readouterr()
+    assert training_precision("bf16", bf16_in_hardware=False) == "bf16"
+    assert "no bf16 products" in capsys.readouterr().err
+    assert training_precision("auto") == ("bf16" if has_bf16_products() else "fp32")
+
+
 def test_shipped_heads_fit_the_package_and_name_their_data():
     """Every head the package ships exists, is at most 40 MB, and records its training data
     (a corpus of real text names its licence)."""

@@ -41,6 +41,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ... import _platform
 from ...decoding.cost_model import chain_tokens
 from .head import EagleHead, load_eagle_head, save_eagle_head
 from ...models.registry import WEIGHT_FORMATS
@@ -256,8 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the package (the 1.5B's shipped head: 1536)")
     p.add_argument("--weights", default="native", choices=WEIGHT_FORMATS,
                    help="the target's weights while making the data and decoding the validation prompts")
-    p.add_argument("--precision", choices=PRECISIONS, default="bf16",
-                   help="the products of the training forward and backward (bf16: autocast, fp32 master weights)")
+    p.add_argument("--precision", choices=("auto", *PRECISIONS), default="auto",
+                   help="the products of the training forward and backward (bf16: autocast, fp32 master weights; "
+                        "auto: bf16 where the CPU multiplies bf16 in hardware (AVX512-BF16, AMX), else fp32)")
     p.add_argument("--unroll", type=int, default=3, help="training-time-test steps (draft depths trained)")
     p.add_argument("--epochs", type=int, default=4, help="passes over the training sequences")
     p.add_argument("--max-updates", type=int, default=0, help="stop after this many optimiser steps (0: all epochs)")
@@ -402,6 +404,22 @@ def _finish(args, model, tok, head, result: dict, train_s: float, base_meta: dic
         print(f"wrote {args.out} ({os.path.getsize(args.out) / 1e6:.1f} MB)")
 
 
+def training_precision(requested: str, bf16_in_hardware: bool | None = None) -> str:
+    """``--precision``'s value for this CPU: "auto" is bf16 where the CPU multiplies bf16 in
+    hardware, else fp32 (software bf16 products run ~100x slower than fp32 ones). An explicit
+    bf16 on such a CPU is kept, with a warning."""
+    if bf16_in_hardware is None:
+        bf16_in_hardware = _platform.has_bf16_products()
+    if requested == "auto":
+        chosen = "bf16" if bf16_in_hardware else "fp32"
+        print(f"training precision: {chosen} (this CPU {'has' if bf16_in_hardware else 'lacks'} bf16 products)")
+        return chosen
+    if requested == "bf16" and not bf16_in_hardware:
+        print("warning: this CPU has no bf16 products (AVX512-BF16 / AMX): bf16 training runs far slower "
+              "than --precision fp32", file=sys.stderr)
+    return requested
+
+
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
@@ -411,6 +429,7 @@ def main(argv=None) -> int:
         p.error("--new-vocab chooses a continued head's vocabulary again: it needs --init-from")
     if args.init_from:
         _check_init_from(args)
+    args.precision = training_precision(args.precision)
     model, tok, data = _load_data(args)
     if args.data_only:
         return 0
