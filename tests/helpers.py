@@ -17,6 +17,7 @@
 tests/conftest.py sets TRITON_INTERPRET before anything imports triton.
 """
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ import pytest
 import torch
 
 import specdec_kernels
+from specdec_kernels import _platform
 
 requires_triton = pytest.mark.skipif(
     not specdec_kernels.HAS_TRITON, reason="triton is not installed (pip install triton)"
@@ -278,14 +280,8 @@ def joint_chisquare_pvalue(samples, joint):
 # ---------------------------------------------------------------------------------------
 
 def cpu_flags() -> set | None:
-    """The CPU flags /proc/cpuinfo lists, or None when it cannot be read."""
-    if not os.path.exists("/proc/cpuinfo"):
-        return None
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return None
+    """The x86-64 CPU flags /proc/cpuinfo lists, or None when it cannot be read (or elsewhere)."""
+    return _platform.cpu_flags() if platform.machine() == "x86_64" else None
 
 
 def assert_cpu_paths_agree(script: str, tmp_path) -> None:

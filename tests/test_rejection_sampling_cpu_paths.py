@@ -18,6 +18,7 @@ import torch
 
 from python_ref import rejection_sampling as ref
 from specdec_kernels import ops
+from specdec_kernels._platform import cpu_flags
 from tests.helpers import assert_same, chain_args, make_chain_inputs, make_tree_inputs, tree_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,14 +107,8 @@ AVX512_FEATURES = ("avx512f", "avx512vl", "avx512dq", "avx512bw")
 
 def missing_avx512_features(cpuinfo: str = "/proc/cpuinfo") -> list[str] | None:
     """The AVX512_FEATURES this CPU lacks, or None when it cannot be told (no cpuinfo flags)."""
-    if platform.machine() != "x86_64" or not os.path.exists(cpuinfo):
-        return None
-    with open(cpuinfo) as f:
-        for line in f:
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                return [feat for feat in AVX512_FEATURES if feat not in flags]
-    return None
+    flags = cpu_flags(cpuinfo) if platform.machine() == "x86_64" else None
+    return None if flags is None else [feat for feat in AVX512_FEATURES if feat not in flags]
 
 
 def test_avx2_kernels_match_the_default_ones(tmp_path):
