@@ -23,6 +23,8 @@ another) and batch B (groups of B prompts in one ``generate``), greedy and tempe
 - vllm-ngram: vLLM's n-gram proposer with vLLM's rejection sampler;
 - vllm-ngram+specdec-sampler: the same drafts through our ``chain_rejection_sample_flat``;
 - specdec-proposer: our multi-match n-gram proposer (custom_class) with our sampler;
+  ``specdec-proposer=module.Class``: another custom_class proposer (a subclass of ours, say)
+  with our sampler, to compare proposers in one run;
 - vllm-draft, vllm-draft+specdec-sampler (with ``--draft-model``): vLLM's draft-model
   speculative decoding (``"method": "draft_model"``, the draft exported likewise) with
   vLLM's rejection sampler, and with ours;
@@ -33,8 +35,8 @@ Every method runs in its own process (vLLM 0.32 cannot start a second engine aft
 n-gram proposer ran in a process, see tests/vllm_helpers.py), ``--repeats`` times in
 alternating order (medians are reported), vLLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
 with its OpenMP threads bound to ``--threads`` cores, our loop with as many torch threads.
-Reports tokens/s, greedy outputs identical to vllm-ar's, vLLM's spec-decode acceptance, and
-the time per engine step spent in the rejection sampler's ``forward`` (median over steps),
+Reports tokens/s (with the prefills, and of the decode phase alone), greedy outputs
+identical to vllm-ar's, vLLM's spec-decode acceptance, and the time per engine step spent in the rejection sampler's ``forward`` (median over steps),
 vLLM's vs ours on the same n-gram drafts; then both samplers' ``forward`` alone on one
 synthetic step (medians of 30 calls). Note: vLLM 0.32.0's own sampler is not exact on CPU at
 temperature > 0 (its expanded per-token temperatures are uninitialised memory, see
@@ -143,14 +145,15 @@ def run_vllm_method(method: str, args, prompts: list) -> list:
     timer = ForwardTimer()
     timer.wrap(RejectionSampler)
     timer.wrap(specdec_sampler.SpecdecRejectionSampler)
-    if method.endswith("+specdec-sampler") or method == "specdec-proposer":
+    if method.endswith("+specdec-sampler") or method.startswith("specdec-proposer"):
         specdec_sampler.install()
     spec = None
     if method.startswith("vllm-ngram"):
         spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.prompt_lookup_min,
                 "prompt_lookup_max": args.prompt_lookup_max}
-    elif method == "specdec-proposer":
-        spec = {"model": "specdec_kernels.integrations.vllm.SpecdecNgramProposer", "num_speculative_tokens": args.k}
+    elif method.startswith("specdec-proposer"):
+        proposer = method.partition("=")[2] or "specdec_kernels.integrations.vllm.SpecdecNgramProposer"
+        spec = {"model": proposer, "num_speculative_tokens": args.k}
     elif method.startswith("vllm-draft"):
         spec = {"method": "draft_model", "model": args.draft_dir, "num_speculative_tokens": args.k}
     dtype = {"fp32": "float32", "bf16": "bfloat16"}[args.hf_weights]
@@ -171,7 +174,7 @@ def run_vllm_method(method: str, args, prompts: list) -> list:
                   for i in range(len(group))]
         t = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p["ids"]) for p in group], params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - t
+        return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - t, decode_span(outs)
 
     generate(prompts[:1], 0.0, 0)  # warm-up (first-call costs: numba, allocations)
     timer.take()
@@ -179,17 +182,29 @@ def run_vllm_method(method: str, args, prompts: list) -> list:
     for temperature in args.temperatures:
         for bs in args.batch_sizes:
             before = counts()
-            outputs, seconds = [], 0.0
+            outputs, seconds, decode_tokens, decode_seconds = [], 0.0, 0, 0.0
             for gi, group in enumerate(groups_of(prompts, bs)):
-                outs, dt = generate(group, temperature, 1000 * gi)
+                outs, dt, span = generate(group, temperature, 1000 * gi)
                 outputs += outs
                 seconds += dt
+                decode_tokens += sum(len(o) - 1 for o in outs)  # the prefill emits each first token
+                decode_seconds += span
             after = counts()
             rows.append({"method": method, "temperature": temperature, "batch": bs, "seconds": seconds,
                          "tokens": sum(len(o) for o in outputs), "outputs": outputs,
+                         "decode_tokens": decode_tokens, "decode_seconds": decode_seconds,
                          "spec_decode": {k: after[k] - before.get(k, 0) for k in after},
                          "rejection_sampler": timer.take()})
     return rows
+
+
+def decode_span(outs) -> float:
+    """Seconds from the first token a group of vLLM outputs emitted to their last (the
+    engine's own timestamps, ``RequestOutput.metrics``): the decode phase of a group that
+    started together."""
+    first = [o.metrics.first_token_ts for o in outs]
+    last = [o.metrics.last_token_ts for o in outs]
+    return max(last) - min(first)
 
 
 def run_ours(args, prompts: list) -> list:
@@ -218,7 +233,7 @@ def run_ours(args, prompts: list) -> list:
                                draft_weights=weights or args.draft_weights, draft_vocab=args.draft_vocab)
         for temperature in args.temperatures:
             for bs in args.batch_sizes:
-                outputs, seconds, mal = [], 0.0, []
+                outputs, seconds, mal, decode_seconds = [], 0.0, [], 0.0
                 for gi, group in enumerate(groups_of(prompts, bs)):
                     gen = Generator(model, drafter, SpecSchedule(schedule or default_schedule(name), args.k))
                     sampling = [SamplingParams(temperature=temperature, seed=1000 * gi + i) for i in range(len(group))]
@@ -229,8 +244,12 @@ def run_ours(args, prompts: list) -> list:
                     seconds += time.perf_counter() - t
                     outputs += [r.output for r in reqs]
                     mal += [r.stats.mean_accepted_length for r in reqs]
+                    # The group's steps run together; the prefill caches all but the last
+                    # prompt token, so every output token comes from a decode step.
+                    decode_seconds += max(r.stats.total_time for r in reqs)
                 rows.append({"method": f"ours-{spec}", "temperature": temperature, "batch": bs, "seconds": seconds,
                              "tokens": sum(len(o) for o in outputs), "outputs": outputs,
+                             "decode_tokens": sum(len(o) for o in outputs), "decode_seconds": decode_seconds,
                              "mean_accepted_length": statistics.mean(mal)})
     return rows
 
@@ -340,12 +359,16 @@ def summarise(rows: list) -> list:
                   key=lambda k: (k[1], k[2], [r["method"] for r in rows].index(k[0])))
     group = {k: [r for r in rows if (r["method"], r["temperature"], r["batch"]) == k] for k in keys}
     tps = {k: statistics.median(r["tokens"] / r["seconds"] for r in g) for k, g in group.items()}
+    decode = {k: statistics.median(r["decode_tokens"] / r["decode_seconds"] for r in g)
+              for k, g in group.items() if all(r.get("decode_seconds") for r in g)}
     out = []
     for k, g in group.items():
         method, temperature, batch = k
         base = ("vllm-ar", temperature, batch)
         s = {"method": method, "temperature": temperature, "batch": batch, "repeats": len(g),
-             "tokens_per_s": tps[k], "x_vllm_ar": tps[k] / tps[base] if base in tps else None}
+             "tokens_per_s": tps[k], "x_vllm_ar": tps[k] / tps[base] if base in tps else None,
+             "decode_tokens_per_s": decode.get(k),
+             "decode_x_vllm_ar": decode[k] / decode[base] if k in decode and base in decode else None}
         sd = {}
         for r in g:
             for name, v in (r.get("spec_decode") or {}).items():
@@ -385,7 +408,8 @@ def main(argv=None) -> int:
                    "bench (default: ngram:heuristic ngram-tree:max, and draft with --draft-model)")
     p.add_argument("--methods", nargs="*", default=None,
                    help=f"default: {' '.join(VLLM_METHODS)} (and vllm-draft vllm-draft+specdec-sampler with "
-                   "--draft-model) ours")
+                   "--draft-model) ours; also specdec-proposer=module.Class (another custom_class proposer, "
+                   "importable by vLLM)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="registered model name (specdec export-hf --model); "
                    "exported once to a cached Hugging Face folder that vLLM loads")
     p.add_argument("--draft-model", default=None, help="registered model name of a draft of the same vocabulary "
@@ -426,6 +450,12 @@ def main(argv=None) -> int:
                                              else []) + ["ours"]
     if args.ours_drafters is None:
         args.ours_drafters = ["ngram:heuristic", "ngram-tree:max"] + (["draft"] if args.draft_model else [])
+    known = set(VLLM_METHODS) | {"vllm-draft", "vllm-draft+specdec-sampler", "ours"}
+    unknown = [m for m in args.methods if m not in known and not (m.startswith("specdec-proposer=")
+                                                                    and "." in m.partition("=")[2])]
+    if unknown:
+        p.error(f"--methods: unknown {' '.join(unknown)} (known: {' '.join(sorted(known))}, "
+                "specdec-proposer=module.Class)")
     if args.child:
         return child_main(args)
     uses_draft = any(m.startswith("vllm-draft") for m in args.methods) or ("ours" in args.methods and any(
@@ -463,7 +493,8 @@ def main(argv=None) -> int:
             rows += [dict(r, repeat=repeat) for r in run_child(method, child_argv, args)]
     micro = run_child("micro", child_argv, args) if not args.no_micro else []
     summary = summarise(rows)
-    print(table(summary, ["method", "temperature", "batch", "tokens_per_s", "x_vllm_ar", "mean_accepted_length",
+    print(table(summary, ["method", "temperature", "batch", "tokens_per_s", "x_vllm_ar", "decode_tokens_per_s",
+                          "decode_x_vllm_ar", "mean_accepted_length",
                           "accepted_per_draft_token", "rs_ms_per_step", "greedy_identical_to_vllm_ar"]))
     ratios = {}
     for base in ("vllm-ngram", "vllm-draft"):

@@ -126,6 +126,22 @@ def test_answer_openings_are_drafted_after_their_prompt_end():
                                                                       (23,): round(1 / 7, 6)}
 
 
+def test_answer_start_is_found_from_the_openings_keys():
+    """For a caller not told the prompt's length (vLLM's proposer): the latest position after
+    a key, at least one answer token in and fewer than the longest opening's 3 (where
+    ``candidates`` drafts openings)."""
+    d = _with_openings()
+    prompt = [1, 2, 3, 7, 8]
+    for answered in ([20], [20, 21], [25, 26]):
+        assert d.answer_start(prompt + answered) == 5
+    assert d.answer_start(prompt + [20, 21, 22]) is None  # past the longest opening
+    assert d.answer_start(prompt) is None  # no answer token yet
+    assert d.answer_start([1, 2, 7, 9, 30]) == 4  # the other key
+    assert d.answer_start([7, 8, 20, 7, 8, 21]) == 5  # the latest key
+    assert d.answer_start([1, 2, 3, 6, 8, 20]) is None  # no key
+    assert NgramTreeDrafter().answer_start(prompt + [20]) is None  # tables without openings
+
+
 def test_answer_openings_and_lookup_combine_as_a_noisy_or():
     """A node both predict: 1 - (1 - lookup's p * the request's scale) (1 - the opening's p).
     The request's scale is scored on the lookup's own most probable node only."""

@@ -25,6 +25,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -98,6 +99,53 @@ def test_proposer_chain_follows_the_most_supported_continuation():
     assert trie_chain(trie, tokens, 1, 0.0) == [2]
     assert trie_chain(trie, [5, 6, 7], 4, 0.0) == []               # no earlier occurrence
     assert trie_chain(trie, [5], 4, 0.0) == []
+
+
+QWEN_KEY = [73594, 151645, 198, 151644, 77091, 198]  # "```<|im_end|>\n<|im_start|>assistant\n", an openings key
+QWEN_OPENING = [73594, 12669, 198, 750]  # "```python\ndef": the openings' answer to it
+
+
+def proposer_for(monkeypatch, model: str, vocab_size: int = 151936, served=None):
+    """SpecdecNgramProposer as vLLM builds it, on a config with only what it reads (the
+    version check, which needs vLLM, passes)."""
+    from types import SimpleNamespace
+
+    from specdec_kernels.integrations.vllm import proposer
+
+    monkeypatch.setattr(proposer, "check_vllm_version", lambda: None)
+    model_config = SimpleNamespace(model=model, served_model_name=served or model, max_model_len=2048,
+                                   get_vocab_size=lambda: vocab_size)
+    return proposer.SpecdecNgramProposer(SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=4),
+                                                         model_config=model_config))
+
+
+def test_proposer_uses_the_served_models_tables_and_drafts_its_answer_openings(monkeypatch):
+    from specdec_kernels.drafting.ngram import ngram_tables_for
+
+    qwen = ngram_tables_for("qwen2.5-coder-1.5b")
+    prop = proposer_for(monkeypatch, "/root/.cache/specdec_kernels/qwen2.5-coder-1.5b-bf16-hf/")
+    assert prop.model_name == "qwen2.5-coder-1.5b-bf16-hf"
+    assert (prop.trie.FIRST, prop.trie.NEXT, prop.trie.max_ngram) == (qwen.first, qwen.next, len(qwen.first))
+    # After the prompt and the answer's first token, the chain is the measured opening (no
+    # earlier text predicts it; the lookup alone would copy the key's "<|im_end|>").
+    prompt = [11, 12, 13, 73594, 14] + QWEN_KEY
+    row = np.zeros((2, 64), dtype=np.int32)
+    row[1, :len(prompt) + 1] = prompt + QWEN_OPENING[:1]
+    drafts = prop.propose([[], [QWEN_OPENING[0]]], np.array([0, len(prompt) + 1]), row)
+    assert drafts == [[], QWEN_OPENING[1:]]
+    # Past the opening the lookup drafts alone: "12 13" was followed by "``` 14".
+    past = prompt + QWEN_OPENING + [12, 13]
+    assert prop.chain(past, 4) == trie_chain(prop.trie, past, 4, prop.MIN_PROB)[:4]
+    assert prop.chain(past, 4)[:2] == [73594, 14]
+
+    # Another model: the class's tables, no openings (its 1-token matches are below MIN_PROB).
+    other = proposer_for(monkeypatch, "HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert (other.trie.FIRST, other.trie.openings) == (NgramTreeDrafter.FIRST, {})
+    assert other.chain(prompt + QWEN_OPENING[:1], 4) == []
+    # A served name picks the tables too; openings outside the model's vocabulary are an error.
+    assert proposer_for(monkeypatch, "/models/m", served=["qwen2.5-coder-1.5b"]).trie.openings
+    with pytest.raises(ValueError, match="outside the model's vocabulary of 1000"):
+        proposer_for(monkeypatch, "qwen2.5-coder-1.5b-hf", vocab_size=1000)
 
 
 # ---------------------------------------------------------------------------------------

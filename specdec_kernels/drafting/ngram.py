@@ -290,15 +290,31 @@ class NgramTreeDrafter(SizedDrafter):
                         counts[rest[:d]] = counts.get(rest[:d], 0) + count
         return {prefix: c / (n + 1) for prefix, c in counts.items()}
 
+    def answer_start(self, tokens) -> int | None:
+        """Where the answer begins in ``tokens``, found from the openings' keys, for a caller
+        that is not told the prompt's length (vLLM's proposer): the latest position p, at most
+        as far back as the longest opening, with the last tokens of some key just before it
+        (``tokens[p - len(key):p] == key``, p < len(tokens)); None where no key ends there."""
+        n = len(tokens)
+        for p in range(n - 1, max(0, n - self._opening_len), -1):
+            for key in self.openings:
+                if p >= len(key) and all(int(tokens[p - len(key) + i]) == t for i, t in enumerate(key)):
+                    return p
+        return None
+
+    def check_vocab(self, vocab_size: int | None) -> None:
+        """A clear error where the answer openings draft ids outside a vocabulary of
+        ``vocab_size`` tokens (tables measured for another model); None: no check."""
+        largest = max((max(opening) for ops in self.openings.values() for opening, _ in ops), default=-1)
+        if vocab_size is not None and largest >= vocab_size:
+            raise ValueError(f"the answer openings draft token id {largest}, outside the model's vocabulary of "
+                             f"{vocab_size}: tables measured for another model?")
+
     def start(self, gen, reqs):
         self._take_step_cost(gen)
         if not self._tables_given:
             self.use_tables(ngram_tables_for(gen.model.name))
-        vocab = getattr(getattr(gen.model, "config", None), "vocab_size", None)
-        largest = max((max(opening) for ops in self.openings.values() for opening, _ in ops), default=-1)
-        if vocab is not None and largest >= vocab:
-            raise ValueError(f"the answer openings draft token id {largest}, outside the model's vocabulary of "
-                             f"{vocab}: tables measured for another model?")
+        self.check_vocab(getattr(getattr(gen.model, "config", None), "vocab_size", None))
         self.admit(gen, reqs)
 
     def admit(self, gen, reqs):
