@@ -36,8 +36,9 @@ n-gram proposer ran in a process, see tests/vllm_helpers.py), ``--repeats`` time
 alternating order (medians are reported), vLLM in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
 with its OpenMP threads bound to ``--threads`` cores, our loop with as many torch threads.
 Reports tokens/s (with the prefills, and of the decode phase alone), greedy outputs
-identical to vllm-ar's, vLLM's spec-decode acceptance, and the time per engine step spent in the rejection sampler's ``forward`` (median over steps),
-vLLM's vs ours on the same n-gram drafts; then both samplers' ``forward`` alone on one
+identical to vllm-ar's, vLLM's spec-decode acceptance, and the time per engine step spent
+in the rejection sampler's ``forward`` (median over steps), vLLM's vs ours on the same
+n-gram drafts; then both samplers' ``forward`` alone on one
 synthetic step (medians of 30 calls). Note: vLLM 0.32.0's own sampler is not exact on CPU at
 temperature > 0 (its expanded per-token temperatures are uninitialised memory, see
 tests/test_vllm_integration.py), so its acceptance there is not comparable. Writes
