@@ -62,6 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 VLLM_METHODS = ("vllm-ar", "vllm-ngram", "vllm-ngram+specdec-sampler", "specdec-proposer")
+VLLM_DRAFT_METHODS = ("vllm-draft", "vllm-draft+specdec-sampler")  # with --draft-model
 
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -447,11 +448,11 @@ def main(argv=None) -> int:
     if args.draft_model and args.draft_dir is None:
         args.draft_dir = default_model_dir(args.draft_model, args.hf_weights)
     if args.methods is None:
-        args.methods = list(VLLM_METHODS) + (["vllm-draft", "vllm-draft+specdec-sampler"] if args.draft_model
+        args.methods = list(VLLM_METHODS) + (list(VLLM_DRAFT_METHODS) if args.draft_model
                                              else []) + ["ours"]
     if args.ours_drafters is None:
         args.ours_drafters = ["ngram:heuristic", "ngram-tree:max"] + (["draft"] if args.draft_model else [])
-    known = set(VLLM_METHODS) | {"vllm-draft", "vllm-draft+specdec-sampler", "ours"}
+    known = {*VLLM_METHODS, *VLLM_DRAFT_METHODS, "ours"}
     unknown = [m for m in args.methods if m not in known and not (m.startswith("specdec-proposer=")
                                                                     and "." in m.partition("=")[2])]
     if unknown:

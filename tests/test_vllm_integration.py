@@ -135,7 +135,7 @@ def test_proposer_uses_the_served_models_tables_and_drafts_its_answer_openings(m
     assert drafts == [[], QWEN_OPENING[1:]]
     # Past the opening the lookup drafts alone: "12 13" was followed by "``` 14".
     past = prompt + QWEN_OPENING + [12, 13]
-    assert prop.chain(past, 4) == trie_chain(prop.trie, past, 4, prop.MIN_PROB)[:4]
+    assert prop.chain(past, 4) == trie_chain(prop.trie, past, 4, prop.MIN_PROB)
     assert prop.chain(past, 4)[:2] == [73594, 14]
 
     # Another model: the class's tables, no openings (its 1-token matches are below MIN_PROB).

@@ -102,6 +102,11 @@ def one_hot_chain(draft: Draft, vocab_size: int) -> Draft:
     return Draft(draft.parents, draft.tokens, probs)
 
 
+def key_ends_at(tokens, end: int, key: tuple) -> bool:
+    """Whether ``tokens[end - len(key):end]`` are the ids ``key`` (a list or an int array)."""
+    return end >= len(key) and tuple(int(t) for t in tokens[end - len(key):end]) == key
+
+
 class NgramTables(NamedTuple):
     """:class:`NgramTreeDrafter`'s acceptance model: a lookup continuation's i-th token is
     accepted with probability ``first[m - 1] * rank[r] * next[m - 1] ** (i - 1)`` for a match
@@ -280,7 +285,7 @@ class NgramTreeDrafter(SizedDrafter):
         answer = tuple(tokens[answer_start:])
         counts, n = {}, 0
         for key, openings in self.openings.items():
-            if answer_start < len(key) or tuple(tokens[answer_start - len(key):answer_start]) != key:
+            if not key_ends_at(tokens, answer_start, key):
                 continue
             for opening, count in openings:
                 if len(opening) >= len(answer) and opening[:len(answer)] == answer:
@@ -297,9 +302,8 @@ class NgramTreeDrafter(SizedDrafter):
         (``tokens[p - len(key):p] == key``, p < len(tokens)); None where no key ends there."""
         n = len(tokens)
         for p in range(n - 1, max(0, n - self._opening_len), -1):
-            for key in self.openings:
-                if p >= len(key) and all(int(tokens[p - len(key) + i]) == t for i, t in enumerate(key)):
-                    return p
+            if any(key_ends_at(tokens, p, key) for key in self.openings):
+                return p
         return None
 
     def check_vocab(self, vocab_size: int | None) -> None:
