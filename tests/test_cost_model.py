@@ -272,7 +272,7 @@ def test_calibration_stops_at_its_time_budget(monkeypatch):
     model = Llama.random(tiny_config(num_layers=1), seed=0)
     # A spent budget still measures the minimum points: the curve keeps its shape.
     cost = calibrate(model, budget_s=0.0, repeats=1)
-    assert {b: [r for r, _ in pts] for b, pts in cost.table.items()} == {1: [1, 2, 4, 16, 64], 4: [4, 16]}
+    assert {b: [r for r, _ in pts] for b, pts in cost.table.items()} == {1: [1, 2, 4, 8, 16, 64], 4: [4, 16]}
     cost = calibrate(model, budget_s=0.0, repeats=1, min_points=1)
     assert cost.table == {1: [(1, cost.seconds(1))]}
 

@@ -52,13 +52,16 @@
 // K-quant block costs two fp32 roundings instead of sixteen (one per sub-block, the earlier
 // rule): the per-sub-block fp32 scaling was a third of the AVX2 product's time.
 //
-// Blocking: each record is unpacked once for all M rows. Up to kTileM rows (4 with AVX-512, 2
-// with AVX2) the rows' integer sums and accumulators stay in registers over the whole row of
-// records (AVX2: both 8-row halves of a group in one pass); beyond, a record's sub-blocks are
-// unpacked into L1, applied to the rows in tiles whose integer sums stay in registers over the
-// record (AVX-512: kTileM rows; AVX2: tile_rows_avx2 rows, both halves at once), and the record
-// is scaled into the rows' accumulators in a small scratch (AMX: the tiles' products go through
-// an integer scratch). Threads take
+// Blocking. AVX-512 VNNI: the M rows go in register tiles of up to kTileVnni (8) rows, whose
+// integer sums stay in registers over a record; a K-quant group (and any group up to 8 rows) is
+// gone through one tile at a time, the tile's accumulators in registers over the whole row of
+// records and each sub-block unpacked into registers once per tile (the later tiles read the
+// records from the caches); beyond 8 rows a 32-weight record is unpacked once for all tiles,
+// the rows' accumulators in a small scratch (group_tiles_vnni). AVX2: up to 2 rows the same, both 8-row halves of a group in one pass; beyond, a
+// record's sub-blocks are unpacked into L1 once for all rows, applied to the rows in tiles of
+// tile_rows_avx2 rows (both halves at once) whose integer sums stay in registers over the
+// record, and the record is scaled into the rows' accumulators in a small scratch. AMX: the
+// tiles' products go through an integer scratch. Threads take
 // contiguous runs of groups (linear.cpp: about one per thread below 16 rows, several from 16),
 // each one stream, prefetched kPrefetchAhead bytes ahead. The vector paths
 // quantise the activations with AVX2 (quantize_activations_avx2), the portable path with the
@@ -72,6 +75,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -508,11 +512,13 @@ SPECDEC_I8_VNNI inline void rows_vnni(const Problem& p, const UnpackedVnni& u, i
   }
 }
 
-constexpr int kTileVnni = 4;
+constexpr int kTileVnni = 8;  // rows of a register tile (8 integer sums, 8 accumulators, 8 words)
 
-// M <= kTileVnni rows: integer sums and accumulators in registers over the whole row of records.
+// Rows m0 .. m0 + MR - 1 (MR <= kTileVnni) of group g: their integer sums and accumulators in
+// registers over the whole row of records, each sub-block unpacked into registers and applied
+// to the MR rows.
 template <int64_t Type, int MR>
-SPECDEC_I8_VNNI inline void group_regs_vnni(const Problem& p, int64_t g, gguf::Prefetcher& pf, int64_t g0) {
+SPECDEC_I8_VNNI inline void tile_regs_vnni(const Problem& p, int64_t g, int64_t m0, gguf::Prefetcher& pf, int64_t g0) {
   constexpr int64_t P = record_subs(Type);
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
@@ -524,58 +530,74 @@ SPECDEC_I8_VNNI inline void group_regs_vnni(const Problem& p, int64_t g, gguf::P
     for (int64_t sub = 0; sub < P; ++sub) {
       pf.advance(stream_pos<Type>(p, g, g0, r * P + sub));
       unpack_vnni<Type>(rec, sub, u);
-      rows_vnni<Type, MR>(p, u, r * P + sub, 0, isum);
+      rows_vnni<Type, MR>(p, u, r * P + sub, m0, isum);
     }
     const RecordVnni w = record_vnni<Type>(rec);
-    for (int i = 0; i < MR; ++i) acc[i] = scale_record_vnni<Type>(p, w, isum[i], i, r, acc[i]);
+    for (int i = 0; i < MR; ++i) acc[i] = scale_record_vnni<Type>(p, w, isum[i], m0 + i, r, acc[i]);
   }
   for (int i = 0; i < MR; ++i) {
     alignas(64) float lanes[kGroupRows];
     _mm512_store_ps(lanes, acc[i]);
-    store_lanes(p, i, g * kGroupRows, lanes);
+    store_lanes(p, m0 + i, g * kGroupRows, lanes);
   }
 }
 
-// Rows m0 .. m0 + MR - 1 times record r (its sub-blocks unpacked in u), scaled into their
+// Rows m0 .. m0 + MR - 1 times record r (a 32-weight block, unpacked in u), scaled into their
 // accumulators in scratch [M, 16].
 template <int64_t Type, int MR>
-SPECDEC_I8_VNNI inline void tile_from_scratch_vnni(const Problem& p, const UnpackedVnni* u, const RecordVnni& w,
-                                                   int64_t r, int64_t m0, float* scratch) {
-  constexpr int64_t P = record_subs(Type);
+SPECDEC_I8_VNNI inline void tile_scratch_vnni(const Problem& p, const UnpackedVnni& u, const RecordVnni& w, int64_t r,
+                                              int64_t m0, float* scratch) {
   __m512i isum[MR];
   for (int i = 0; i < MR; ++i) isum[i] = _mm512_setzero_si512();
-  for (int64_t sub = 0; sub < P; ++sub) rows_vnni<Type, MR>(p, u[sub], r * P + sub, m0, isum);
+  rows_vnni<Type, MR>(p, u, r, m0, isum);
   for (int i = 0; i < MR; ++i) {
     float* a = scratch + (m0 + i) * kGroupRows;
     _mm512_storeu_ps(a, scale_record_vnni<Type>(p, w, isum[i], m0 + i, r, _mm512_loadu_ps(a)));
   }
 }
 
-// More rows: each record's sub-blocks are unpacked once and applied to all rows, kTileVnni at
-// a time, their accumulators in scratch [M, 16].
+// The M rows of group g in ceil(M / kTileVnni) tiles of (nearly) equal size. Up to kTileVnni
+// rows, and every K-quant group, go through the group one tile at a time (tile_regs_vnni; the
+// later tiles read its records from the caches: 80 KB for the 1.5B's widest rows). Beyond
+// kTileVnni rows a 32-weight record is unpacked once and applied to every tile, the rows'
+// accumulators in scratch [M, 16]. Measured on a Zen 4 core (1.5B shapes), against unpacking a
+// record's sub-blocks into L1 once for all rows in tiles of 4 with the accumulators in scratch:
+// Q4_K 1.1-2.0x faster at 6-64 rows, Q6_K 1.8x at 6-8 rows and 1.0-1.1x at 32-64; Q5_0 did not
+// gain from tiles of the whole group (0.7-0.9x at 12-32 rows), hence its scratch.
 template <int64_t Type>
-SPECDEC_I8_VNNI inline void group_scratch_vnni(const Problem& p, int64_t g, float* scratch, gguf::Prefetcher& pf,
-                                               int64_t g0) {
-  constexpr int64_t P = record_subs(Type);
-  zero_floats_vnni(scratch, p.M * kGroupRows);
-  UnpackedVnni u[P];
-  for (int64_t r = 0; r < p.nb / P; ++r) {
-    const uint8_t* rec = record_at<Type>(p, g, r * P);
-    for (int64_t sub = 0; sub < P; ++sub) {
-      pf.advance(stream_pos<Type>(p, g, g0, r * P + sub));
-      unpack_vnni<Type>(rec, sub, u[sub]);
+SPECDEC_I8_VNNI inline void group_tiles_vnni(const Problem& p, int64_t g, float* scratch, gguf::Prefetcher& pf,
+                                             int64_t g0) {
+  const int64_t tiles = (p.M + kTileVnni - 1) / kTileVnni;
+  auto each_tile = [&](auto&& tile) {
+    for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
+      const int64_t rows = (p.M - m0) / (tiles - t);  // the remaining rows over the remaining tiles
+      switch (rows) {
+        case 1: tile(std::integral_constant<int, 1>{}, m0); break;
+        case 2: tile(std::integral_constant<int, 2>{}, m0); break;
+        case 3: tile(std::integral_constant<int, 3>{}, m0); break;
+        case 4: tile(std::integral_constant<int, 4>{}, m0); break;
+        case 5: tile(std::integral_constant<int, 5>{}, m0); break;
+        case 6: tile(std::integral_constant<int, 6>{}, m0); break;
+        case 7: tile(std::integral_constant<int, 7>{}, m0); break;
+        default: tile(std::integral_constant<int, 8>{}, m0); break;
+      }
+      m0 += rows;
     }
-    const RecordVnni w = record_vnni<Type>(rec);
-    int64_t m0 = 0;
-    for (; m0 + kTileVnni <= p.M; m0 += kTileVnni) tile_from_scratch_vnni<Type, kTileVnni>(p, u, w, r, m0, scratch);
-    switch (p.M - m0) {
-      case 3: tile_from_scratch_vnni<Type, 3>(p, u, w, r, m0, scratch); break;
-      case 2: tile_from_scratch_vnni<Type, 2>(p, u, w, r, m0, scratch); break;
-      case 1: tile_from_scratch_vnni<Type, 1>(p, u, w, r, m0, scratch); break;
-      default: break;
+  };
+  if (is_k_quant(Type) || p.M <= kTileVnni) {
+    each_tile([&](auto mr, int64_t m0) { tile_regs_vnni<Type, decltype(mr)::value>(p, g, m0, pf, g0); });
+  } else {
+    zero_floats_vnni(scratch, p.M * kGroupRows);
+    UnpackedVnni u;
+    for (int64_t r = 0; r < p.nb; ++r) {
+      const uint8_t* rec = record_at<Type>(p, g, r);
+      pf.advance(stream_pos<Type>(p, g, g0, r));
+      unpack_vnni<Type>(rec, 0, u);
+      const RecordVnni w = record_vnni<Type>(rec);
+      each_tile([&](auto mr, int64_t m0) { tile_scratch_vnni<Type, decltype(mr)::value>(p, u, w, r, m0, scratch); });
     }
+    for (int64_t m = 0; m < p.M; ++m) store_lanes(p, m, g * kGroupRows, scratch + m * kGroupRows);
   }
-  for (int64_t m = 0; m < p.M; ++m) store_lanes(p, m, g * kGroupRows, scratch + m * kGroupRows);
 }
 
 // Groups [g0, g1), read as one stream prefetched ahead (as on the AVX2 path).
@@ -583,15 +605,7 @@ template <int64_t Type>
 SPECDEC_I8_VNNI __attribute__((flatten)) inline void groups_vnni(const Problem& p, int64_t g0, int64_t g1,
                                                                  float* scratch) {
   gguf::Prefetcher pf = groups_prefetcher<Type>(p, g0, g1);
-  for (int64_t g = g0; g < g1; ++g) {
-    switch (p.M) {
-      case 1: group_regs_vnni<Type, 1>(p, g, pf, g0); break;
-      case 2: group_regs_vnni<Type, 2>(p, g, pf, g0); break;
-      case 3: group_regs_vnni<Type, 3>(p, g, pf, g0); break;
-      case 4: group_regs_vnni<Type, 4>(p, g, pf, g0); break;
-      default: group_scratch_vnni<Type>(p, g, scratch, pf, g0); break;
-    }
-  }
+  for (int64_t g = g0; g < g1; ++g) group_tiles_vnni<Type>(p, g, scratch, pf, g0);
 }
 
 SPECDEC_I8_VNNI __attribute__((noinline)) inline void run_vnni(const Problem& p, int64_t type, int64_t g0, int64_t g1,
@@ -623,7 +637,8 @@ constexpr int64_t kAmxRows = 16;  // activation rows per tile
 // scaling (4 fp32 operations per row, block and 16 outputs) is the same on both paths, so the
 // tiles win only where they replace many rows' vpdpbusd: Q4_K 1.1x the VNNI path at 32 rows,
 // 1.2x at 64, but 0.9x at 16 and 0.55x at 8; Q6_K (two half-block products and their int32
-// scale multiplies) never wins.
+// scale multiplies) never wins. Measured against the VNNI path before its register tiles (which
+// made it 1.1-1.3x faster at 32-64 rows of Q4_K on a Zen 4 core): to be measured again on AMX.
 constexpr int64_t kAmxMinRows = 32;
 constexpr bool amx_pays(int64_t type, int64_t M) { return M >= kAmxMinRows && type != kQ6_K; }
 inline int64_t amx_padded_rows(int64_t M) { return (M + kAmxRows - 1) / kAmxRows * kAmxRows; }

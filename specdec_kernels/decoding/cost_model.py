@@ -8,7 +8,7 @@ CPU. So the tree-sizing drafters do not use a table measured on one machine; the
 ``StepCost`` curve measured for the loaded model:
 
 - ``calibrate(model)`` times real target forwards (+ LM head) of R rows per request over a
-  few R and batch sizes (medians of a few repeats; six points always, more while ~2 s
+  few R and batch sizes (medians of a few repeats; eight points always, more while ~2 s
   last; a status line on stderr while it runs) and interpolates;
 - ``step_cost_for(model)`` returns the curve for the model, weight format, torch thread count
   and CPU, cached per process and on disk in the user's cache directory
@@ -65,10 +65,13 @@ __all__ = ["StepCost", "calibrate", "step_cost_for", "cache_dir", "cache_path", 
 # (the curve's shape: one row, a small tree, a large one, batch 4, and two rows — on a CPU
 # where past one row the products are compute-bound the first extra row is not the average
 # of the first three: the 1.5B on AVX2 costs 1.3x at 2 rows, 2.2x at 3, 2.4x at 4, and
-# the one-token drafts are the most common decision), the rest while the time budget lasts.
+# the one-token drafts are the most common decision; and eight rows, about the size of the
+# trees drafted on code prompts (4-10 nodes a step on average), measured rather than read
+# off the line from 4 to 16 rows, whose shape differs by kernel path: AVX-512 VNNI register
+# tiles of up to 8 rows, AVX2 compute-bound from 3), the rest while the time budget lasts.
 # Past the last row count the curve extends its last segment.
 CALIBRATION_POINTS = ((1, 1), (1, 16), (1, 4), (1, 64), (4, 1), (4, 4), (1, 2), (1, 8), (1, 32), (4, 16))
-CALIBRATION_MIN_POINTS = 7
+CALIBRATION_MIN_POINTS = 8
 CALIBRATION_BUDGET_S = 2.0  # seconds of timed forwards at most (one more point may start before it ends)
 POINT_BUDGET_S = 0.25  # past this, a point stops repeating (at least two timed runs after the warm-up)
 CALIBRATION_ATTEMPTS = 2  # rounds of measuring the points a check rejects (the first included)
