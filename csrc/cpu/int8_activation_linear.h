@@ -57,11 +57,12 @@
 // gone through one tile at a time, the tile's accumulators in registers over the whole row of
 // records and each sub-block unpacked into registers once per tile (the later tiles read the
 // records from the caches); beyond 8 rows a 32-weight record is unpacked once for all tiles,
-// the rows' accumulators in a small scratch (group_tiles_vnni). AVX2: up to 4 rows the same, both 8-row halves of a group in one pass; beyond, a
-// record's sub-blocks are unpacked into L1 once for all rows, applied to the rows in tiles of
-// tile_rows_avx2 rows (both halves at once) whose integer sums stay in registers over the
-// record, and the record is scaled into the rows' accumulators in a small scratch. AMX: the
-// tiles' products go through an integer scratch. Threads take
+// the rows' accumulators in a small scratch (group_tiles_vnni). AVX2: up to kTileAvx2 (4) rows
+// the same, both 8-row halves of a group in one pass; beyond, a record's sub-blocks are
+// unpacked into L1 once for all rows, applied to the rows in tiles of tile_rows_avx2 rows (both
+// halves at once) whose integer sums stay in registers over the record, and the record is
+// scaled into the rows' accumulators in a small scratch. AMX: the tiles' products go through
+// an integer scratch. Threads take
 // contiguous runs of groups (linear.cpp: about one per thread below 16 rows, several from 16),
 // each one stream, prefetched kPrefetchAhead bytes ahead. The vector paths
 // quantise the activations with AVX2 (quantize_activations_avx2), the portable path with the
@@ -567,6 +568,7 @@ SPECDEC_I8_VNNI inline void tile_scratch_vnni(const Problem& p, const UnpackedVn
 template <int64_t Type>
 SPECDEC_I8_VNNI inline void group_tiles_vnni(const Problem& p, int64_t g, float* scratch, gguf::Prefetcher& pf,
                                              int64_t g0) {
+  static_assert(kTileVnni == 8, "each_tile's cases go up to kTileVnni rows");
   const int64_t tiles = (p.M + kTileVnni - 1) / kTileVnni;
   auto each_tile = [&](auto&& tile) {
     for (int64_t t = 0, m0 = 0; t < tiles; ++t) {
@@ -579,7 +581,7 @@ SPECDEC_I8_VNNI inline void group_tiles_vnni(const Problem& p, int64_t g, float*
         case 5: tile(std::integral_constant<int, 5>{}, m0); break;
         case 6: tile(std::integral_constant<int, 6>{}, m0); break;
         case 7: tile(std::integral_constant<int, 7>{}, m0); break;
-        default: tile(std::integral_constant<int, 8>{}, m0); break;
+        default: tile(std::integral_constant<int, 8>{}, m0); break;  // kTileVnni
       }
       m0 += rows;
     }
@@ -1046,13 +1048,13 @@ inline __m256i add_isum_avx2(const Problem& p, const UnpackedAvx2& u, int64_t mb
   return correct_avx2<Type>(u, isum, block_corr_avx2<Type>(p, mb));
 }
 
-constexpr int kTileAvx2 = 4;  // rows of the register pass (group_regs_avx2)
+constexpr int kTileAvx2 = 4;  // rows of the register pass (group_regs_avx2; groups_avx2's cases)
 
-// Up to kTileAvx2 rows: one pass over the group's records, each sub-block unpacked and applied half by
-// half (rows 0-7, then 8-15), the integer sums and accumulators of both halves in registers
-// (at 3-4 rows some of them on the stack, touched once a sub-block or record). (Two passes, one
-// per half, read every line of the group twice and each half's 32 bytes of a line apart from
-// the other's: measured slower.) At 3-4 rows this beat the tiles below for Q4_K, 1.25-1.48x
+// Up to kTileAvx2 rows: one pass over the group's records, each sub-block unpacked and applied
+// half by half (rows 0-7, then 8-15), the integer sums and accumulators of both halves in
+// registers (at 3-4 rows some of them on the stack, touched once a sub-block or record). (Two
+// passes, one per half, read every line of the group twice and each half's 32 bytes of a line
+// apart from the other's: measured slower.) At 3-4 rows this beat the tiles below for Q4_K, 1.25-1.48x
 // (Q5_0 1.07-1.13x, Q6_K 0.95-1.06x), on a Zen 4 core running this AVX2 path (one thread,
 // alternating processes, 7 rounds); not measured on a Zen 3.
 template <int64_t Type, int MR>
@@ -1183,7 +1185,7 @@ __attribute__((flatten)) inline void groups_avx2(const Problem& p, int64_t g0, i
       case 1: group_regs_avx2<Type, 1>(p, g, pf, g0); break;
       case 2: group_regs_avx2<Type, 2>(p, g, pf, g0); break;
       case 3: group_regs_avx2<Type, 3>(p, g, pf, g0); break;
-      case 4: group_regs_avx2<Type, 4>(p, g, pf, g0); break;
+      case 4: group_regs_avx2<Type, 4>(p, g, pf, g0); break;  // kTileAvx2
       default: group_tiles_avx2<Type>(p, g, scratch, pf, g0); break;
     }
   }
