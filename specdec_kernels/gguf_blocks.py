@@ -159,29 +159,57 @@ def dequantize(blocks: torch.Tensor, block_type, shape: Sequence[int] | None = N
         raise ValueError(f"blocks.shape[-1] must be a multiple of the {type_name(tid)} block bytes {nbytes}, "
                          f"got {list(blocks.shape)}")
     lead = blocks.shape[:-1]
-    b = blocks.reshape(*lead, blocks.shape[-1] // nbytes, nbytes)
-    if tid == F32:
-        w = b.contiguous().view(torch.float32)
-    elif tid == F16:
-        w = b.contiguous().view(torch.float16).float()
-    elif tid == BF16:
-        w = b.contiguous().view(torch.bfloat16).float()
-    elif tid == Q4_0:
-        w = _f16_field(b, 0) * (_nibbles(b[..., 2:]).to(torch.int8) - 8).float()
-    elif tid == Q4_1:
-        w = _f16_field(b, 0) * _nibbles(b[..., 4:]).float() + _f16_field(b, 2)
-    elif tid == Q5_0:
-        q = _nibbles(b[..., 6:]) | (_bits(b[..., 2:6]) << 4)
-        w = _f16_field(b, 0) * (q.to(torch.int16) - 16).float()
-    elif tid == Q5_1:
-        q = _nibbles(b[..., 8:]) | (_bits(b[..., 4:8]) << 4)
-        w = _f16_field(b, 0) * q.float() + _f16_field(b, 2)
-    elif tid == Q8_0:
-        w = b[..., 2:].contiguous().view(torch.int8).float() * _f16_field(b, 0)
+    b = blocks.reshape(-1, nbytes)
+    if tid in (F32, F16, BF16):  # a view or one conversion
+        w = _dequantize_blocks(b, tid)
     else:
-        w = _dequantize_k(b, tid)
+        w = _by_chunks(b, size, lambda chunk: _dequantize_blocks(chunk, tid))
     w = w.reshape(*lead, -1)
     return w.reshape(tuple(shape)) if shape is not None else w
+
+
+def _dequantize_blocks(b: torch.Tensor, tid: int) -> torch.Tensor:
+    """Blocks uint8 [n, block bytes] of type ``tid`` -> fp32 [n, block size] (``dequantize``)."""
+    if tid == F32:
+        return b.contiguous().view(torch.float32)
+    if tid == F16:
+        return b.contiguous().view(torch.float16).float()
+    if tid == BF16:
+        return b.contiguous().view(torch.bfloat16).float()
+    if tid == Q4_0:
+        return _f16_field(b, 0) * (_nibbles(b[..., 2:]).to(torch.int8) - 8).float()
+    if tid == Q4_1:
+        return _f16_field(b, 0) * _nibbles(b[..., 4:]).float() + _f16_field(b, 2)
+    if tid == Q5_0:
+        q = _nibbles(b[..., 6:]) | (_bits(b[..., 2:6]) << 4)
+        return _f16_field(b, 0) * (q.to(torch.int16) - 16).float()
+    if tid == Q5_1:
+        q = _nibbles(b[..., 8:]) | (_bits(b[..., 4:8]) << 4)
+        return _f16_field(b, 0) * q.float() + _f16_field(b, 2)
+    if tid == Q8_0:
+        return b[..., 2:].contiguous().view(torch.int8).float() * _f16_field(b, 0)
+    return _dequantize_k(b, tid)
+
+
+CHUNK_VALUES = 1 << 18  # weights (de)quantised at a time on CPU: 1 MB of fp32
+
+
+def _by_chunks(rows: torch.Tensor, width: int, fn) -> torch.Tensor:
+    """``fn`` (rows [n, ...] -> [n, width]) applied to ``rows`` [R, ...], on CPU CHUNK_VALUES
+    weights at a time into one output [R, width]. Every block is (de)quantised alone, so the
+    result is the same; but a whole weight's temporaries (several times its fp32 size, each
+    a fresh allocation whose pages the kernel must zero) made loading a model mostly system
+    time, where chunks reuse the same few cache-sized buffers."""
+    R = rows.shape[0]
+    step = max(1, CHUNK_VALUES // width)
+    if rows.device.type != "cpu" or R <= step:
+        return fn(rows)
+    first = fn(rows[:step])
+    out = torch.empty(R, first.shape[-1], dtype=first.dtype)
+    out[:step] = first
+    for i in range(step, R, step):
+        out[i:i + step] = fn(rows[i:i + step])
+    return out
 
 
 def _round_half_away(v: torch.Tensor) -> torch.Tensor:
@@ -293,8 +321,8 @@ def quantize(weight: torch.Tensor, block_type) -> "QuantizedWeight":
     else:
         size = block_size(tid)
         blocks = w.reshape(N * (H // size), size)
-        fields = _quantize_k(blocks, tid) if tid in K_QUANTS else _quantize_legacy(blocks, tid)
-        raw = torch.cat(fields, dim=-1)
+        quantize_blocks = _quantize_k if tid in K_QUANTS else _quantize_legacy
+        raw = _by_chunks(blocks, size, lambda chunk: torch.cat(quantize_blocks(chunk, tid), dim=-1))
     return QuantizedWeight(raw.reshape(N, -1).contiguous(), tid, (N, H))
 
 

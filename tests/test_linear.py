@@ -342,6 +342,25 @@ def test_dequantize_gives_the_values_gguf_dequantize_gives(block_type):
 
 
 @pytest.mark.parametrize("block_type", BLOCK_TYPES)
+def test_quantize_and_dequantize_in_chunks_give_the_same_bytes_and_values(block_type, monkeypatch):
+    """Big weights are (de)quantised CHUNK_VALUES weights at a time: chunks that end inside a
+    row, and a short last chunk, must give gguf's bytes and values all the same."""
+    g = torch.Generator().manual_seed(200 + int(block_type))
+    H = h_for(block_type, 96)
+    w = torch.randn(7, H, generator=g) * torch.logspace(-2, 1, 7)[:, None]
+    monkeypatch.setattr(gguf_blocks, "CHUNK_VALUES", 3 * gguf_blocks.block_size(block_type))
+    q = gguf_blocks.quantize(w, int(block_type))
+    if block_type not in K_QUANT_TYPES:  # gguf-py has no K-quant quantiser
+        assert torch.equal(q.blocks, gguf_blocks_of(w, block_type))
+    monkeypatch.setattr(gguf_blocks, "CHUNK_VALUES", 1 << 30)  # one chunk: the whole weight
+    assert torch.equal(q.blocks, gguf_blocks.quantize(w, int(block_type)).blocks)
+    monkeypatch.setattr(gguf_blocks, "CHUNK_VALUES", 3 * gguf_blocks.block_size(block_type))
+    got = gguf_blocks.dequantize(q.blocks, int(block_type))
+    want = gguf_values_of(q.blocks, block_type, H)
+    assert got.shape == (7, H) and torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("block_type", BLOCK_TYPES)
 def test_reference_decoder_gives_the_gguf_values(block_type):
     g = torch.Generator().manual_seed(200 + int(block_type))
     H = h_for(block_type, 64)
