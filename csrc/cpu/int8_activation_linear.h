@@ -151,8 +151,9 @@ struct Problem {
   const float* bias;   // [N] or nullptr
   float* out;          // [M, N]
   const int8_t* qa = nullptr;  // the AMX path's copy of q, block-major: [nb, amx_padded_rows(M), 32], rows past M zero
-  // The AVX2 path's broadcast operands (int16_pairs): [M * nb / 2] the int16 pairs (sq[2i], sq[2i + 1])
-  // (Q4_K / Q5_K: blocks 2k, 2k + 1 of a record) and [M * nb] the pairs (sqh[2mb], sqh[2mb + 1]) (Q6_K).
+  // The vector paths' broadcast operands (int16_pairs): [M * nb / 2] the int16 pairs (sq[2i], sq[2i + 1])
+  // (Q4_K / Q5_K: blocks 2k, 2k + 1 of a record; every vector path) and [M * nb] the pairs
+  // (sqh[2mb], sqh[2mb + 1]) (Q6_K; the AVX2 path).
   const int32_t* sqp = nullptr;
   const int32_t* sqhp = nullptr;
 };
@@ -233,11 +234,13 @@ inline int32_t int16_pair(int32_t lo, int32_t hi) {
   return (lo & 0xFFFF) | static_cast<int32_t>(static_cast<uint32_t>(hi) << 16);
 }
 
-// The AVX2 path's int16 pairs of n blocks' sums (Problem::sqp, sqhp): built once per call, not
-// in scalar code once per group of 16 weight rows, which cost 2-4% of a 16-64-row K-quant
-// product on a Zen 3 core. Only the types that read them need them (reads_sqp: sqp, n / 2, for
-// Q4_K / Q5_K; reads_sqhp: sqhp, n, for Q6_K); the caller passes null for an array its type does
-// not read, and a null array is left unwritten. (|sq| <= 32 * 127 and |sqh| <= 16 * 127 fit int16.)
+// The int16 pairs of n blocks' sums (Problem::sqp, read by every vector path; sqhp, by AVX2's):
+// built once per call, not in scalar code once per group of 16 weight rows, which cost 2-4% of
+// a 16-64-row K-quant product on a Zen 3 core's AVX2 path and about 5% of an 8-64-row Q4_K
+// product on a Zen 4 core's VNNI path. Only the types that read them need them (reads_sqp: sqp,
+// n / 2, for Q4_K / Q5_K; reads_sqhp: sqhp, n, for Q6_K); the caller passes null for an array its
+// type does not read, and a null array is left unwritten. (|sq| <= 32 * 127 and |sqh| <= 16 * 127
+// fit int16.)
 constexpr bool reads_sqp(int64_t t) { return has_k_min(t); }
 constexpr bool reads_sqhp(int64_t t) { return t == kQ6_K; }
 inline void int16_pairs(int64_t n, const int32_t* sq, const int32_t* sqh, int32_t* sqp, int32_t* sqhp) {
@@ -480,11 +483,9 @@ SPECDEC_I8_VNNI inline __m512 scale_record_vnni(const Problem& p, const RecordVn
   acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(w.dw, dx), acc);
   if constexpr (has_min(Type)) acc = _mm512_fmadd_ps(w.mw, _mm512_set1_ps(p.s[m * p.nb + r]), acc);
   if constexpr (has_k_min(Type)) {
-    const int32_t* sq = p.sq + m * p.nb + r * record_subs(Type);
+    const int32_t* sqp = p.sqp + (m * p.nb + r * record_subs(Type)) / 2;  // a broadcast from memory each
     __m512i mins = _mm512_setzero_si512();
-    for (int k = 0; k < 4; ++k) {
-      mins = _mm512_add_epi32(mins, _mm512_madd_epi16(w.mn[k], _mm512_set1_epi32(int16_pair(sq[2 * k], sq[2 * k + 1]))));
-    }
+    for (int k = 0; k < 4; ++k) mins = _mm512_add_epi32(mins, _mm512_madd_epi16(w.mn[k], _mm512_set1_epi32(sqp[k])));
     acc = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins), _mm512_mul_ps(w.mw, dx), acc);
   }
   return acc;

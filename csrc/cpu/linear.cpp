@@ -278,9 +278,9 @@ void int8_activation_linear_cpu(const at::Tensor& x, const at::Tensor& packed_we
   });
   int32_t *sqp = nullptr, *sqhp = nullptr;
 #if defined(SPECDEC_GGUF_X86)
-  if (run == &i8act::run_avx2) {
+  if (!portable) {
     if (i8act::reads_sqp(block_type)) sqp = ws.sqp.at_least(M * nb / 2 + 1);
-    if (i8act::reads_sqhp(block_type)) sqhp = ws.sqhp.at_least(M * nb);
+    if (run == &i8act::run_avx2 && i8act::reads_sqhp(block_type)) sqhp = ws.sqhp.at_least(M * nb);
     i8act::int16_pairs(M * nb, sq, sqh, sqp, sqhp);
   }
 #endif
