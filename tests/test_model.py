@@ -145,6 +145,8 @@ def test_open_gguf_reads_what_the_gguf_package_reads(tmp_path):
     for key, field in theirs.fields.items():
         assert ours.fields[key].types == field.types, key
         assert ours.fields[key].contents() == field.contents(), key
+        assert ours.fields[key].data == field.data and len(ours.fields[key].parts) == len(field.parts), key
+        assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(ours.fields[key].parts, field.parts)), key
     assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in ours.tensors] == \
         [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in theirs.tensors]
     for a, b in zip(ours.tensors, theirs.tensors):
@@ -154,6 +156,20 @@ def test_open_gguf_reads_what_the_gguf_package_reads(tmp_path):
         bad.write_bytes(b"GGUX" + f.read(4096)[4:])
     with pytest.raises(ValueError, match="magic"):
         open_gguf(str(bad))
+    # A file that ends inside the vocabulary (its string array): a clear error, no read past the end.
+    tokens = theirs.fields["tokenizer.ggml.tokens"]
+    cut = int(tokens.parts[tokens.data[len(tokens.data) // 2]].ctypes.data - theirs.data.ctypes.data)
+    with open(path, "rb") as f:
+        bad.write_bytes(f.read(cut))
+    with pytest.raises(ValueError, match="ends inside"):
+        open_gguf(str(bad))
+    # Cut anywhere in the metadata or the tensor table: a ValueError naming the file, whatever the cut.
+    with open(path, "rb") as f:
+        head = f.read(theirs.data_offset)
+    for cut in range(5, theirs.data_offset, theirs.data_offset // 37):
+        bad.write_bytes(head[:cut])
+        with pytest.raises(ValueError, match="not a readable GGUF file"):
+            open_gguf(str(bad))
 
 
 @pytest.fixture(scope="module")

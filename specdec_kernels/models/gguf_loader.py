@@ -26,12 +26,14 @@ from .config import LlamaConfig
 
 
 def open_gguf(path: str):
-    """A ``gguf.GGUFReader`` of ``path`` that reads the same fields and tensors 3-4x faster.
+    """A ``gguf.GGUFReader`` of ``path`` that reads the same fields and tensors 10-30x faster.
 
     The reader slices its ``np.memmap`` once per value, and a memmap slice is a memmap whose
     ``__array_finalize__`` runs Python code: a 151k-token vocabulary made ~1.5M such slices
     (17 s of a 1.5B load). Here ``data`` is the same mapping seen as a plain ndarray, so the
-    slices are plain views of the mapped file (nothing is read or copied up front)."""
+    slices are plain views of the mapped file (nothing is read or copied up front), and
+    arrays of strings and numbers are read in one loop each (``_array_field_parts``: 2.1 s ->
+    0.5 s for the 1.5B's file on a Zen 4 core)."""
     import gguf
 
     class _PlainViewReader(gguf.GGUFReader):
@@ -43,7 +45,57 @@ def open_gguf(path: str):
         def data(self, mapped):
             self._mapped = mapped.view(np.ndarray)
 
-    return _PlainViewReader(path)
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type == gguf.GGUFValueType.ARRAY and self.byte_order == "I":
+                parts = _array_field_parts(self, orig_offs)
+                if parts is not None:
+                    return parts
+            return super()._get_field_parts(orig_offs, raw_type)
+
+    try:
+        return _PlainViewReader(path)
+    except (ValueError, IndexError, KeyError, OverflowError) as e:  # a file cut short or not GGUF
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+
+
+def _array_field_parts(reader, orig_offs: int):
+    """What ``GGUFReader._get_field_parts`` returns for the array at ``orig_offs`` (size, parts,
+    data indices, types: a part per element, a string's length and bytes apart), read in one
+    loop instead of through the reader's generic per-value code, which took ~4 s of every
+    load for a 151k-token vocabulary; None for nested arrays (left to the reader). A file that
+    ends inside the array is a ValueError."""
+    import gguf
+
+    buf, T = reader.data, gguf.GGUFValueType
+    raw_itype = reader._get(orig_offs, np.uint32)
+    alen = reader._get(orig_offs + 4, np.uint64)
+    if len(raw_itype) != 1 or len(alen) != 1:
+        raise ValueError(f"GGUF file ends inside the array at byte {orig_offs}")
+    itype, n = T(raw_itype[0]), int(alen[0])
+    offs, parts, data = orig_offs + 12, [raw_itype, alen], []
+    if itype == T.STRING:
+        view = memoryview(buf)
+        for _ in range(n):
+            if offs + 8 > len(buf):
+                raise ValueError(f"GGUF file ends inside the string array at byte {orig_offs}")
+            length = int.from_bytes(view[offs:offs + 8], "little")
+            if offs + 8 + length > len(buf):
+                raise ValueError(f"GGUF file ends inside the string array at byte {orig_offs}")
+            parts += (buf[offs:offs + 8].view(np.uint64), buf[offs + 8:offs + 8 + length])
+            data.append(len(parts) - 1)
+            offs += 8 + length
+    elif itype in reader.gguf_scalar_to_np:
+        dtype = np.dtype(reader.gguf_scalar_to_np[itype])
+        end = offs + n * dtype.itemsize
+        if end > len(buf):
+            raise ValueError(f"GGUF file ends inside the {itype.name} array at byte {orig_offs}")
+        values = buf[offs:end].view(dtype)
+        parts += [values[i:i + 1] for i in range(n)]
+        data = list(range(2, 2 + n))
+        offs = end
+    else:
+        return None
+    return offs - orig_offs, parts, data, [T.ARRAY] + ([itype] if n else [])
 
 
 def _field(reader, key, default=None):
