@@ -315,12 +315,16 @@ def load_gguf(path: str, weights: str = "native"):
         if weights == "native-int8act":
             model = model.with_int8_activations()
         model.weights_format = weights_format(reader, weights)
+    elif weights in ("q8_0", "q4_0"):
+        # Requantised weight by weight from the file's own blocks (the same bytes as from the
+        # fp32 state dict, without holding the whole model in fp32: 4 bytes a weight, twice over
+        # for the fused q|k|v and gate|up).
+        model = load_gguf_native(reader, config, name=name).quantized(weights.upper())
+        model.weights_format = weights_format(reader, weights.upper())
     else:
         config, sd = load_gguf_state_dict(path, config, reader)
         model = Llama.from_hf_state_dict(config, sd, name=name,
                                          dtype=torch.bfloat16 if weights == "bf16" else torch.float32)
-        if weights in ("q8_0", "q4_0"):
-            model = model.quantized(weights.upper())
-        model.weights_format = weights_format(reader, weights if weights in ("fp32", "bf16") else weights.upper())
+        model.weights_format = weights_format(reader, weights)
     model.vocab_digest = tokenizer.vocab_digest()
     return model, tokenizer
