@@ -179,6 +179,30 @@ def smollm2():
 
 
 @needs_smollm2
+@pytest.mark.parametrize("weights", ["q8_0", "q4_0"])
+def test_requantised_load_is_the_fp32_model_quantised(weights):
+    """A q8_0 / q4_0 load requantises weight by weight from the file's blocks: the same
+    bytes as quantising the whole fp32 model (the embedding, LM head, norms and every layer)."""
+    from specdec_kernels.models import gguf_loader
+    from specdec_kernels.models.llama import Llama
+
+    path = require_real_model()
+    model, _ = gguf_loader.load_gguf(path, weights)
+    config, sd = gguf_loader.load_gguf_state_dict(path)
+    want = Llama.from_hf_state_dict(config, sd).quantized(weights.upper())
+
+    def same(a, b):
+        if hasattr(a, "blocks"):
+            return (a.block_type, a.shape) == (b.block_type, b.shape) and torch.equal(a.blocks, b.blocks)
+        return a.dtype == b.dtype and torch.equal(a, b)
+
+    assert model.weight_format == weights and (model.lm_head is model.embed) == (want.lm_head is want.embed)
+    assert same(model.embed, want.embed) and same(model.lm_head, want.lm_head) and same(model.norm, want.norm)
+    for got, expected in zip(model.layers, want.layers, strict=True):
+        assert got.keys() == expected.keys() and all(same(got[k], expected[k]) for k in got)
+
+
+@needs_smollm2
 def test_smollm2_config_and_answer(smollm2):
     """The GGUF config is SmolLM2-135M's, and greedy decoding answers sensibly (a wrong
     q/k un-permutation or RoPE theta gives garbage here)."""
