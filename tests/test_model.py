@@ -5,6 +5,7 @@ reason) only where one is missing.
 """
 import importlib.util
 import os
+import struct
 
 import pytest
 import torch
@@ -170,6 +171,57 @@ def test_open_gguf_reads_what_the_gguf_package_reads(tmp_path):
         bad.write_bytes(head[:cut])
         with pytest.raises(ValueError, match="not a readable GGUF file"):
             open_gguf(str(bad))
+
+
+@pytest.mark.parametrize("endian", ["little", "big"])
+def test_open_gguf_reads_arrays_of_every_type(tmp_path, endian):
+    """Arrays of every scalar type, of strings (empty ones and non-ASCII included), empty
+    arrays and nested arrays read as the gguf package reads them, in either byte order (the
+    loader's own loop reads the flat arrays of little-endian files, the package the rest)."""
+    import gguf
+    import numpy as np
+
+    from specdec_kernels.models.gguf_loader import open_gguf
+
+    T = gguf.GGUFValueType
+    values = {T.UINT8: [0, 7, 255], T.INT8: [-128, 5], T.UINT16: [65535, 1], T.INT16: [-3, 300],
+              T.UINT32: [2**32 - 1, 9], T.INT32: [-(2**31), 42], T.FLOAT32: [1.5, -0.25], T.BOOL: [True, False, True],
+              T.UINT64: [2**64 - 1, 3], T.INT64: [-(2**63), 8], T.FLOAT64: [2.5, -1e300]}
+    path = tmp_path / "arrays.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama", endianess=gguf.GGUFEndian.BIG if endian == "big" else gguf.GGUFEndian.LITTLE)
+    for vtype, v in values.items():
+        writer.add_key_value(f"test.{vtype.name.lower()}", v, T.ARRAY, sub_type=vtype)
+    writer.add_key_value("test.strings", ["", "a", "héllo ▁wörld", "x" * 300], T.ARRAY, sub_type=T.STRING)
+    writer.add_key_value("test.nested", [[1, 2], [3]], T.ARRAY, sub_type=T.ARRAY)
+    writer.add_tensor("w", np.arange(64, dtype=np.float32).reshape(2, 32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours, theirs = open_gguf(str(path)), gguf.GGUFReader(str(path))
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        mine = ours.fields[key]
+        assert (mine.types, mine.data, len(mine.parts)) == (field.types, field.data, len(field.parts)), key
+        assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(mine.parts, field.parts)), key
+        assert mine.contents() == field.contents(), key
+    for vtype, v in values.items():
+        assert ours.fields[f"test.{vtype.name.lower()}"].contents() == pytest.approx(v), vtype
+    assert ours.fields["test.strings"].contents() == ["", "a", "héllo ▁wörld", "x" * 300]
+    assert np.array_equal(ours.tensors[0].data, theirs.tensors[0].data)
+    # Empty arrays (gguf's writer refuses them; a file may hold them): the header, then two keys.
+    order = "<" if endian == "little" else ">"
+
+    def key(name, itype):
+        return (struct.pack(order + "Q", len(name)) + name.encode() + struct.pack(order + "IIQ", T.ARRAY, itype, 0))
+
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"GGUF" + struct.pack(order + "IQQ", 3, 0, 2) + key("test.empty", T.INT32) +
+                      key("test.empty_strings", T.STRING))
+    ours, theirs = open_gguf(str(empty)), gguf.GGUFReader(str(empty))
+    for name in ("test.empty", "test.empty_strings"):
+        assert ours.fields[name].types == theirs.fields[name].types == [T.ARRAY]
+        assert ours.fields[name].contents() == theirs.fields[name].contents() == []
 
 
 @pytest.fixture(scope="module")
