@@ -3,7 +3,8 @@
 ``weights``: "native" (default) keeps every linear weight, the embedding and the LM head as
 the file's own GGUF blocks (``gguf_blocks.QuantizedWeight``: SmolLM2's file holds Q4_1
 linears and a Q8_0 embedding/LM head, 98 MB instead of 540 MB of fp32); "fp32"/"bf16"
-dequantise with the ``gguf`` package; "q8_0"/"q4_0" dequantise and quantise again.
+dequantise with the ``gguf`` package; "q8_0"/"q4_0" dequantise and quantise again, weight by
+weight from the file's blocks (never the whole model in fp32).
 
 Architectures: ``llama`` and ``qwen2`` (a Llama with F32 biases on q, k and v:
 ``blk.N.attn_{q,k,v}.bias``, fused into one q|k|v bias next to the fused weight).
