@@ -165,9 +165,11 @@ int main() {
       std::vector<float> portable(M * N), vnni(M * N), amx(M * N);
       i8act::Problem p{a.q.data(), a.d.data(), a.s.data(), a.sq.data(), a.sqh.data(), M, nb, w.data(),
                        i8act::record_bytes(type), N, b, portable.data()};
-      std::vector<int32_t> sqp(M * nb / 2 + 1);  // the int16 pairs the vector paths read (as linear.cpp makes them)
-      i8act::int16_pairs(M * nb, a.sq.data(), a.sqh.data(), sqp.data(), nullptr);
+      // The int16 pairs the vector paths read (as linear.cpp makes them).
+      std::vector<int32_t> sqp(M * nb / 2 + 1), sqhp(M * nb);
+      i8act::int16_pairs(M * nb, a.sq.data(), a.sqh.data(), sqp.data(), sqhp.data());
       p.sqp = sqp.data();
+      p.sqhp = sqhp.data();
       std::vector<float> scratch(i8act::amx_scratch_floats(M));
       i8act::run_generic(p, type, 0, G, scratch.data());
       p.out = vnni.data();

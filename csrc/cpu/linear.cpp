@@ -280,7 +280,7 @@ void int8_activation_linear_cpu(const at::Tensor& x, const at::Tensor& packed_we
 #if defined(SPECDEC_GGUF_X86)
   if (!portable) {
     if (i8act::reads_sqp(block_type)) sqp = ws.sqp.at_least(M * nb / 2 + 1);
-    if (run == &i8act::run_avx2 && i8act::reads_sqhp(block_type)) sqhp = ws.sqhp.at_least(M * nb);
+    if (i8act::reads_sqhp(block_type)) sqhp = ws.sqhp.at_least(M * nb);
     i8act::int16_pairs(M * nb, sq, sqh, sqp, sqhp);
   }
 #endif
