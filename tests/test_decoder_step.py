@@ -50,10 +50,10 @@ def base(request):
                                     attention_bias=request.param), seed=3)
 
 
-def run(model: Llama, path: str, steps, num_layers=None):
+def run(model: Llama, path: str, steps, num_layers=None, feature_layers=()):
     """Prefill two requests, then run ``steps`` forwards of (tokens per request, tree parents or
-    None) on ``path``; returns every forward's hidden states (and logits, through all layers:
-    ``forward_logits``) and the final caches."""
+    None) on ``path``; returns every forward's hidden states (with ``feature_layers``: those
+    layers' states too) (and logits, through all layers: ``forward_logits``) and the final caches."""
     model.step_path = path
     cache = model.new_cache(2, 128, block_size=8)
     g = torch.Generator().manual_seed(0)
@@ -78,9 +78,10 @@ def run(model: Llama, path: str, steps, num_layers=None):
         toks = torch.randint(0, 64, (sum(rows),), generator=g)
         batch = Batch(bt, pl, new.qo_indptr, new.slot_mapping, mask)
         if num_layers is None:  # the verification step: hidden states and logits in one call
-            outs.extend(model.forward_logits(toks, positions, cache, batch))
+            outs.extend(model.forward_logits(toks, positions, cache, batch, feature_layers=feature_layers))
         else:
-            outs.append(model.forward(toks, positions, cache, batch, num_layers=num_layers))
+            outs.append(model.forward(toks, positions, cache, batch, num_layers=num_layers,
+                                      feature_layers=feature_layers))
         cache.commit(slots, rows)
     return outs, cache
 
@@ -262,6 +263,13 @@ def test_bad_stacks_are_refused():
         stack.forward(torch.zeros(1, 8), torch.tensor([0]), torch.ones(1, 1, 4), sin, caches, caches, *batch, 1, 1, 8)
     with pytest.raises(RuntimeError, match="built without the LM head"):
         stack.forward_logits(torch.zeros(1, 8), torch.tensor([0]), cos, sin, caches, caches, *batch, 1, 1, 8)
+    for counts in ([0], [2]):  # the stack has one layer
+        with pytest.raises(RuntimeError, match="layer counts must be in"):
+            stack.set_capture(counts)
+    stack.set_capture([1])
+    with pytest.raises(RuntimeError, match="ran fewer than 1 layers"):  # no forward since
+        stack.take_captured()
+    assert stack.take_captured() == []  # a take clears the request
     # A slot past the cache, on the fp32 loop (contiguous caches) and on the general one
     # (a non-contiguous cache): refused before anything is written.
     shapes = [(16, 8), (8, 8), (16, 8), (8, 8)]  # q|k|v, o, gate|up, down of a layer that adds up
@@ -345,3 +353,56 @@ def test_real_models_fused_step_gives_the_python_bits(name, weights):
     assert all(torch.equal(o, r) for o, r in zip(got, ref))
     assert all(torch.equal(a, b) for a, b in zip(got_cache.k_caches + got_cache.v_caches,
                                                   ref_cache.k_caches + ref_cache.v_caches))
+
+
+@pytest.mark.parametrize("steps", ["decode", "trees", "many-rows"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "Q4_0-int8act"])
+def test_feature_layers_are_the_earlier_layers_states(base, fmt, steps):
+    """``feature_layers`` (EAGLE-3's fused features): the hidden states come as [T, (k + 1) H],
+    the states after those layer counts then the last layer's, the same bits on both paths;
+    the last layer's states, the logits and the caches are those of a forward without them,
+    and each earlier state is that of a forward through that many layers."""
+    model = FORMATS[fmt](base)
+    H = model.config.hidden_size
+    plain, plain_cache = run(model, "fused", STEPS[steps])
+    for path in ("python", "fused"):
+        got, cache = run(model, path, STEPS[steps], feature_layers=(1, 2))
+        for i in range(0, len(got), 2):
+            hidden, logits = got[i], got[i + 1]
+            assert hidden.shape == (plain[i].shape[0], 3 * H)
+            assert torch.equal(hidden[:, 2 * H:], plain[i]) and torch.equal(logits, plain[i + 1])
+        for layer in range(model.config.num_layers):
+            assert torch.equal(cache.k_caches[layer], plain_cache.k_caches[layer])
+        for count in (1, 2):
+            through, _ = run(model, path, STEPS[steps], num_layers=count)
+            for i, h in enumerate(through):
+                assert torch.equal(got[2 * i][:, (count - 1) * H: count * H], h), (path, count)
+        shallow, _ = run(model, path, STEPS[steps], num_layers=2, feature_layers=(1,))
+        assert torch.equal(shallow[0][:, :H], got[0][:, :H])
+
+
+@pytest.mark.parametrize("path", ["python", "fused"])
+def test_decode_step_feature_layers(base, path):
+    """The autoregressive step (``decode_logits``, the host-integer call on the fused path)
+    returns the same feature rows as ``forward_logits``; a layer count outside the model is
+    a ValueError before anything is written."""
+    model = FORMATS["Q4_0-int8act"](base)
+    model.step_path = path
+    H = model.config.hidden_size
+    outs = []
+    for features in ((), (2,)):
+        cache = model.new_cache(2, 64, block_size=8)
+        slots = [cache.add_request(), cache.add_request()]
+        for slot, n in zip(slots, (6, 3)):
+            model.prefill(torch.arange(1, n + 1), cache, slot)
+        outs.append(model.decode_logits([7, 9], cache, slots, feature_layers=features))
+        cache.commit(slots, [1, 1])
+    (plain, plain_logits), (feats, logits) = outs
+    assert feats.shape == (2, 2 * H) and torch.equal(feats[:, H:], plain) and torch.equal(logits, plain_logits)
+    lengths = [cache.length(s) for s in slots]
+    for bad in ((0,), (4,), (1.5,)):
+        with pytest.raises(ValueError, match="feature layers"):
+            model.decode_logits([7, 9], cache, slots, feature_layers=bad)
+    assert [cache.length(s) for s in slots] == lengths
+    with pytest.raises(ValueError, match="feature layers"):
+        run(model, path, STEPS["decode"], num_layers=1, feature_layers=(2,))

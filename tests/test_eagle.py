@@ -27,11 +27,17 @@ def model():
     return Llama.random(tiny_config(num_layers=3), seed=0)
 
 
-def make_head(model, seed=1, vocab=None):
-    """A random head whose drafts agree with the target often enough to build deep trees."""
+def make_head(model, seed=1, vocab=None, feature_layers=()):
+    """A random head whose drafts agree with the target often enough to build deep trees; with
+    ``feature_layers`` it fuses those layers' states with the last one's through a random
+    projection near the last layer alone."""
     torch.manual_seed(seed)
     V = model.config.vocab_size
     head = EagleHead.for_target(model, torch.randperm(V)[: (vocab or V)] if vocab else torch.arange(V))
+    if feature_layers:
+        head.fuse_with(feature_layers)
+        with torch.no_grad():
+            head.fuse.add_(torch.randn_like(head.fuse) * 0.05)
     return head.eval().requires_grad_(False)
 
 
@@ -407,13 +413,16 @@ def _sampled_pairs(model, drafter, n, params, prompt):
     return [tuple(r.output) for r in reqs]
 
 
-@pytest.mark.parametrize("temperature,fmt", [(1.0, None), (0.7, None), (1.0, "Q4_0")])
-def test_sampling_distribution_equals_target(temperature, fmt):
+@pytest.mark.parametrize("temperature,fmt,fused", [(1.0, None, False), (0.7, None, False), (1.0, "Q4_0", False),
+                                                  (1.0, "Q4_0", True)])
+def test_sampling_distribution_equals_target(temperature, fmt, fused):
     """Chi-square of the first two sampled tokens against the target's exact joint
     distribution (vocabulary 8, fixed seeds); also with the head's products as Q4_0 blocks,
-    its format on a GGUF target (its q changes, the target's distribution must not)."""
+    its format on a GGUF target (its q changes, the target's distribution must not), and with
+    a head of fused features."""
     m = Llama.random(tiny_config(vocab_size=8, num_layers=2), seed=3)
-    head = make_head(m, seed=5, vocab=6).set_decode_format(fmt)  # a draft vocabulary smaller than the target's
+    head = make_head(m, seed=5, vocab=6, feature_layers=(1,) if fused else ())  # a smaller draft vocabulary
+    head.set_decode_format(fmt)
     drafter = EagleDrafter(m, head, sample_width=2, max_depth=3, step_cost=FREE, step_seconds=SLOW_STEP)
     n, prompt = 1500, (3, 1, 4)
     pairs = _sampled_pairs(m, drafter, n, dict(temperature=temperature), prompt)
@@ -452,15 +461,16 @@ def test_save_load_round_trip(model, tmp_path):
         assert torch.allclose(a.to(torch.bfloat16).float(), b.float()), n
 
 
-def _continued_training_run(model, monkeypatch, tmp_path, *flags):
+def _continued_training_run(model, monkeypatch, tmp_path, *flags, layers=None):
     """``specdec train-eagle`` on the tiny model over seeded random sequences (the data
-    loading patched out: the trainer's own flow, no generation); -> the written head."""
+    loading patched out: the trainer's own flow, no generation; features of ``layers``, the
+    last alone by default); -> the written head."""
     from specdec_kernels.drafting.eagle import training
     from specdec_kernels.training import distill_data
 
     g = torch.Generator().manual_seed(5)
     seqs = [torch.randint(0, model.config.vocab_size, (20,), generator=g).tolist() for _ in range(12)]
-    data = distill_data.corpus_shard(model, seqs, layers=(model.config.num_layers,), topk=4)
+    data = distill_data.corpus_shard(model, seqs, layers=layers or (model.config.num_layers,), topk=4)
     monkeypatch.setattr(training, "_load_data", lambda args: (model, None, data))
     out = tmp_path / f"head{len(list(tmp_path.iterdir()))}.safetensors"
     training.main(["--model", "tiny", "--out", str(out), "--draft-vocab-size", "24", "--epochs", "1",
@@ -531,7 +541,7 @@ def test_held_out_last_holds_out_the_newest_sequences(model, monkeypatch, tmp_pa
 
 @pytest.mark.parametrize("flags, message", [(("--model", "other"), "trained for 'tiny'"),
                                             (("--head-intermediate", "16"), "MLP width 32"),
-                                            (("--features", "fused"), "--features fused"),
+                                            (("--features", "fused"), "several layers ending with the last"),
                                             (("--init-from", "missing.safetensors"), "no such file")])
 def test_continued_training_refuses_a_head_that_does_not_fit(model, monkeypatch, tmp_path, flags, message):
     """Checked before any data is made: the head's model, MLP width and features must fit the run."""
@@ -698,3 +708,79 @@ def test_cli_drafters_by_name(model, prompts, tmp_path):
         assert drafter.name == name
         reqs = Generator(model, drafter, SpecSchedule("max", 4, max_k=4)).generate(prompts[1:3], 8)
         assert [r.output for r in reqs] == [r.output for r in ar], name
+
+
+@pytest.mark.parametrize("path", ["fused", "python"])
+def test_fused_features_greedy_equals_autoregressive(prompts, path):
+    """A head of fused features (EAGLE-3: the target's states after layers 1 and 2 and its
+    last, through ``fuse``): the Generator hands it those rows on either step path, greedy
+    output equals autoregressive decoding, and a projection of the last layer alone drafts
+    exactly what the last-layer head drafts."""
+    model = Llama.random(tiny_config(num_layers=3), seed=0)
+    model.step_path = path
+    kw = dict(step_cost=FREE, step_seconds=SLOW_STEP, top_k=3, max_depth=4, max_tree_nodes=12)
+    sched = SpecSchedule("max", 4, max_k=5)
+    fused = EagleDrafter(model, make_head(model, feature_layers=(1, 2)), **kw)
+    assert fused.feature_layers == (1, 2)
+    seen = []
+    real = fused.hidden_states
+    fused.hidden_states = lambda gen, req, hidden, tokens: (seen.append(hidden.shape), real(gen, req, hidden, tokens))
+    reqs = Generator(model, fused, sched).generate(prompts, 20)
+    assert [r.output for r in reqs] == [greedy_reference(model, p, 20) for p in prompts]
+    assert fused.stats["nodes"] > 0 and seen and all(s[1] == 3 * model.config.hidden_size for s in seen)
+    top, alone = make_head(model), make_head(model).fuse_with((1, 2))  # fuse = [0 | 0 | I]
+    runs = []
+    for head in (top, alone):
+        drafter = EagleDrafter(model, head.eval().requires_grad_(False), **kw)
+        runs.append((Generator(model, drafter, sched).generate(prompts, 20), drafter.stats))
+    assert [r.output for r in runs[0][0]] == [r.output for r in runs[1][0]]
+    assert runs[0][1]["nodes"] == runs[1][1]["nodes"] and runs[0][1]["accepted_hist"] == runs[1][1]["accepted_hist"]
+
+
+def test_fused_head_round_trip_and_checks(model, tmp_path):
+    """A fused head's file keeps its feature layers and projection; a file whose projection
+    does not fit its layers, a head whose layers are not increasing counts below the
+    target's, and features of the wrong width are clear errors."""
+    from safetensors.torch import load_file, save_file
+
+    head = make_head(model, vocab=32, feature_layers=(1, 2))
+    path = tmp_path / "fused.safetensors"
+    save_eagle_head(head, path)
+    back = load_eagle_head(path, model)
+    assert back.feature_layers == (1, 2) and back.metadata["feature_layers"] == "1,2"
+    assert torch.allclose(back.fuse.float(), head.fuse.to(torch.bfloat16).float())
+    state = load_file(path)
+    save_file({**state, "fuse": state["fuse"][:, :64].contiguous()}, tmp_path / "bad.safetensors",
+              metadata={"feature_layers": "1,2"})
+    with pytest.raises(ValueError, match="does not fit its feature layers"):
+        load_eagle_head(tmp_path / "bad.safetensors", model)
+    for bad in ((2, 1), (0,), (3,), (1, 1)):
+        with pytest.raises(ValueError, match="increasing layer counts"):
+            make_head(model).fuse_with(bad)
+    with pytest.raises(ValueError, match="width"):
+        back.fuse_features(torch.zeros(2, model.config.hidden_size))
+    with pytest.raises(ValueError, match="width"):
+        make_head(model).decode_features(torch.zeros(2, 2 * model.config.hidden_size))
+
+
+def test_training_fused_features_writes_a_fused_head(model, monkeypatch, tmp_path):
+    """``--features fused`` on data of layers (1, 2, 3) writes a head that fuses (1, 2) with the
+    last and decodes losslessly; ``--init-from`` a last-layer head with ``--features fused``
+    starts the projection at the last layer alone (a zero learning rate keeps exactly that);
+    a fused head is refused for a last-layer run."""
+    layers = (1, 2, model.config.num_layers)
+    fused_file = _continued_training_run(model, monkeypatch, tmp_path, "--features", "fused", layers=layers)
+    fused = load_eagle_head(fused_file, model)
+    assert fused.feature_layers == (1, 2) and fused.metadata["features"] == "fused"
+    out = Generator(model, EagleDrafter(model, fused, step_cost=FREE, step_seconds=SLOW_STEP, top_k=3, max_depth=4),
+                    SpecSchedule("max", 4, max_k=4)).generate([[3, 1, 4, 1, 5]], 12)[0].output
+    assert out == greedy_reference(model, [3, 1, 4, 1, 5], 12)
+    assert not torch.equal(fused.fuse[:, :64].float(), torch.zeros(64, 64))  # trained, not the start
+    top_file = _continued_training_run(model, monkeypatch, tmp_path, "--head-intermediate", "32")
+    kept = load_eagle_head(_continued_training_run(model, monkeypatch, tmp_path, "--init-from", str(top_file),
+                                                   "--features", "fused", "--lr", "0", layers=layers), model)
+    H = model.config.hidden_size
+    assert kept.feature_layers == (1, 2)
+    assert torch.equal(kept.fuse.float(), torch.cat([torch.zeros(H, 2 * H), torch.eye(H)], 1))
+    with pytest.raises(SystemExit, match="continue it with --features fused"):
+        _continued_training_run(model, monkeypatch, tmp_path, "--init-from", str(fused_file))

@@ -261,6 +261,31 @@ class DecoderStack {
     return output(checked_layer(layer, x), x, attn, RowRange{skinny_min_rows, skinny_max_rows});
   }
 
+  // The hidden states the next forward copies out besides its last one (EAGLE-3's low and
+  // middle features): the outputs of the given layer counts (each in [1, num_layers of that
+  // forward]), read in that order with take_captured, which also clears the request. Set and
+  // taken around one call by its caller (Llama.forward_logits' feature_layers); a stack serves
+  // one caller at a time there.
+  void set_capture(std::vector<int64_t> counts) {
+    for (int64_t n : counts) {
+      TORCH_CHECK(n >= 1 && n <= num_layers(), "DecoderStack.set_capture: layer counts must be in [1, ", num_layers(),
+                  "], got ", n);
+    }
+    capture_ = std::move(counts);
+    captured_.assign(capture_.size(), at::Tensor());
+  }
+  std::vector<at::Tensor> take_captured() {
+    std::vector<at::Tensor> out = std::move(captured_);
+    const std::vector<int64_t> counts = std::move(capture_);
+    capture_.clear();
+    captured_.clear();
+    for (size_t j = 0; j < counts.size(); ++j) {
+      TORCH_CHECK(out[j].defined(), "DecoderStack.take_captured: the last forward ran fewer than ", counts[j],
+                  " layers");
+    }
+    return out;
+  }
+
   // h [T, H] (the embeddings) through the first num_layers layers; positions int32/int64 [T]
   // (RoPE's), cos, sin [R, D] (the model's tables, models.block.rope_tables; positions < R);
   // the caches and batch fields as models.block.paged_attention takes them (k_caches /
@@ -293,6 +318,7 @@ class DecoderStack {
       const at::Tensor attn = attention(layers_[i], x, rope, k_caches[i], v_caches[i], block_table, prefix_lens,
                                         qo_indptr, slot_mapping, tree_mask, sm_scale, skinny);
       x = output(layers_[i], x, attn, skinny);
+      keep_captured(i + 1, x);
     }
     return x;
   }
@@ -465,8 +491,16 @@ class DecoderStack {
       float* next = i + 1 == num_layers ? out.data_ptr<float>() : b->x.data_ptr<float>();
       timed(residuals_s_, [&] { add_into(hb, o, next, T * H); });
       x = next;
+      if (!capture_.empty()) keep_captured(i + 1, at::from_blob(next, {T, H}, h.options()));
     }
     return out;
+  }
+
+  // A copy of the hidden states x [T, H] after `count` layers, where set_capture asked for them.
+  void keep_captured(int64_t count, const at::Tensor& x) {
+    for (size_t j = 0; j < capture_.size(); ++j) {
+      if (capture_[j] == count) captured_[j] = x.clone();
+    }
   }
 
   template <typename F>
@@ -641,6 +675,8 @@ class DecoderStack {
   Product head_;
   std::mutex buffers_mutex_;
   std::map<int64_t, Buffers> buffers_;  // by row count
+  std::vector<int64_t> capture_;       // set_capture's layer counts
+  std::vector<at::Tensor> captured_;   // their states from the last forward (undefined: not reached)
 };
 
 // A pybind11 class, not a torch.classes one: a call from Python through torch.classes (schema
@@ -657,6 +693,8 @@ void bind_decoder_stack(pybind11::module_& m) {
       .def("forward", &DecoderStack::forward)
       .def("forward_logits", &DecoderStack::forward_logits)
       .def("forward_logits_host", &DecoderStack::forward_logits_host)
+      .def("set_capture", &DecoderStack::set_capture)
+      .def("take_captured", &DecoderStack::take_captured)
       .def("qkv", &DecoderStack::qkv)
       .def("output", &DecoderStack::output_of);
 }

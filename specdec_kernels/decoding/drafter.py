@@ -47,6 +47,9 @@ class Drafter:
     name = "drafter"
     max_nodes = 16  # most nodes (root included) a draft may have: sizes the caches
     uses_hidden = False  # whether the Generator hands it the target's hidden states (hidden_states)
+    # With uses_hidden: the layer counts whose states come before the last layer's in each
+    # row of ``hidden_states`` (EAGLE-3's fused features: [n, (len + 1) H]); () = the last alone.
+    feature_layers: tuple = ()
 
     def start(self, gen, reqs) -> None:
         """A generation begins: ``reqs`` are its first requests, prefilled (``gen.cache`` is
@@ -66,7 +69,8 @@ class Drafter:
 
     def hidden_states(self, gen, req, hidden, tokens) -> None:
         """Only for a drafter with ``uses_hidden``: ``hidden`` [n, H], the target's pre-norm
-        hidden states that ``req``'s last forward computed for the tokens now in its cache,
+        hidden states that ``req``'s last forward computed for the tokens now in its cache
+        ([n, (k + 1) H] with k ``feature_layers``: the states after those layers, then the last),
         row i the one that produced ``tokens[i]`` (so the last row produced the root). After
         the prefill (following ``start`` / ``admit``): the prompt's tokens but the last, tokens
         = prompt[1:]; after each step (before ``verified``): the root and the accepted nodes,

@@ -100,7 +100,8 @@ class Verification:
     num_nodes: torch.Tensor  # int32 [B]
     sizes: list  # int: num_nodes as Python ints
     depth: list  # int: each tree's depth
-    hidden: torch.Tensor  # [T, H] pre-norm hidden states; request b's nodes at rows qo_indptr[b]:qo_indptr[b+1]
+    hidden: torch.Tensor  # [T, H] pre-norm hidden states ([T, (k + 1) H] with the drafter's k feature_layers);
+    # request b's nodes at rows qo_indptr[b]:qo_indptr[b+1]
     logits: torch.Tensor  # fp32 [T, V], the same rows
     qo_indptr: torch.Tensor  # int32 [B+1]
 
@@ -231,7 +232,7 @@ class Generator:
             r.tokens = list(r.prompt)
             r.slot = self.cache.add_request(len(r.prompt))
             # The prompt's last token is the first root: only the tokens before it are cached.
-            h = self.model.prefill(torch.tensor(r.prompt[:-1], dtype=torch.int64), self.cache, r.slot)
+            h = self._prefill(r)
             r.offset = 0
             r.stats.time_prefill = time.perf_counter() - t0
             r.stats.prefill_tokens = len(r.prompt) - 1
@@ -253,6 +254,21 @@ class Generator:
             for r in admitted:
                 r.stats.time_prefill += share
         return admitted
+
+    @property
+    def feature_layers(self) -> tuple:
+        """The layer counts whose states the drafter reads besides the last layer's (its
+        ``feature_layers``; () when it reads none or only the last)."""
+        return tuple(self.drafter.feature_layers) if self.drafter and self.drafter.uses_hidden else ()
+
+    def _prefill(self, r: Request) -> torch.Tensor:
+        """The prefill of request ``r``'s prompt but its last token -> the hidden states its
+        drafter is handed ([P - 1, H], or with ``feature_layers`` [P - 1, (k + 1) H])."""
+        tokens = torch.tensor(r.prompt[:-1], dtype=torch.int64)
+        if not self.feature_layers:
+            return self.model.prefill(tokens, self.cache, r.slot)
+        h, states = self.model.prefill(tokens, self.cache, r.slot, return_layers=self.feature_layers)
+        return self.model.with_features(h, states)
 
     @torch.inference_mode()
     def step(self, reqs: list[Request], on_tokens=None, eos=frozenset()) -> None:
@@ -320,7 +336,8 @@ class Generator:
         slots = [r.slot for r in reqs]
         if N == 1:  # roots only: the autoregressive step, its batch as the cache's host integers
             t0 = time.perf_counter()
-            hidden, logits = model.decode_logits([d.tokens[0] for d in drafts], cache, slots)
+            hidden, logits = model.decode_logits([d.tokens[0] for d in drafts], cache, slots,
+                                                 feature_layers=self.feature_layers)
             self._observe_step(B, B, time.perf_counter() - t0)
             return Verification(torch.full((B, 1), -1, dtype=torch.int32),
                                 torch.tensor([d.tokens for d in drafts], dtype=torch.int64),
@@ -341,7 +358,7 @@ class Generator:
         mask = None if is_chain else tree_mask_ragged(build_tree_mask(parents, num_nodes), new.qo_indptr, tokens.shape[0])
         batch = Batch(block_table, prefix_lens, new.qo_indptr, new.slot_mapping, mask)
         t0 = time.perf_counter()
-        hidden, logits = model.forward_logits(tokens, positions, cache, batch)
+        hidden, logits = model.forward_logits(tokens, positions, cache, batch, feature_layers=self.feature_layers)
         # What the step-cost curve measures: the forward and the LM head over every row.
         self._observe_step(int(tokens.shape[0]), B, time.perf_counter() - t0)
         return Verification(parents, tree_tokens, num_nodes, sizes, [max(dep) for dep in depths], hidden,

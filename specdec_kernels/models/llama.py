@@ -21,6 +21,7 @@ weights keep fp32 activations, or with ``with_int8_activations`` (weight format
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -288,52 +289,102 @@ class Llama:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache, batch: Batch,
-                *, num_layers: int | None = None) -> torch.Tensor:
+                *, num_layers: int | None = None, feature_layers=()) -> torch.Tensor:
         """Run T new tokens (int64 [T], positions int64 [T]) of a batch through the first
         ``num_layers`` layers (all by default), writing their K/V into ``cache`` at
-        ``batch.slot_mapping`` (nothing is committed: the caller owns the cache lengths). Returns the last hidden states [T, H] (before the final norm)."""
+        ``batch.slot_mapping`` (nothing is committed: the caller owns the cache lengths). Returns
+        the last hidden states [T, H] (before the final norm); with ``feature_layers`` (layer
+        counts, EAGLE-3's low and middle features) [T, (n + 1) H]: the states after those
+        layers, then the last (:meth:`with_features`)."""
+        return self.with_features(*self._layers_forward(tokens, positions, cache, batch, num_layers, feature_layers))
+
+    def _layers_forward(self, tokens, positions, cache, batch, num_layers, feature_layers) -> tuple:
+        """:meth:`forward`'s work: (the last hidden states [T, H], [the states after each of
+        ``feature_layers``])."""
+        self._check_feature_layers(feature_layers, len(self.layers[:num_layers]))
         stack = self.decoder_stack() if cache.device.type == "cpu" else None
         if stack is not None:
-            return stack.forward(*self._stack_args(tokens, positions, cache, batch, num_layers))
+            with self._capturing(stack, feature_layers) as captured:
+                h = stack.forward(*self._stack_args(tokens, positions, cache, batch, num_layers))
+            return h, captured
         self._ensure_rope(int(positions.max()) + 1)
         rope = rope_at(self.cos, self.sin, positions)
         h = self.embed_tokens(tokens)
+        states = {}
         for i, L in enumerate(self.layers[:num_layers]):
             q, k, v = self.block.qkv(L, h, rope)
             h = self.block.output(L, h, paged_attention(cache, i, batch, q, k, v))
-        return h
+            states[i + 1] = h
+        return h, [states[n] for n in feature_layers]
+
+    @staticmethod
+    def _check_feature_layers(feature_layers, run: int) -> None:
+        """``feature_layers`` must be layer counts among the ``run`` layers of the forward."""
+        bad = [n for n in feature_layers if not (isinstance(n, int) and 1 <= n <= run)]
+        if bad:
+            raise ValueError(f"feature layers must be layer counts in [1, {run}], got {list(feature_layers)}")
 
     @torch.inference_mode()
     def forward_logits(self, tokens: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
-                       batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward` through every layer, then :meth:`logits` of every row: (hidden [T, H],
-        fp32 logits [T, V]) — one C++ call on the fused step path (a verification step)."""
+                       batch: Batch, *, feature_layers=()) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` through every layer, then :meth:`logits` of every row: (hidden [T, H]
+        (with ``feature_layers`` [T, (n + 1) H], as :meth:`forward`), fp32 logits [T, V]) — one
+        C++ call on the fused step path (a verification step)."""
+        self._check_feature_layers(feature_layers, len(self.layers))
         stack = self.decoder_stack() if cache.device.type == "cpu" else None
         if stack is not None:
-            hidden, logits = stack.forward_logits(*self._stack_args(tokens, positions, cache, batch, None))
-            return hidden, logits
-        hidden = self.forward(tokens, positions, cache, batch)
-        return hidden, self.logits(hidden)
+            with self._capturing(stack, feature_layers) as captured:
+                hidden, logits = stack.forward_logits(*self._stack_args(tokens, positions, cache, batch, None))
+            return self.with_features(hidden, captured), logits
+        hidden, captured = self._layers_forward(tokens, positions, cache, batch, None, feature_layers)
+        return self.with_features(hidden, captured), self.logits(hidden)
 
-    def decode_logits(self, tokens: list[int], cache: PagedKVCache, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_logits(self, tokens: list[int], cache: PagedKVCache, slots: list[int], *,
+                      feature_layers=()) -> tuple[torch.Tensor, torch.Tensor]:
         """The autoregressive step: ``tokens[b]`` (an int) at the next position of ``slots[b]``,
-        through every layer and the LM head -> (hidden [B, H], fp32 logits [B, V]); K/V
-        written, nothing committed (:meth:`forward_logits` with the cache's ``append_slots`` /
-        ``batch_view``, the same bits). On the fused path the batch goes to the C++ stack as
-        the cache's host integers: a tensor made in Python costs ~25 us when cold, as every
-        step that has just streamed the weights finds it."""
+        through every layer and the LM head -> (hidden [B, H] (with ``feature_layers`` [B,
+        (n + 1) H]), fp32 logits [B, V]); K/V written, nothing committed (:meth:`forward_logits`
+        with the cache's ``append_slots`` / ``batch_view``, the same bits). On the fused path
+        the batch goes to the C++ stack as the cache's host integers: a tensor made in Python
+        costs ~25 us when cold, as every step that has just streamed the weights finds it."""
+        self._check_feature_layers(feature_layers, len(self.layers))
         stack = self.decoder_stack() if cache.device.type == "cpu" else None
         if stack is None:
             new = cache.append_slots(slots, 1)
             block_table, prefix_lens = cache.batch_view(slots)
             return self.forward_logits(torch.tensor(tokens, dtype=torch.int64, device=cache.device),
                                        new.cache_positions.long(), cache,
-                                       Batch(block_table, prefix_lens, new.qo_indptr, new.slot_mapping))
+                                       Batch(block_table, prefix_lens, new.qo_indptr, new.slot_mapping),
+                                       feature_layers=feature_layers)
         positions, slot_mapping, qo_indptr = cache.plan_append(slots, 1)
         table, prefix_lens = cache.host_view(slots)
         h, skinny = self._stack_inputs(tokens, cache)
-        return tuple(stack.forward_logits_host(h, positions, self.cos, self.sin, cache.k_caches, cache.v_caches, table,
-                                               prefix_lens, qo_indptr, slot_mapping, len(self.layers), *skinny))
+        with self._capturing(stack, feature_layers) as captured:
+            hidden, logits = stack.forward_logits_host(h, positions, self.cos, self.sin, cache.k_caches, cache.v_caches,
+                                                       table, prefix_lens, qo_indptr, slot_mapping, len(self.layers),
+                                                       *skinny)
+        return self.with_features(hidden, captured), logits
+
+    @staticmethod
+    def with_features(hidden: torch.Tensor, features: list) -> torch.Tensor:
+        """The hidden states [T, H] after the ``features`` [[T, H], ...] (earlier layers' states)
+        as one [T, (n + 1) H] tensor, the last layer's last; ``hidden`` itself when there are none."""
+        return torch.cat([*features, hidden], dim=-1) if features else hidden
+
+    @contextlib.contextmanager
+    def _capturing(self, stack, feature_layers):
+        """Around one C++ stack call: the states after the ``feature_layers`` counts, taken
+        into the yielded list once the call is done (nothing asked: an empty list, no calls)."""
+        captured = []
+        if not feature_layers:
+            yield captured
+            return
+        stack.set_capture(list(feature_layers))
+        try:
+            yield captured
+            captured.extend(stack.take_captured())
+        finally:
+            stack.set_capture([])
 
     def _stack_inputs(self, tokens, cache: PagedKVCache) -> tuple[torch.Tensor, tuple[int, int]]:
         """(the embeddings [T, H], the skinny row range) of a stack call; the rotary tables made

@@ -134,6 +134,11 @@ class EagleDrafter(SizedDrafter):
         # serves many requests, so that cost belongs to construction, not to the first step.
         self.head.decode_weights(target.dtype)
 
+    @property
+    def feature_layers(self) -> tuple:
+        """The target layers whose states the head fuses besides the last (``EagleHead.fuse_with``)."""
+        return self.head.feature_layers
+
     # ---- costs ------------------------------------------------------------------------
     def _draft_cost(self, depths: int, batch: int = 1) -> float:
         """Relative cost of ``depths`` expansion depths (measured; 0 until measured) against a
@@ -226,7 +231,7 @@ class EagleDrafter(SizedDrafter):
         new = cache.append_slots(slots, counts)
         block_table, prefix = cache.batch_view(slots)
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts)])
-        x = head.decode_inputs(torch.cat(feats), torch.tensor(toks, dtype=torch.int64))
+        x = head.decode_inputs(head.decode_features(torch.cat(feats)), torch.tensor(toks, dtype=torch.int64))
         q, k, v = head.decode_qkv(x, positions)
         cache.write(0, new.slot_mapping, k, v)
         attn = torch.empty_like(q)

@@ -12,17 +12,15 @@ computed yet (EAGLE's feature-level autoregression)::
     g_t = DecoderLayer(x_t, position t, K/V of x_0..x_t)
     draft logits = norm(g_t) @ lm_head[draft_vocab]^T
 
-Why the top feature alone and not EAGLE-3's low/middle/high fusion: a quick probe on this
-machine (``specdec train-eagle --features fused|top --unroll 1 --max-updates 10``, the same
-96 self-distillation sequences, 15.8k positions, same seed) gave held-out depth-1 top-1
-0.182 with layers 2/15/30 fused by a learned [H, 3H] projection vs 0.144 with the last layer
-alone — a small gain after only 10 updates, not a settled one; and fusion needs the
-verification forward to return two more hidden states per verified node (the decode loop
-keeps only the last layer's, and a feature-level draft must get them for every accepted
-node), plus an input path for the head's own outputs, which are estimates of the *last*
-layer only. With the training budget of one CPU-hour, the last layer's feature — which the
-loop already returns — was the better use of the time; fusion stays a measured option for
-a larger budget.
+EAGLE-3's fusion (:meth:`EagleHead.fuse_with`): ``f_t`` is then a learned projection
+``fuse`` [H, (k + 1) H] of the target's states after ``feature_layers`` (e.g. layers 2 and 14
+of 28) and after its last layer, which the decode loop hands over for every verified row
+(``Drafter.feature_layers``, ``Llama.forward(..., feature_layers=)``); the head's own outputs
+``g`` estimate the projected feature and are fed back unprojected, as in training (its
+``unrolled`` forward). ``fuse`` starts as the last layer alone, so fusion added to a trained
+head drafts as it did until trained further. The shipped heads read the last layer alone: in
+same-budget probes on this machine fusion was no better (docs/training.md, "What each part
+adds"), and the budget went to more data instead.
 
 Only the layer, ``fc`` and the draft vocabulary are stored (bf16, see :func:`save_eagle_head`);
 the embedding, final norm and LM head rows are the target's (frozen, attached at load).
@@ -52,7 +50,8 @@ class EagleHead(nn.Module):
     """The draft layer. Parameters: ``fc`` [H, 2H]; the decoder layer (``models.block``)
     ``attn_norm`` [H], ``wqkv`` [(Hq+2Hkv)*D, H], ``bqkv`` [(Hq+2Hkv)*D] (with
     ``attention_bias``: a Qwen2 target's layer), ``wo`` [H, Hq*D], ``mlp_norm`` [H],
-    ``w_gate_up`` [2I, H], ``w_down`` [H, I]. Buffers (not trained): ``draft_vocab`` int64
+    ``w_gate_up`` [2I, H], ``w_down`` [H, I]; with ``feature_layers`` ``fuse`` [H, (k + 1) H]
+    (:meth:`fuse_with`). Buffers (not trained): ``draft_vocab`` int64
     [Vd] and, once :meth:`attach` ed to a target, its ``embed`` [V, H], ``norm`` [H] and
     ``lm_head_draft`` [Vd, H] (the LM head's rows of the draft vocabulary).
 
@@ -62,7 +61,7 @@ class EagleHead(nn.Module):
     ``decode_*`` fast paths)."""
 
     def __init__(self, config, draft_vocab: torch.Tensor, *, intermediate_size: int | None = None,
-                 attention_bias: bool | None = None):
+                 attention_bias: bool | None = None, feature_layers=()):
         super().__init__()
         H, D = config.hidden_size, config.head_dim
         self.config = config
@@ -96,6 +95,38 @@ class EagleHead(nn.Module):
         self._decode_stack = None
         self._rope_len = 0
         self.metadata: dict = {}
+        self.feature_layers: tuple = ()
+        self.register_parameter("fuse", None)  # with feature_layers: [H, (k + 1) H] (fuse_with)
+        if feature_layers:
+            self.fuse_with(feature_layers)
+
+    def fuse_with(self, feature_layers) -> "EagleHead":
+        """Read EAGLE-3's fused features: the target's states after the layer counts
+        ``feature_layers`` (increasing, below the target's layer count; e.g. (2, 14) of 28) and
+        after its last layer, concatenated [.., (k + 1) H], through ``fuse`` [H, (k + 1) H] in
+        place of the last layer's state alone. ``fuse`` starts as that state alone (zeros, then
+        the identity), so a head given fusion drafts as before until it is trained."""
+        layers = tuple(int(n) for n in feature_layers)
+        L = self.config.num_layers
+        if not layers or list(layers) != sorted(set(layers)) or layers[0] < 1 or layers[-1] >= L:
+            raise ValueError(f"feature layers must be increasing layer counts in [1, {L - 1}], got {feature_layers}")
+        H = self.hidden_size
+        self.feature_layers = layers
+        self.fuse = nn.Parameter(torch.cat([torch.zeros(H, len(layers) * H), torch.eye(H)], 1).to(self.fc.dtype))
+        self._decode_weights = None
+        return self
+
+    def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features [..., (k + 1) H] (the last layer's alone, [..., H], without
+        fusion) -> f [..., H], the head's input feature."""
+        self._check_width(features)
+        return features if self.fuse is None else F.linear(features, self.fuse.to(features.dtype))
+
+    def _check_width(self, features: torch.Tensor) -> None:
+        width = self.hidden_size * (len(self.feature_layers) + 1)
+        if features.shape[-1] != width:
+            raise ValueError(f"the head reads target features of width {width} (feature layers "
+                             f"{self.feature_layers or 'none'} and the last), got {tuple(features.shape)}")
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -204,7 +235,7 @@ class EagleHead(nn.Module):
                     q = quantize(t.float().contiguous(), self.decode_format) if isinstance(t, torch.Tensor) else t
                     return q.with_int8_activations() if self.int8_activations else q
 
-                for n in ("fc", "wqkv", "wo", "w_gate_up", "w_down"):
+                for n in ("fc", "wqkv", "wo", "w_gate_up", "w_down") + (("fuse",) if self.fuse is not None else ()):
                     w[n] = blocks(w[n])
                 own = self._lm_head_blocks  # the target's rows whatever their type: see above
                 w["lm_head_draft"] = blocks(own if own is not None else self.lm_head_draft)
@@ -242,6 +273,14 @@ class EagleHead(nn.Module):
         """The decode block's product: the model's linear, in x's dtype (quantized_linear
         returns fp32)."""
         return linear(x, w, bias).to(x.dtype)
+
+    @torch.inference_mode()
+    def decode_features(self, features: torch.Tensor) -> torch.Tensor:
+        """:meth:`fuse_features` on the decode weights (features in the decode dtype)."""
+        self._check_width(features)
+        if self.fuse is None:
+            return features
+        return self._linear(features, self.decode_weights(features.dtype)["fuse"])
 
     @torch.inference_mode()
     def decode_inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -326,7 +365,8 @@ def save_eagle_head(head: EagleHead, path, *, dtype=torch.bfloat16, metadata: di
 
     state = {n: p.detach().to(dtype).contiguous().clone() for n, p in head.named_parameters()}
     state["draft_vocab"] = head.draft_vocab.detach().to(torch.int64).clone()
-    meta = {**head.metadata, **(metadata or {}), "intermediate_size": str(head.intermediate_size)}
+    meta = {**head.metadata, **(metadata or {}), "intermediate_size": str(head.intermediate_size),
+            "feature_layers": ",".join(map(str, head.feature_layers))}
     save_file(state, os.fspath(path), metadata={str(k): str(v) for k, v in meta.items()})
 
 
@@ -343,8 +383,13 @@ def load_eagle_head(path, target) -> EagleHead:
     if state["fc"].shape != (target.config.hidden_size, 2 * target.config.hidden_size):
         raise ValueError(f"{path}: fc has shape {tuple(state['fc'].shape)}, the target's hidden size is "
                          f"{target.config.hidden_size}")
+    H = target.config.hidden_size
+    layers = tuple(int(n) for n in meta.get("feature_layers", "").split(",") if n.strip())
+    if ("fuse" in state) != bool(layers) or ("fuse" in state and state["fuse"].shape != (H, (len(layers) + 1) * H)):
+        raise ValueError(f"{path}: its fusion weight {tuple(state['fuse'].shape) if 'fuse' in state else None} does "
+                         f"not fit its feature layers {layers or 'none'} (hidden size {H})")
     head = EagleHead(target.config, state["draft_vocab"], intermediate_size=state["w_down"].shape[1],
-                     attention_bias="bqkv" in state)
+                     attention_bias="bqkv" in state, feature_layers=layers)
     head.load_state_dict({k: v.float() for k, v in state.items()})
     head.metadata = meta
     head.to(target.dtype)

@@ -26,8 +26,11 @@
    unless ``--overwrite`` is given.
 
 Feature choice (module docstring of ``drafting.eagle.head``): ``--features fused`` trains
-the same head on a learned projection of layers low/middle/last instead of the last layer
-alone (depth-1 comparison only; decoding uses the last layer).
+the same head on a learned projection (``EagleHead.fuse``) of the data's layers low / middle /
+last instead of the last layer alone, as EAGLE-3 does; the decode loop then hands the head
+those layers' states (``EagleHead.feature_layers``). ``--init-from`` a last-layer head with
+``--features fused`` starts the projection at the last layer alone, so the run starts from
+that head's drafts.
 """
 from __future__ import annotations
 
@@ -100,16 +103,16 @@ class Examples:
                 "target_logits": tlog, "lens": lens, "answer_from": answer_from}
 
 
-def unrolled(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, steps: int, fuse=None) -> list:
-    """The training-time-test forward (module docstring, 3): feats [B, T, H] (or [B, T, 3, H]
-    with ``fuse`` [H, 3H]), tokens int64 [B, T] -> [g^(1), ..., g^(steps)], each [B, T, H]."""
+def unrolled(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, steps: int) -> list:
+    """The training-time-test forward (module docstring, 3): feats [B, T, H] (or [B, T, k + 1,
+    H] for a head with k ``feature_layers``), tokens int64 [B, T] -> [g^(1), ..., g^(steps)],
+    each [B, T, H]."""
     B, T = tokens.shape
     H, D, Hq, Hkv = head.hidden_size, head.head_dim, head.num_heads, head.num_kv_heads
     rep = Hq // Hkv
     scale = 1.0 / math.sqrt(D)
     pos = torch.arange(T).repeat(B)
-    if fuse is not None:
-        feats = F.linear(feats.reshape(B, T, -1), fuse)
+    feats = head.fuse_features(feats.reshape(B, T, -1))
     outs, keys, values = [], [], []
     cur = feats
     t_idx = torch.arange(T)
@@ -144,7 +147,7 @@ def unrolled(head: EagleHead, feats: torch.Tensor, tokens: torch.Tensor, steps: 
     return outs
 
 
-def losses(head, batch, steps: int, *, feat_scale: float, decay: float = 0.7, reg_weight: float = 0.3, fuse=None,
+def losses(head, batch, steps: int, *, feat_scale: float, decay: float = 0.7, reg_weight: float = 0.3,
            precision: str = "fp32"):
     """(total loss, per-step top-1 hits [steps], per-step valid counts [steps]). The loss
     covers every position; hits and counts only the answer's (where decoding drafts: the
@@ -154,7 +157,7 @@ def losses(head, batch, steps: int, *, feat_scale: float, decay: float = 0.7, re
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-        g_all = unrolled(head, batch["feats"], batch["tokens"], steps, fuse)
+        g_all = unrolled(head, batch["feats"], batch["tokens"], steps)
         logp_all = [head.logits(g).log_softmax(-1) for g in g_all]  # fp32 [B, T, Vd] each
     g_all = [g.float() for g in g_all]
     T = batch["tokens"].shape[1]
@@ -181,14 +184,14 @@ def losses(head, batch, steps: int, *, feat_scale: float, decay: float = 0.7, re
 
 
 @torch.no_grad()
-def evaluate(head, examples: Examples, steps: int, *, feat_scale: float, batch_seqs: int = 8, fuse=None,
+def evaluate(head, examples: Examples, steps: int, *, feat_scale: float, batch_seqs: int = 8,
              precision: str = "fp32") -> dict:
     """Held-out per-step top-1 agreement with the target and the chain's expected length."""
     head.eval()
     hits, counts = [0] * steps, [0] * steps
     for s in range(0, len(examples), batch_seqs):
         _, h, c = losses(head, examples.batch(list(range(s, min(len(examples), s + batch_seqs)))), steps,
-                         feat_scale=feat_scale, fuse=fuse, precision=precision)
+                         feat_scale=feat_scale, precision=precision)
         hits = [a + b for a, b in zip(hits, h)]
         counts = [a + b for a, b in zip(counts, c)]
     head.train()
@@ -197,7 +200,7 @@ def evaluate(head, examples: Examples, steps: int, *, feat_scale: float, batch_s
 
 
 def train(head: EagleHead, train_ex: Examples, held_ex: Examples, *, steps: int, epochs: int, batch_seqs: int,
-          lr: float, seed: int, feat_scale: float, fuse=None, log=print, progress: bool = True,
+          lr: float, seed: int, feat_scale: float, log=print, progress: bool = True,
           max_updates: int = 0, max_seconds: float = 0, stop_after: int = 0, on_best=None,
           precision: str = "fp32", score_before: bool = False) -> dict:
     """``recipe.fit`` over ``epochs`` (or ``max_updates``), scored by the held-out expected
@@ -209,16 +212,15 @@ def train(head: EagleHead, train_ex: Examples, held_ex: Examples, *, steps: int,
     stop after that many updates without changing the learning-rate schedule (replays a run
     that the time limit stopped). ``score_before``: score the head before training and keep
     it unless an epoch beats it (continued training, ``--init-from``)."""
-    params = [p for p in head.parameters() if p.requires_grad] + ([fuse] if fuse is not None else [])
+    params = [p for p in head.parameters() if p.requires_grad]
     epoch = [-1 if score_before else 0]  # the score before training is "epoch -1"
 
     def step(seqs):
-        loss, hits, counts = losses(head, train_ex.batch(seqs), steps, feat_scale=feat_scale, fuse=fuse,
-                                    precision=precision)
+        loss, hits, counts = losses(head, train_ex.batch(seqs), steps, feat_scale=feat_scale, precision=precision)
         return loss, {"loss": f"{float(loss.detach()):.3f}", "top1": f"{hits[0] / max(1, counts[0]):.2f}"}
 
     def score():
-        ev = evaluate(head, held_ex, steps, feat_scale=feat_scale, fuse=fuse, precision=precision)
+        ev = evaluate(head, held_ex, steps, feat_scale=feat_scale, precision=precision)
         ev["epoch"] = epoch[0]
         epoch[0] += 1
         return ev["expected_chain_length"], ev, (f"held-out top-1 by depth {[round(a, 3) for a in ev['top1_by_depth']]}, "
@@ -251,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab-size", type=int, default=8192,
                    help="tokens the head drafts from (8192 covered 0.93 of held-out greedy tokens, 4096 0.89)")
     p.add_argument("--features", choices=("top", "fused"), default="top",
-                   help="top: the target's last hidden state; fused: low/middle/high layers' states fused (EAGLE-3)")
+                   help="top: the target's last hidden state; fused: the low / middle / last layers' states through "
+                        "a learned projection (EAGLE-3), which decoding then reads too")
     p.add_argument("--head-intermediate", type=int, default=0,
                    help="the head's MLP width (0: the target's); narrower heads cost less per draft depth and fit "
                         "the package (the 1.5B's shipped head: 1536)")
@@ -326,12 +329,10 @@ def _split_examples(args, model, data, vocab=None):
 
 def _check_init_from(args) -> None:
     """Refuse an ``--init-from`` head that does not fit this run before any data is made: it
-    must exist, be trained for the same model, have the requested MLP width, and the run
-    must train last-layer features."""
+    must exist, be trained for the same model, have the requested MLP width, and a head of
+    fused features needs ``--features fused`` (a last-layer head fits either)."""
     from safetensors import safe_open
 
-    if args.features != "top":
-        raise SystemExit("--init-from continues a last-layer head: it cannot be used with --features fused")
     if not os.path.isfile(args.init_from):
         raise SystemExit(f"--init-from {args.init_from}: no such file")
     with safe_open(args.init_from, framework="pt") as f:
@@ -339,6 +340,9 @@ def _check_init_from(args) -> None:
         width = f.get_slice("w_down").get_shape()[1] if "w_down" in keys else None
     if width is None:
         raise SystemExit(f"--init-from {args.init_from}: not an EAGLE head file (no w_down)")
+    if meta.get("feature_layers") and args.features != "fused":
+        raise SystemExit(f"--init-from {args.init_from} reads fused features (layers {meta['feature_layers']} and the "
+                         "last): continue it with --features fused")
     if meta.get("model") and meta["model"] != args.model:
         raise SystemExit(f"--init-from {args.init_from} was trained for {meta['model']!r}, not {args.model!r}")
     if args.head_intermediate and args.head_intermediate != width:
@@ -380,7 +384,7 @@ def _base_metadata(args, data, train_sequences: int, draft_vocab_size: int) -> d
 
 def _finish(args, model, tok, head, result: dict, train_s: float, base_meta: dict) -> None:
     """Report the training, decode the validation prompts with the head and write it with
-    its final metadata (``--features top``: a fused head is not written)."""
+    its final metadata."""
     print(f"trained in {train_s:.0f}s ({result['updates']} updates"
           f"{', stopped by --max-minutes' if result['stopped_early'] else ''})")
     best = result["best"] or result["history"][-1]  # no held-out data: the last epoch
@@ -388,7 +392,7 @@ def _finish(args, model, tok, head, result: dict, train_s: float, base_meta: dic
             "epoch": best["epoch"], "train_seconds": round(train_s),
             "held_out_top1_by_depth": json.dumps([round(a, 4) for a in best["top1_by_depth"]]),
             "held_out_expected_chain_length": round(best["expected_chain_length"], 4)}
-    if args.features == "top" and args.eval_prompts:
+    if args.eval_prompts:
         from ...decoding.schedule import SpecSchedule
         from .drafter import EagleDrafter
 
@@ -399,9 +403,8 @@ def _finish(args, model, tok, head, result: dict, train_s: float, base_meta: dic
         print(f"validation decoding (greedy, batch 1, {dec['prompts']} prompts): mean accepted length "
               f"{dec['mean_accepted_length']:.3f}")
         meta["validation_mean_accepted_length"] = round(dec["mean_accepted_length"], 3)
-    if args.features == "top":
-        save_eagle_head(head, args.out, metadata=meta)
-        print(f"wrote {args.out} ({os.path.getsize(args.out) / 1e6:.1f} MB)")
+    save_eagle_head(head, args.out, metadata=meta)
+    print(f"wrote {args.out} ({os.path.getsize(args.out) / 1e6:.1f} MB)")
 
 
 def training_precision(requested: str, bf16_in_hardware: bool | None = None) -> str:
@@ -418,6 +421,20 @@ def training_precision(requested: str, bf16_in_hardware: bool | None = None) -> 
         print("warning: this CPU has no bf16 products (AVX512-BF16 / AMX): bf16 training runs far slower "
               "than --precision fp32", file=sys.stderr)
     return requested
+
+
+def _fuse_data_layers(head: EagleHead, data: dict, num_layers: int) -> None:
+    """Give ``head`` fusion of the data's feature layers (their last must be the target's last
+    layer); a head that already fuses must fuse the same ones."""
+    layers = [int(n) for n in data["layers"]]
+    if len(layers) < 2 or layers[-1] != num_layers:
+        raise SystemExit(f"--features fused needs data of several layers ending with the last ({num_layers}); "
+                         f"the data holds {layers}")
+    if not head.feature_layers:
+        head.fuse_with(layers[:-1])
+    elif list(head.feature_layers) != layers[:-1]:
+        raise SystemExit(f"--init-from's head fuses layers {list(head.feature_layers)}; the data holds "
+                         f"{layers[:-1]} (and the last)")
 
 
 def main(argv=None) -> int:
@@ -442,24 +459,20 @@ def main(argv=None) -> int:
         head.attach(model)  # the LM head's rows of the new vocabulary
     if head is None:
         head = EagleHead.for_target(model, vocab, intermediate_size=args.head_intermediate or None)
-    H = model.config.hidden_size
-    fuse = None
     if args.features == "fused":
-        fuse = torch.nn.Parameter(torch.cat([torch.zeros(H, (len(layer_index) - 1) * H), torch.eye(H)], 1))
+        _fuse_data_layers(head, data, model.config.num_layers)
     t1 = time.perf_counter()
     base_meta = _base_metadata(args, data, len(train_seqs), int(vocab.shape[0]))
     if args.init_from:
         base_meta["continued_from"] = _continued_metadata(head, args.init_from)
 
     def save_best(h, ev):  # keep the best epoch on disk as training goes
-        if args.features != "top":
-            return
         save_eagle_head(h, args.out, metadata={**base_meta, "epoch": ev["epoch"],
                                                "held_out_top1_by_depth": json.dumps([round(a, 4) for a in ev["top1_by_depth"]]),
                                                "held_out_expected_chain_length": round(ev["expected_chain_length"], 4)})
 
     result = train(head, train_ex, held_ex, steps=args.unroll, epochs=args.epochs, batch_seqs=args.batch_seqs,
-                   lr=args.lr, seed=args.seed, feat_scale=feat_scale, fuse=fuse, max_updates=args.max_updates,
+                   lr=args.lr, seed=args.seed, feat_scale=feat_scale, max_updates=args.max_updates,
                    max_seconds=args.max_minutes * 60, stop_after=args.stop_after, on_best=save_best,
                    precision=args.precision, score_before=bool(args.init_from))
     _finish(args, model, tok, head, result, time.perf_counter() - t1, base_meta)
