@@ -230,12 +230,14 @@ def weights_format(reader, running: str = "fp32") -> str:
     return f"GGUF, {' / '.join(parts)}, {how}"
 
 
-def load_gguf_native(reader, config: LlamaConfig, *, name: str = "gguf"):
+def load_gguf_native(reader, config: LlamaConfig, *, name: str = "gguf", requantize: str | None = None):
     """A Llama on the file's own blocks: QuantizedWeight linears (q/k rows un-permuted by a row
     gather where the architecture's file permuted them, ``ROPE_PERMUTED``; q|k|v and gate|up
     fused by concatenating rows when the parts share a block type, else kept as a tuple of
     parts), QuantizedWeight embedding (rows dequantised on lookup) and LM head (the embedding
-    when tied), fp32 norms and q|k|v biases."""
+    when tied), fp32 norms and q|k|v biases. ``requantize`` ("Q8_0", "Q4_0"): each block
+    weight requantised to that type as it is read (``Llama.quantized``'s bytes), so the file's
+    own blocks are held one weight at a time, not as a second model."""
     import gguf
 
     from ..gguf_blocks import QuantizedWeight
@@ -260,8 +262,12 @@ def load_gguf_native(reader, config: LlamaConfig, *, name: str = "gguf"):
     def block_weight(data, block_type, shape) -> QuantizedWeight:
         return QuantizedWeight(torch.from_numpy(np.array(data, copy=True, order="C")), block_type, shape)
 
+    def final(w):
+        """``w`` (a block weight or a tuple of parts) as the model keeps it."""
+        return w if requantize is None else Llama.requantized(w, requantize)
+
     def blocks(key: str, n_head: int | None = None) -> QuantizedWeight:
-        return block_weight(*rows(key, n_head))
+        return final(block_weight(*rows(key, n_head)))
 
     def vector(key: str, n_head: int | None = None) -> torch.Tensor:
         t = tensors[key]
@@ -271,8 +277,8 @@ def load_gguf_native(reader, config: LlamaConfig, *, name: str = "gguf"):
     def fused(parts):
         if len({bt for _, bt, _ in parts}) == 1:
             data = np.concatenate([d for d, _, _ in parts])
-            return QuantizedWeight(torch.from_numpy(data), parts[0][1], (data.shape[0], parts[0][2][1]))
-        return tuple(block_weight(*p) for p in parts)
+            return final(QuantizedWeight(torch.from_numpy(data), parts[0][1], (data.shape[0], parts[0][2][1])))
+        return final(tuple(block_weight(*p) for p in parts))
 
     layers = []
     for i in range(config.num_layers):
@@ -292,7 +298,7 @@ def load_gguf_native(reader, config: LlamaConfig, *, name: str = "gguf"):
     embed = blocks("token_embd.weight")
     lm_head = blocks("output.weight") if "output.weight" in tensors else embed
     return Llama(config, dict(embed=embed, norm=vector("output_norm.weight"), lm_head=lm_head, layers=layers),
-                 name=name, weight_format="native")
+                 name=name, weight_format="native" if requantize is None else requantize.lower())
 
 
 WEIGHT_FORMATS = ("native", "native-int8act", "fp32", "bf16", "q8_0", "q4_0")
@@ -317,10 +323,10 @@ def load_gguf(path: str, weights: str = "native"):
             model = model.with_int8_activations()
         model.weights_format = weights_format(reader, weights)
     elif weights in ("q8_0", "q4_0"):
-        # Requantised weight by weight from the file's own blocks (the same bytes as from the
-        # fp32 state dict, without holding the whole model in fp32: 4 bytes a weight, twice over
-        # for the fused q|k|v and gate|up).
-        model = load_gguf_native(reader, config, name=name).quantized(weights.upper())
+        # Requantised weight by weight as the file's blocks are read (the same bytes as from the
+        # fp32 state dict, without the whole model in fp32, 4 bytes a weight, or in the file's
+        # blocks beside the new ones).
+        model = load_gguf_native(reader, config, name=name, requantize=weights.upper())
         model.weights_format = weights_format(reader, weights.upper())
     else:
         config, sd = load_gguf_state_dict(path, config, reader)

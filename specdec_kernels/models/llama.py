@@ -159,16 +159,22 @@ class Llama:
         """A copy whose linear weights, embedding and LM head are GGUF blocks of
         ``block_type`` ("Q8_0", "Q4_0", ..., via ``gguf_blocks.quantize``); norms stay fp32.
         (How a Hugging Face checkpoint, a draft model or heads become a quantised model.)"""
-        from ..gguf_blocks import quantize
-
         def q(w):
-            return quantize(dense(w).float(), block_type)
+            return self.requantized(w, block_type)
 
         embed = q(self.embed)
         lm_head = embed if self.lm_head is self.embed else q(self.lm_head)
         layers = [{k: (q(v) if k in self.LINEAR_KEYS else v.float()) for k, v in L.items()} for L in self.layers]
         return Llama(self.config, dict(embed=embed, norm=self.norm.float(), lm_head=lm_head, layers=layers,
                                        draft_vocab=self.draft_vocab), name=self.name, weight_format=block_type.lower())
+
+    @staticmethod
+    def requantized(w, block_type: str):
+        """One weight (a tensor, block weight or tuple of parts) as GGUF blocks of ``block_type``
+        (dequantised to fp32 first, parts concatenated): what :meth:`quantized` does to each."""
+        from ..gguf_blocks import quantize
+
+        return quantize(dense(w).float(), block_type)
 
     def with_int8_activations(self) -> "Llama":
         """A copy whose Q4_0 / Q4_1 / Q8_0 block linears and LM head multiply with activations
