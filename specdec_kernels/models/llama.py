@@ -320,7 +320,8 @@ class Llama:
         for i, L in enumerate(self.layers[:num_layers]):
             q, k, v = self.block.qkv(L, h, rope)
             h = self.block.output(L, h, paged_attention(cache, i, batch, q, k, v))
-            states[i + 1] = h
+            if i + 1 in feature_layers:  # only those asked for: every layer's states would stay alive
+                states[i + 1] = h
         return h, [states[n] for n in feature_layers]
 
     @staticmethod
