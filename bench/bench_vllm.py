@@ -393,8 +393,7 @@ def summarise(rows: list) -> list:
     return out
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", default=None, help="jsonl with 'turns' (Spec-Bench) or 'prompt'; default: the "
                    "package's prompts")
@@ -438,6 +437,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "vllm.json"))
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv: list) -> argparse.Namespace:
+    """The command line with its model-dependent defaults filled in and checked (an error names
+    the flag); ``uses_draft``: whether a method runs the draft model."""
+    p = build_parser()
     args = p.parse_args(argv)
     if args.hf_weights is None:
         args.hf_weights = "fp32" if args.model == DEFAULT_MODEL else "bf16"
@@ -459,13 +465,11 @@ def main(argv=None) -> int:
         p.error(f"--methods: unknown {' '.join(unknown)} (known: {' '.join(sorted(known))}, "
                 "specdec-proposer=module.Class)")
     if args.child:
-        return child_main(args)
-    uses_draft = any(m.startswith("vllm-draft") for m in args.methods) or ("ours" in args.methods and any(
+        return args
+    args.uses_draft = any(m.startswith("vllm-draft") for m in args.methods) or ("ours" in args.methods and any(
         d.partition(":")[0].startswith("draft") for d in args.ours_drafters))
-    if uses_draft and not (args.draft_model or args.draft_dir):
+    if args.uses_draft and not (args.draft_model or args.draft_dir):
         p.error("vllm-draft and our draft drafters need --draft-model (or --draft-dir)")
-
-    import torch
 
     from bench.bench_e2e import drafter_spec
 
@@ -474,30 +478,12 @@ def main(argv=None) -> int:
             drafter_spec(d)
         except argparse.ArgumentTypeError as e:
             p.error(f"--ours-drafters: {e}")
-    import vllm
+    return args
 
-    ensure_model_dir(args.model_dir, args.model, args.hf_weights)
-    if args.draft_model:
-        ensure_model_dir(args.draft_dir, args.draft_model, args.hf_weights)
-    child_argv = [a for a in argv]
-    for flag, value in (("--model-dir", args.model_dir), ("--draft-dir", args.draft_dir)):
-        if flag not in child_argv and value is not None:
-            child_argv += [flag, value]
-    print(f"{args.model} (vLLM: {args.hf_weights} export; ours: {args.ours_weights})"
-          f"{f', draft {args.draft_model or args.draft_dir}' if uses_draft else ''}; "
-          f"vLLM {vllm.__version__}, torch {torch.__version__}, {args.threads} thread(s); methods: "
-          f"{' '.join(args.methods)}", flush=True)
-    load_start = os.getloadavg()
-    rows = []
-    for repeat in range(args.repeats):
-        # Alternate the order, so that a drift of the machine's load hits every method alike.
-        for method in (args.methods if repeat % 2 == 0 else args.methods[::-1]):
-            rows += [dict(r, repeat=repeat) for r in run_child(method, child_argv, args)]
-    micro = run_child("micro", child_argv, args) if not args.no_micro else []
-    summary = summarise(rows)
-    print(table(summary, ["method", "temperature", "batch", "tokens_per_s", "x_vllm_ar", "decode_tokens_per_s",
-                          "decode_x_vllm_ar", "mean_accepted_length",
-                          "accepted_per_draft_token", "rs_ms_per_step", "greedy_identical_to_vllm_ar"]))
+
+def in_engine_ratios(summary: list, args) -> dict:
+    """vLLM's rejection sampler's time per engine step over ours, on the same drafts: per
+    temperature and batch, for the ngram and draft methods that ran with both samplers."""
     ratios = {}
     for base in ("vllm-ngram", "vllm-draft"):
         for t in args.temperatures:
@@ -509,12 +495,14 @@ def main(argv=None) -> int:
                 if own and ours and own.get("rs_ms_per_step") and ours.get("rs_ms_per_step"):
                     key = f"T={t} batch={bs}" if base == "vllm-ngram" else f"{base} T={t} batch={bs}"
                     ratios[key] = own["rs_ms_per_step"] / ours["rs_ms_per_step"]
-    print("\nrejection sampling per engine step, vLLM's / ours (same drafts): " +
-          ", ".join(f"{k}: {v:.2f}x" for k, v in ratios.items()))
-    if micro:
-        print("\nrejection sampler forward() alone, synthetic step (V = 49152, k drafts each), medians:")
-        print(table(micro, ["temperature", "batch", "k", "vllm_ms", "specdec_ms", "speedup"]))
-    out = Path(args.out)
+    return ratios
+
+
+def write_results(out: Path, args, rows: list, summary: list, ratios: dict, micro: list, load_start) -> None:
+    """The run's JSON (machine, configuration, summary, runs) at ``out``; files by name only."""
+    import torch
+    import vllm
+
     out.parent.mkdir(parents=True, exist_ok=True)
     for r in rows:
         r.pop("outputs")
@@ -532,6 +520,46 @@ def main(argv=None) -> int:
     out.write_text(json.dumps({"machine": machine, "config": config, "summary": summary,
                                "rejection_sampling_speedup_in_engine": ratios, "rejection_sampler_micro": micro,
                                "runs": rows}, indent=1) + "\n")
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if args.child:
+        return child_main(args)
+    import torch
+    import vllm
+
+    ensure_model_dir(args.model_dir, args.model, args.hf_weights)
+    if args.draft_model:
+        ensure_model_dir(args.draft_dir, args.draft_model, args.hf_weights)
+    child_argv = [a for a in argv]
+    for flag, value in (("--model-dir", args.model_dir), ("--draft-dir", args.draft_dir)):
+        if flag not in child_argv and value is not None:
+            child_argv += [flag, value]
+    print(f"{args.model} (vLLM: {args.hf_weights} export; ours: {args.ours_weights})"
+          f"{f', draft {args.draft_model or args.draft_dir}' if args.uses_draft else ''}; "
+          f"vLLM {vllm.__version__}, torch {torch.__version__}, {args.threads} thread(s); methods: "
+          f"{' '.join(args.methods)}", flush=True)
+    load_start = os.getloadavg()
+    rows = []
+    for repeat in range(args.repeats):
+        # Alternate the order, so that a drift of the machine's load hits every method alike.
+        for method in (args.methods if repeat % 2 == 0 else args.methods[::-1]):
+            rows += [dict(r, repeat=repeat) for r in run_child(method, child_argv, args)]
+    micro = run_child("micro", child_argv, args) if not args.no_micro else []
+    summary = summarise(rows)
+    print(table(summary, ["method", "temperature", "batch", "tokens_per_s", "x_vllm_ar", "decode_tokens_per_s",
+                          "decode_x_vllm_ar", "mean_accepted_length",
+                          "accepted_per_draft_token", "rs_ms_per_step", "greedy_identical_to_vllm_ar"]))
+    ratios = in_engine_ratios(summary, args)
+    print("\nrejection sampling per engine step, vLLM's / ours (same drafts): " +
+          ", ".join(f"{k}: {v:.2f}x" for k, v in ratios.items()))
+    if micro:
+        print("\nrejection sampler forward() alone, synthetic step (V = 49152, k drafts each), medians:")
+        print(table(micro, ["temperature", "batch", "k", "vllm_ms", "specdec_ms", "speedup"]))
+    out = Path(args.out)
+    write_results(out, args, rows, summary, ratios, micro, load_start)
     print(f"wrote {out}")
     return 0
 

@@ -266,6 +266,27 @@ def test_bench_method_names_carry_their_draft_weights():
         drafter_spec("ngram-tree:max@q4_0")  # a format that would change nothing is refused, not ignored
 
 
+def test_bench_vllm_arguments_are_resolved_and_checked_without_vllm(capsys):
+    """bench/bench_vllm.py's command line: the model-dependent defaults, and each bad flag an
+    error naming it, before vLLM is imported (the vLLM venv runs the benchmark itself)."""
+    from bench.bench_vllm import VLLM_DRAFT_METHODS, VLLM_METHODS, parse_args
+
+    args = parse_args([])  # SmolLM2: its fp32 export for both engines, no draft
+    assert (args.hf_weights, args.ours_weights, args.uses_draft) == ("fp32", "export", False)
+    assert args.methods == [*VLLM_METHODS, "ours"] and args.ours_drafters == ["ngram:heuristic", "ngram-tree:max"]
+    args = parse_args(["--model", "qwen2.5-coder-1.5b", "--draft-model", "qwen2.5-coder-0.5b"])
+    assert (args.hf_weights, args.ours_weights, args.uses_draft) == ("bf16", "native", True)
+    assert args.methods == [*VLLM_METHODS, *VLLM_DRAFT_METHODS, "ours"] and args.ours_drafters[-1] == "draft"
+    assert args.draft_dir.endswith("qwen2.5-coder-0.5b-bf16-hf")
+    for argv, error in ((["--methods", "bogus"], "--methods: unknown bogus"),
+                        (["--methods", "vllm-draft"], "need --draft-model"),
+                        (["--methods", "ours", "--ours-drafters", "draft"], "need --draft-model"),
+                        (["--ours-drafters", "nope"], "--ours-drafters: ")):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(argv)
+        assert exit_info.value.code == 2 and error in capsys.readouterr().err, argv
+
+
 def test_generate_help_shows_defaults():
     from specdec_kernels.cli import build_parser
 

@@ -325,20 +325,8 @@ class ModelDrafter(SizedDrafter):
     def _draft_chains(self, reqs, lengths, stops, drafts) -> list:
         """The draft model's chains (or top-k trees) of ``lengths[b]`` tokens into ``drafts``;
         where ``stops[b]``, at most ``lengths[b]``, stopped by :meth:`_keep_drafting`."""
-        model, cache = self.model, self.cache
         t_start = time.perf_counter()
-        runs = []
-        for b, (r, k) in enumerate(zip(reqs, lengths)):
-            if k <= 0:
-                continue
-            # Step 0 feeds what the draft cache lacks (the root, plus any tokens accepted last
-            # step that the draft never saw); later steps feed one drafted token each.
-            slot = self._slot(r)
-            committed = cache.length(slot)
-            pending = r.tokens[committed:]
-            cache.reserve([slot], [len(pending) + k])
-            runs.append(ChainRun(b, r, slot, k, committed, pending, feed=pending, pos=committed,
-                                 stops=stops[b]))
+        runs = self._start_runs(reqs, lengths, stops)
         if not runs:
             return drafts
         uniforms = draft_uniforms([run.request for run in runs], max(run.length for run in runs))
@@ -353,46 +341,7 @@ class ModelDrafter(SizedDrafter):
             # tokens a verification leaves (steps this request did not draft, lookup tokens
             # accepted) costs that lag once; it is not the price of a drafted token.
             priced = all(len(run.feed) <= 2 for run in rows)
-            row_positions = [torch.arange(run.pos, run.pos + len(run.feed)) for run in rows]
-            indptr = torch.tensor([0] + list(np.cumsum([len(run.feed) for run in rows])), dtype=torch.int32)
-            block_table, _ = cache.batch_view([run.slot for run in rows])
-            slot_mapping = torch.cat([cache.slot_mapping(run.slot, pos) for run, pos in zip(rows, row_positions)])
-            batch = Batch(block_table, torch.tensor([run.pos for run in rows], dtype=torch.int32), indptr, slot_mapping)
-            tokens = torch.tensor([t for run in rows for t in run.feed], dtype=torch.int64)
-            h = model.forward(tokens, torch.cat(row_positions), cache, batch)
-            logits = model.logits(h[indptr[1:].long() - 1])
-            vocab = model.draft_vocab  # None, or the target ids of a draft-vocabulary head's rows
-            drawn, drawn_q = draw_tokens(logits, [run.request for run in rows], uniforms[live, step])
-            if self.by_confidence is not None:  # the draft's probability of each drawn token (q of a sampled one)
-                greedy = logits.softmax(-1).amax(-1).tolist()
-                conf = [float(q[t]) if q is not None else g for t, q, g in zip(drawn, drawn_q, greedy)]
-            for i, run in enumerate(rows):
-                tok, q = drawn[i], drawn_q[i]
-                run.forwards += 1
-                if run.stops:
-                    p, more = self._keep_drafting(run, conf[i], len(runs), q is not None)
-                    if p is None:
-                        run.length = len(run.chain)
-                        continue
-                    run.path, run.expected = p, run.expected + p
-                    if not more:
-                        run.length = len(run.chain) + 1
-                if self.by_confidence is not None:  # probes too: what they find calibrates the estimates
-                    run.confidence.append(conf[i])
-                if step == 0 and self.tree_width > 1:
-                    best = logits[i].topk(self.tree_width).indices.tolist()
-                    tok, q = best[0], None
-                    run.alts = best[1:] if vocab is None else vocab[best[1:]].tolist()
-                elif self.tree_width > 1:
-                    tok, q = int(logits[i].argmax()), None
-                if vocab is not None:
-                    tok = int(vocab[tok])
-                    if q is not None:  # q over the target's vocabulary: zero outside the draft's
-                        q = torch.zeros(self.vocab_size, dtype=q.dtype).index_copy_(0, vocab, q)
-                run.chain.append(tok)
-                run.probs.append(q)
-                run.pos += len(run.feed)
-                run.feed = [tok]
+            self._extend_chains(rows, self._forward_rows(rows), uniforms[live, step], len(runs))
             # Every forward is timed (the call's fixed part is what lies outside them). Those
             # that fed one or two tokens a row are price samples, the first included. One sample
             # moves the price by at most 40% (a sample at most 3x the price): a stall of the
@@ -408,6 +357,72 @@ class ModelDrafter(SizedDrafter):
             rest = time.perf_counter() - t_start - in_forwards
             self._call_s = rest if self._call_s is None else 0.8 * self._call_s + 0.2 * rest
         return drafts
+
+    def _start_runs(self, reqs, lengths, stops) -> list:
+        """A :class:`ChainRun` for each request with a chain to draft (``lengths[b]`` > 0),
+        its draft cache reserved for what it feeds."""
+        runs = []
+        for b, (r, k) in enumerate(zip(reqs, lengths)):
+            if k <= 0:
+                continue
+            # Step 0 feeds what the draft cache lacks (the root, plus any tokens accepted last
+            # step that the draft never saw); later steps feed one drafted token each.
+            slot = self._slot(r)
+            committed = self.cache.length(slot)
+            pending = r.tokens[committed:]
+            self.cache.reserve([slot], [len(pending) + k])
+            runs.append(ChainRun(b, r, slot, k, committed, pending, feed=pending, pos=committed, stops=stops[b]))
+        return runs
+
+    def _forward_rows(self, rows: list) -> torch.Tensor:
+        """One draft forward of every run's ``feed`` at its cache positions -> the logits
+        [len(rows), Vd] of each run's last fed token."""
+        model, cache = self.model, self.cache
+        row_positions = [torch.arange(run.pos, run.pos + len(run.feed)) for run in rows]
+        indptr = torch.tensor([0] + list(np.cumsum([len(run.feed) for run in rows])), dtype=torch.int32)
+        block_table, _ = cache.batch_view([run.slot for run in rows])
+        slot_mapping = torch.cat([cache.slot_mapping(run.slot, pos) for run, pos in zip(rows, row_positions)])
+        batch = Batch(block_table, torch.tensor([run.pos for run in rows], dtype=torch.int32), indptr, slot_mapping)
+        tokens = torch.tensor([t for run in rows for t in run.feed], dtype=torch.int64)
+        h = model.forward(tokens, torch.cat(row_positions), cache, batch)
+        return model.logits(h[indptr[1:].long() - 1])
+
+    def _extend_chains(self, rows: list, logits: torch.Tensor, uniforms: torch.Tensor, batch: int) -> None:
+        """Each run's next token from its row of ``logits`` [len(rows), Vd] (drawn with
+        ``uniforms``; a sized chain may stop instead, :meth:`_keep_drafting`), appended to its
+        chain with the q it was drawn from (over the target's vocabulary) and fed next."""
+        vocab = self.model.draft_vocab  # None, or the target ids of a draft-vocabulary head's rows
+        drawn, drawn_q = draw_tokens(logits, [run.request for run in rows], uniforms)
+        if self.by_confidence is not None:  # the draft's probability of each drawn token (q of a sampled one)
+            greedy = logits.softmax(-1).amax(-1).tolist()
+            conf = [float(q[t]) if q is not None else g for t, q, g in zip(drawn, drawn_q, greedy)]
+        for i, run in enumerate(rows):
+            tok, q = drawn[i], drawn_q[i]
+            run.forwards += 1
+            if run.stops:
+                p, more = self._keep_drafting(run, conf[i], batch, q is not None)
+                if p is None:
+                    run.length = len(run.chain)
+                    continue
+                run.path, run.expected = p, run.expected + p
+                if not more:
+                    run.length = len(run.chain) + 1
+            if self.by_confidence is not None:  # probes too: what they find calibrates the estimates
+                run.confidence.append(conf[i])
+            if not run.chain and self.tree_width > 1:  # the root's children: the best first tokens
+                best = logits[i].topk(self.tree_width).indices.tolist()
+                tok, q = best[0], None
+                run.alts = best[1:] if vocab is None else vocab[best[1:]].tolist()
+            elif self.tree_width > 1:
+                tok, q = int(logits[i].argmax()), None
+            if vocab is not None:
+                tok = int(vocab[tok])
+                if q is not None:  # q over the target's vocabulary: zero outside the draft's
+                    q = torch.zeros(self.vocab_size, dtype=q.dtype).index_copy_(0, vocab, q)
+            run.chain.append(tok)
+            run.probs.append(q)
+            run.pos += len(run.feed)
+            run.feed = [tok]
 
     def _chains_into(self, runs: list, drafts: list) -> list:
         """The finished runs' chains (or top-k trees) into ``drafts``, with what verification
