@@ -99,6 +99,35 @@ def test_triton_matches_reference(dtype):
     assert torch.equal(got.isnan(), expected.isnan()) and torch.equal(got.nan_to_num(), expected.nan_to_num())
 
 
+INF = float("inf")
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=requires_triton)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("logits,top_k,top_p,min_p", [
+    ([[3.0], [INF]], None, None, [0.0, 1.0]),  # exp(+inf - +inf) is NaN: not kept by min-p (the reference)
+    ([[INF, 1.0, INF]], None, None, [0.5]),
+    ([[INF, 1.0, 2.0]], None, [0.5], None),  # top-p keeps the +inf entries alone
+    ([[INF, 1.0, 2.0]], [1], None, None),
+    ([[INF, 1.0, 2.0], [-INF, 1.0, 2.0]], [2, 2], [0.9, 0.9], [0.3, 0.3]),
+])
+def test_rows_with_plus_infinity_match_the_reference(backend, dtype, logits, top_k, top_p, min_p):
+    """A +inf logit (an overflowed row) gets the reference's result on every backend: the
+    fuzzer found the Triton kernel keeping it under min-p, where the reference and C++ drop it."""
+    logits = torch.tensor(logits, dtype=dtype)
+    args = (None if top_k is None else torch.tensor(top_k, dtype=torch.int32),
+            None if top_p is None else torch.tensor(top_p), None if min_p is None else torch.tensor(min_p))
+    expected = ref.apply_top_k_top_p(logits, *args)
+    got = logits.clone()
+    if backend == "cpu":
+        torch.ops.specdec.apply_top_k_top_p(got, *args)
+    else:
+        from specdec_kernels.triton import rejection_sampling as tr
+
+        tr.apply_top_k_top_p(got, *args)
+    assert torch.equal(got, expected), (got, expected)
+
+
 # ---------------------------------------------------------------------------------------
 # Nothing is read or written outside the tensors (every tensor in guarded storage).
 # ---------------------------------------------------------------------------------------

@@ -572,8 +572,8 @@ def _top_k_top_p_kernel(logits_ptr, top_k_ptr, top_p_ptr, min_p_ptr, V, BLOCK: t
                 x_raw = tl.load(base + idx, mask=mask, other=0.0)
                 x = x_raw.to(tl.float32)
                 drop = x < threshold
-                if use_mp:
-                    drop = drop | (tl.exp(x - m) < mp)
+                if use_mp:  # kept iff exp(x - m) >= mp: NaN (x = m = +inf) is not kept, as in the reference
+                    drop = drop | ((tl.exp(x - m) >= mp) == 0)
                 tl.store(base + idx, tl.where(drop, float("-inf"), x).to(x_raw.dtype), mask=mask & drop)
 
 
