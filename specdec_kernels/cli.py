@@ -158,12 +158,28 @@ def check_draft_weights(drafter: str, draft_weights: str) -> None:
                          f"{', '.join(WITH_DRAFT_WEIGHTS)})")
 
 
+def check_draft_sources(args) -> None:
+    """The drafters' files and the draft model's name exist, checked before the target loads
+    (seconds for the 1.5B) rather than after; what they hold is checked when they load."""
+    from .models.registry import MODELS
+
+    keywords = {"exit_head": ("none",), "medusa_checkpoint": ("untrained",)}
+    for dest in ("draft_model", "exit_head", "medusa_checkpoint", "eagle_checkpoint"):
+        value = getattr(args, dest)
+        if value is None or value in keywords.get(dest, ()) or (dest == "draft_model" and value in MODELS):
+            continue
+        if not os.path.exists(value):
+            names = f"a model name ({', '.join(sorted(MODELS))}) or " if dest == "draft_model" else ""
+            raise UsageError(f"--{dest.replace('_', '-')} {value}: no such file or folder; give {names}a path")
+
+
 def cmd_generate(args) -> int:
     prompt = read_prompt(args)
     if not prompt:
         raise UsageError(EMPTY_RAW if args.raw else EMPTY)
     from .decoding import Generator, SamplingParams, SpecSchedule
 
+    check_draft_sources(args)
     if args.drafter is not None:  # before the model loads (the default drafter is known after)
         check_draft_weights(args.drafter, args.draft_weights)
     model, tok, path, threads = load_for_command(args)

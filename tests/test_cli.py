@@ -511,3 +511,14 @@ def test_trained_drafter_without_a_file_is_one_error_line(tiny_dir, env):
     for drafter, flag in (("eagle", "--eagle-checkpoint"), ("self-spec", "--exit-head")):
         one_error_line(specdec(["generate", "--model", str(tiny_dir), "--prompt", "hi", "--drafter", drafter], env),
                        f"--drafter {drafter}: no trained", f"ships for model '{tiny_dir.name}'", flag)
+
+
+@pytest.mark.parametrize("flag,drafter", [("--draft-model", "draft"), ("--eagle-checkpoint", "eagle"),
+                                          ("--medusa-checkpoint", "medusa"), ("--exit-head", "self-spec")])
+def test_a_missing_draft_file_is_one_error_line_before_the_model_loads(tiny_dir, env, tmp_path, flag, drafter):
+    missing = str(tmp_path / "nope.safetensors")
+    r = specdec(["generate", "--model", str(tiny_dir), "--prompt", "hi", "--drafter", drafter, flag, missing], env)
+    line = one_error_line(r, f"{flag} {missing}: no such file or folder")
+    assert "[loaded " not in r.stderr.decode()  # refused before the target loaded
+    if flag == "--draft-model":
+        assert "qwen2.5-coder-0.5b" in line  # the registered names are offered
