@@ -110,10 +110,13 @@ INF = float("inf")
     ([[INF, 1.0, 2.0]], None, [0.5], None),  # top-p keeps the +inf entries alone
     ([[INF, 1.0, 2.0]], [1], None, None),
     ([[INF, 1.0, 2.0], [-INF, 1.0, 2.0]], [2, 2], [0.9, 0.9], [0.3, 0.3]),
+    ([[4.6, -0.9, 1.7], [-4.2, 1.2, 2.5]], None, None, [0.0, float("nan")]),  # a NaN parameter is off
+    ([[4.6, -0.9, 1.7], [-4.2, 1.2, 2.5]], None, [float("nan"), 0.5], None),
 ])
-def test_rows_with_plus_infinity_match_the_reference(backend, dtype, logits, top_k, top_p, min_p):
-    """A +inf logit (an overflowed row) gets the reference's result on every backend: the
-    fuzzer found the Triton kernel keeping it under min-p, where the reference and C++ drop it."""
+def test_non_finite_rows_and_parameters_match_the_reference(backend, dtype, logits, top_k, top_p, min_p):
+    """A +inf logit (an overflowed row) and a NaN top_p / min_p get the reference's result on
+    every backend: the fuzzer found the Triton kernel keeping a +inf logit under min-p, and
+    taking a NaN min_p as 1, where the reference and C++ drop it and take it as off."""
     logits = torch.tensor(logits, dtype=dtype)
     args = (None if top_k is None else torch.tensor(top_k, dtype=torch.int32),
             None if top_p is None else torch.tensor(top_p), None if min_p is None else torch.tensor(min_p))

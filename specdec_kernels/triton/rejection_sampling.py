@@ -532,10 +532,11 @@ def _top_k_top_p_kernel(logits_ptr, top_k_ptr, top_p_ptr, min_p_ptr, V, BLOCK: t
     base = logits_ptr + r * V
     k = tl.load(top_k_ptr + r)
     p = tl.load(top_p_ptr + r)
-    mp = tl.minimum(tl.load(min_p_ptr + r), 1.0)
+    mp_raw = tl.load(min_p_ptr + r)
+    mp = tl.minimum(mp_raw, 1.0)
     use_k = (k > 0) & (k < V)
     use_p = p < 1.0
-    use_mp = mp > 0.0
+    use_mp = mp_raw > 0.0  # a NaN min_p is off, as in the reference (a minimum with NaN may be either side)
     if use_k | use_p | use_mp:
         # Row max and NaN check.
         mvec = tl.full([BLOCK], float("-inf"), tl.float32)
