@@ -107,7 +107,11 @@ def test_three_d_form_is_the_flattened_rows(case, seq, per_row):
 MUTATIONS = {
     "logits:dtype": lambda c: {**c, "logits": c["logits"].double()},
     "logits:1d": lambda c: {**c, "logits": c["logits"][0]},
-    "logits:meta": lambda c: {**c, "logits": c["logits"].to("meta")},
+    # Meta logits beside a CPU parameter (meta logits with no parameters are a fake-tensor call,
+    # which the op accepts: its fake kernel gives the shapes).
+    "logits:meta": lambda c: {**c, "logits": c["logits"].to("meta"),
+                              "top_k": torch.zeros(c["logits"].shape[0], dtype=torch.int32) if c["top_k"] is None
+                              else c["top_k"]},
     "logits:strided": lambda c: {**c, "logits": torch.stack([c["logits"], c["logits"]], -1)[..., 0]},
     "top_k:dtype": lambda c: {**c, "top_k": torch.zeros(c["logits"].shape[0], dtype=torch.int16)},
     "top_k:shape": lambda c: {**c, "top_k": torch.zeros(c["logits"].shape[0] + 1, dtype=torch.int32)},
