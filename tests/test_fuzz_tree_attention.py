@@ -116,12 +116,33 @@ def run_backend(backend, case, **launcher_kwargs):
     return run_guarded(launch, list(args_of(case)) + [float(scale_of(case))], outputs)
 
 
+def lse_tolerance(case):
+    """The LSE's allowed error per query row and head [T, H]: LSE_TOL, plus what the fp32 scores
+    carry. A score is a dot product of D rounded terms, off by about sqrt(D) * eps * sum |q_d k_d|
+    <= sqrt(D) * eps * |q| |k| (times the scale): with entries of magnitude 30 the scores run
+    into the thousands and differ between summation orders by far more than LSE_TOL."""
+    q, k = case["q"].double(), case["k_cache"].double()
+    k_norm = k.norm(dim=-1)
+    k_max = k_norm[k_norm.isfinite()].max() if k_norm.isfinite().any() else torch.tensor(0.0, dtype=torch.float64)
+    D, eps = q.shape[-1], 2.0 ** -24
+    return LSE_TOL[case["q"].dtype] + 2 * math.sqrt(D) * eps * abs(scale_of(case)) * q.norm(dim=-1) * k_max
+
+
+def assert_lse_close(lse, expected_lse, case):
+    """lse [T, H] within :func:`lse_tolerance` (and a relative 1e-6: its own fp32 rounding) of
+    expected_lse where that is finite, and -inf where it is -inf (rows that see no key)."""
+    seen = expected_lse.isfinite()
+    assert torch.equal(lse.isfinite(), seen) and (lse[~seen] == -math.inf).all()
+    err = (lse.double() - expected_lse.double()).abs()
+    allowed = lse_tolerance(case) + 1e-6 * expected_lse.double().abs()
+    bad = seen & ~(err <= allowed)
+    assert not bad.any(), f"LSE off by {err[bad].max():.3g} where {allowed[bad].min():.3g} is allowed\n{case}"
+
+
 def assert_matches(out, lse, expected_out, expected_lse, dtype, case):
     assert not out.isnan().any(), "NaN in the output: an unused (NaN) cache entry was read"
     torch.testing.assert_close(out.double(), expected_out, **TOL[dtype], msg=lambda m: f"{m}\n{case}")
-    seen = expected_lse.isfinite()
-    assert torch.equal(lse.isfinite(), seen) and (lse[~seen] == -math.inf).all()
-    torch.testing.assert_close(lse[seen].double(), expected_lse[seen], atol=LSE_TOL[dtype], rtol=1e-6)
+    assert_lse_close(lse, expected_lse, case)
 
 
 @fuzz_settings(25)
@@ -341,7 +362,7 @@ def test_non_contiguous_inputs_give_the_same_result(data, backend):
         got = (out, lse)
     tol = TOL[case["q"].dtype]
     torch.testing.assert_close(got[0], expected[0], **tol)
-    torch.testing.assert_close(got[1], expected[1], atol=LSE_TOL[case["q"].dtype], rtol=0)
+    assert_lse_close(got[1], expected[1], case)  # the Triton kernel sums in another order than the C++ one
 
 
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=requires_triton)])
