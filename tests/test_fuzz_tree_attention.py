@@ -256,7 +256,10 @@ def test_bad_outputs_raise(data, mutation, backend):
     if q_contiguous_out_ok := (error is None and mutation == "lse:strided"):
         # A strided lse is allowed only if written correctly.
         expected = ops.tree_attention(*args_of(case), case["sm_scale"], return_lse=True)[1]
-        assert torch.equal(lse, expected), q_contiguous_out_ok
+        if backend == "triton":  # another summation order than the C++ kernel's: an ulp or two
+            assert_lse_close(lse, expected, case)
+        else:
+            assert torch.equal(lse, expected), q_contiguous_out_ok
         return
     assert error is not None, f"{mutation} accepted by {backend}"
     assert "out" in str(error) or "lse" in str(error), f"{mutation} on {backend}: {error}"
