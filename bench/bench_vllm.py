@@ -464,10 +464,10 @@ def parse_args(argv: list) -> argparse.Namespace:
     if unknown:
         p.error(f"--methods: unknown {' '.join(unknown)} (known: {' '.join(sorted(known))}, "
                 "specdec-proposer=module.Class)")
-    if args.child:
-        return args
     args.uses_draft = any(m.startswith("vllm-draft") for m in args.methods) or ("ours" in args.methods and any(
         d.partition(":")[0].startswith("draft") for d in args.ours_drafters))
+    if args.child:
+        return args
     if args.uses_draft and not (args.draft_model or args.draft_dir):
         p.error("vllm-draft and our draft drafters need --draft-model (or --draft-dir)")
 
